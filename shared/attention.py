@@ -1,0 +1,86 @@
+"""Attention over the paged KV cache, and the one place that picks torch ops (CPU) or Triton kernels (CUDA).
+
+The batch is flat: request i owns query rows query_start_loc[i]:query_start_loc[i+1], which are the last
+positions of its context of context_lens[i] tokens (cached prefix + this step's tokens). Causal masking is
+therefore offset: query row j of a request with n new tokens sits at position context_len - n + j.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Batch layout for one forward. All tensors live on the model's device."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, pool slot of each new token
+    query_start_loc: list[int]  # [num_seqs + 1] cumulative query counts
+    context_lens: list[int]  # [num_seqs] tokens in cache after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    query_start_loc_t: torch.Tensor  # [num_seqs + 1] int32
+    context_lens_t: torch.Tensor  # [num_seqs] int32
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.query_start_loc) - 1 == self.query_start_loc[-1]
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Scatter new K/V rows [num_tokens, num_kv_heads, head_dim] into one layer's pool by slot."""
+    if key.is_cuda:
+        from kernels.kv_cache_write import write_kv_cache as kernel
+
+        return kernel(key, value, key_cache, value_cache, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of new query rows over each request's paged context.
+
+    query [num_tokens, num_q_heads, head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads,
+    head_dim] (already holding this step's K/V); returns [num_tokens, num_q_heads, head_dim].
+    CUDA: Triton kernels (decode and extend). CPU: per-request gather + scaled_dot_product_attention.
+    """
+    if query.is_cuda:
+        return _attention_cuda(query, key_cache, value_cache, meta, scale)
+    block_size = key_cache.shape[1]
+    out = torch.empty_like(query)
+    for i, ctx in enumerate(meta.context_lens):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        n = end - start
+        num_blocks = -(-ctx // block_size)
+        block_ids = meta.block_tables[i, :num_blocks]
+        k = key_cache[block_ids].flatten(0, 1)[:ctx]  # [ctx, num_kv_heads, head_dim]
+        v = value_cache[block_ids].flatten(0, 1)[:ctx]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_q_heads, n, head_dim]
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        if n == ctx:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        elif n == 1:
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        else:
+            rows = torch.arange(ctx - n, ctx).unsqueeze(1)
+            mask = torch.arange(ctx).unsqueeze(0) <= rows  # [n, ctx]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _attention_cuda(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.is_decode_only:
+        from kernels.paged_attention import paged_decode_attention
+
+        return paged_decode_attention(
+            query, key_cache, value_cache, meta.block_tables, meta.context_lens_t, scale
+        )
+    from kernels.prefill_attention import paged_prefill_attention
+
+    return paged_prefill_attention(
+        query, key_cache, value_cache, meta.block_tables, meta.query_start_loc_t, meta.context_lens_t, scale
+    )

@@ -1,0 +1,72 @@
+"""ModelRunner: turns a SchedulerOutput into model inputs, runs one forward, samples."""
+from __future__ import annotations
+
+import torch
+
+from shared.attention import AttentionMetadata
+from shared.config import CacheConfig, ModelConfig
+from shared.model import load_model
+from shared.sampler import sample
+from shared.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pool of one process.
+
+    kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in cache_config.dtype.
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu", model=None):
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.model = model if model is not None else load_model(model_config, self.device)
+        self.kv_caches = torch.zeros(
+            model_config.num_hidden_layers, 2, cache_config.num_blocks, cache_config.block_size,
+            model_config.num_key_value_heads, model_config.head_dim,
+            dtype=cache_config.dtype, device=self.device,
+        )  # fmt: skip
+
+    def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int | None]:
+        """Compute the scheduled tokens; return a sampled token for each request whose last token was computed.
+
+        A request whose logits are not finite gets None instead of a token (the engine fails it, not the batch).
+        """
+        block_size = self.cache_config.block_size
+        input_ids, positions, slots, query_start_loc, context_lens, tables = [], [], [], [0], [], []
+        logits_indices, sampled_requests = [], []
+        for request in out.scheduled_requests:
+            n = out.num_scheduled_tokens[request.request_id]
+            start = request.num_computed_tokens
+            block_table = block_tables[request.request_id]
+            input_ids.extend(request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            query_start_loc.append(query_start_loc[-1] + n)
+            context_lens.append(start + n)
+            tables.append(block_table)
+            if start + n == request.num_tokens:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampled_requests.append(request)
+        width = max(len(t) for t in tables)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        )
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            self.kv_caches,
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )
+        if not sampled_requests:
+            return {}
+        finite = torch.isfinite(logits).all(-1).tolist()
+        token_ids = sample(torch.nan_to_num(logits), sampled_requests)
+        return {r.request_id: t if ok else None for r, t, ok in zip(sampled_requests, token_ids, finite)}

@@ -1,0 +1,40 @@
+"""Token sampling: greedy, temperature, top-k, top-p (Holtzman et al. 2019), per-request seed."""
+from __future__ import annotations
+
+import torch
+
+from shared.request import Request
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits [vocab] outside the top_k largest and outside the smallest set whose mass reaches top_p."""
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits [num_requests, vocab] fp32 -> one token id per request.
+
+    A request with a seed draws from a generator seeded by (seed, position of the token), so the same seed
+    gives the same text whatever the batch, and the prefill and decode tiers agree.
+    """
+    token_ids = logits.argmax(-1).tolist()
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        if params.greedy:
+            continue
+        row = apply_top_k_top_p(logits[i] / params.temperature, params.top_k, params.top_p)
+        probs = row.softmax(-1)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=logits.device).manual_seed(params.seed * 1_000_003 + request.num_tokens)
+        token_ids[i] = int(torch.multinomial(probs, 1, generator=generator))
+    return token_ids

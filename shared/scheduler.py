@@ -1,0 +1,96 @@
+"""One scheduling rule for both tiers (vLLM v1 style).
+
+Each step, every running request and then every waiting one gets
+min(num_tokens - num_computed_tokens, remaining token budget) new tokens. A prompt larger than the budget is
+prefilled in chunks across steps; a decoding request asks for 1 token; prefill and decode share one batch.
+When the pool runs out of blocks, the most recently admitted running request is preempted (its blocks are
+freed and it is recomputed later).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.config import SchedulerConfig
+from shared.kv_cache_manager import KVCacheManager
+from shared.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: requests in batch order and the new tokens each gets."""
+
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it starts at num_computed_tokens (0, or the prompt length if its KV was imported)."""
+        if request.num_computed_tokens > 0:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+
+    def remove_request(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self.kv_cache_manager.allocate_slots(request, num_new):
+                # NOTE: the victim sits at index >= i, so it has not been placed in this step's batch.
+                victim = self.running.pop()  # newest admitted first
+                self._preempt(victim, out)
+                continue  # retry the same request (or stop if it was the victim)
+            out.scheduled_requests.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if out.preempted_requests:
+                break  # no admissions in a step that had to preempt
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled_requests.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        out.preempted_requests.append(request)
