@@ -19,10 +19,14 @@ from shared.scheduler import Scheduler
 
 @dataclass(slots=True)
 class KVBlocks:
-    """Consecutive logical blocks of one request. data [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Consecutive logical blocks of one request for layers layer_start.. (all layers when exported).
+
+    data [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in the KV cache dtype.
+    """
 
     first_block_index: int
     data: torch.Tensor
+    layer_start: int = 0
 
 
 @dataclass(slots=True)
@@ -99,8 +103,10 @@ class LLMEngine:
         n = kv.data.shape[2]
         if kv.first_block_index + n > len(block_table):
             raise ValueError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the prompt")
-        ids = torch.tensor(block_table[kv.first_block_index : kv.first_block_index + n], device=kv.data.device)
-        self.model_runner.kv_caches.index_copy_(2, ids.to(self.model_runner.device), kv.data.to(self.model_runner.device))
+        device = self.model_runner.device
+        ids = torch.tensor(block_table[kv.first_block_index : kv.first_block_index + n], device=device)
+        layers = self.model_runner.kv_caches[kv.layer_start : kv.layer_start + kv.data.shape[0]]
+        layers.index_copy_(2, ids, kv.data.to(device))
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """The prompt's KV is complete and the prefill sampled first_token_id: join the running batch.

@@ -1,0 +1,3 @@
+from services.decode.server import main
+
+main()

@@ -1,0 +1,3 @@
+from services.gateway.server import main
+
+main()

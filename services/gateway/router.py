@@ -1,0 +1,28 @@
+"""Round-robin routing over the instances registered in Redis for the gateway's model.
+
+Cache-aware routing (longest cached prefix traded against queue depth) replaces pick() later; the interface
+stays: pick a prefill and a decode instance for a prompt.
+"""
+from __future__ import annotations
+
+import itertools
+
+from services.runtime import ServiceUnavailable
+from shared.registry import InstanceInfo, Registry
+
+
+class RoundRobinRouter:
+    def __init__(self, registry: Registry, model_id: str):
+        self.registry = registry
+        self.model_id = model_id
+        self._counters = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    async def pick(self, tier: str, num_tokens: int = 0) -> InstanceInfo:
+        """Next instance of the tier in turn; instances without free blocks for num_tokens are skipped while
+        another has room. Raises ServiceUnavailable when none is registered."""
+        instances = await self.registry.list_instances(tier, self.model_id)
+        if not instances:
+            raise ServiceUnavailable(f"no {tier} instance is registered for model {self.model_id}")
+        roomy = [i for i in instances if i.num_free_blocks * i.block_size >= num_tokens]
+        candidates = roomy or instances
+        return candidates[next(self._counters[tier]) % len(candidates)]

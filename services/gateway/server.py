@@ -1,0 +1,140 @@
+"""Gateway: the public gRPC API. Templating, tokenization and validation, routing, then the stream relay:
+first token from the prefill at once, the rest from the decode, as UTF-8-safe text deltas."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2
+from transformers import AutoTokenizer
+
+from services.gateway.detokenizer import TextStream
+from services.gateway.router import RoundRobinRouter
+from services.runtime import GRPC_OPTIONS, FINISH_TO_PROTO, make_server, sampling_params_from_proto
+from shared.config import ModelConfig
+from shared.model_files import default_model_dir
+from shared.registry import Registry
+from shared.request import FinishReason
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+ROLES = ("system", "user", "assistant")
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, model_config: ModelConfig, tokenizer, router: RoundRobinRouter, default_max_tokens: int):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.router = router
+        self.default_max_tokens = default_max_tokens
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return self._channels[address]
+
+    def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        """Prompt text or chat turns -> token ids. ValueError on empty input or an unknown role."""
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages or all(not m["content"] for m in messages):
+                raise ValueError("prompt is empty: chat has no message with content")
+            for m in messages:
+                if m["role"] not in ROLES:
+                    raise ValueError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        if kind != "prompt" or not request.prompt:
+            raise ValueError("prompt is empty")
+        return self.tokenizer(request.prompt, add_special_tokens=False).input_ids
+
+    async def Generate(self, request, context):
+        t0 = time.perf_counter()
+        prompt_ids = self.tokenize(request)
+        max_len = self.model_config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len} tokens")
+        params = sampling_params_from_proto(request.sampling_params, self.default_max_tokens)
+        text = TextStream(self.tokenizer, tuple(request.sampling_params.stop))
+        proto_params = common_pb2.SamplingParams()
+        proto_params.CopyFrom(request.sampling_params)
+        proto_params.max_tokens = min(params.max_tokens, max_len - len(prompt_ids))
+        request_id = request.request_id or uuid.uuid4().hex
+        decode = await self.router.pick("decode", len(prompt_ids) + proto_params.max_tokens)
+        prefill = await self.router.pick("prefill")
+        decode_call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
+            decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=proto_params)
+        )
+        try:
+            reply = await decode_call.read()
+            if reply is grpc.aio.EOF or not reply.reserved:
+                raise RuntimeError(f"decode {decode.address} did not reserve the request")
+            prefill_reply = await prefill_pb2_grpc.PrefillStub(self._channel(prefill.address)).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=proto_params,
+                    decode_address=decode.address,
+                )
+            )
+            ttft_ms = (time.perf_counter() - t0) * 1000
+            tokens = [prefill_reply.first_token_id]
+            yield gateway_pb2.GenerateResponse(request_id=request_id, text=text.push(tokens), token_ids=tokens)
+            finish_reason = None
+            while finish_reason is None and not text.stopped:
+                reply = await decode_call.read()
+                if reply is grpc.aio.EOF:
+                    raise RuntimeError("decode stream ended without a finish reason")
+                if reply.error:
+                    raise RuntimeError(f"decode failed: {reply.error}")
+                if reply.HasField("finish_reason"):
+                    finish_reason = reply.finish_reason
+                delta = text.push(list(reply.token_ids))
+                if reply.token_ids:
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=reply.token_ids)
+            if text.stopped:
+                finish_reason = FINISH_TO_PROTO[FinishReason.STOP]
+        finally:
+            decode_call.cancel()  # no-op when finished; otherwise aborts on the decode and frees its blocks
+        yield gateway_pb2.GenerateResponse(
+            request_id=request_id,
+            text=text.finish(),
+            finish_reason=finish_reason,
+            usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids)),
+            timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=(time.perf_counter() - t0) * 1000),
+        )
+
+
+async def main_async(args) -> None:
+    torch.set_num_threads(1)
+    model_dir = args.model or default_model_dir()
+    model_config = ModelConfig.from_dir(model_dir, args.weight_format)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    router = RoundRobinRouter(Registry(args.redis_url), model_config.model_id)
+    server, port, health_servicer = make_server(args.port, args.host)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayServicer(model_config, tokenizer, router, args.default_max_tokens), server
+    )
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"gateway serving on {args.host}:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem-gateway", description="Public gRPC API of the tandem cluster")
+    parser.add_argument("--model", default=os.environ.get("TANDEM_MODEL"))
+    parser.add_argument("--weight-format", default="fp32", help="weight format the tiers serve (part of the model id)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"))
+    parser.add_argument("--default-max-tokens", type=int, default=256)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    asyncio.run(main_async(parser.parse_args(argv)))

