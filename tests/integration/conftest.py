@@ -1,0 +1,42 @@
+"""Integration fixtures: HF transformers fp32 greedy references and real local clusters (real Redis)."""
+import pytest
+import torch
+
+from tests.prompts import PROMPTS, prompt_token_ids
+
+NUM_REFERENCE_TOKENS = 48
+
+
+@pytest.fixture(scope="session")
+def hf_references(model_dir, tokenizer):
+    """{prompt name: (prompt token ids, 48 greedy tokens from HF generate in fp32, cut at EOS)}."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = {}
+    for name, kind, text in PROMPTS:
+        ids = prompt_token_ids(tokenizer, kind, text)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_REFERENCE_TOKENS, do_sample=False)
+        refs[name] = (ids, out[0, len(ids) :].tolist())
+    del model
+    return refs
+
+
+def start_cluster(model_dir, block_size: int, chunk: int, num_blocks: int = 512):
+    from services.launcher import LocalCluster
+
+    engine = ["--block-size", str(block_size), "--num-blocks", str(num_blocks), "--threads", "1"]
+    return LocalCluster(
+        str(model_dir),
+        prefill_args=engine + ["--max-num-batched-tokens", str(chunk)],
+        decode_args=engine + ["--max-num-batched-tokens", "256"],
+    ).start()
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir, hf_references):
+    """Default test cluster: block_size 16, prefill chunk 64 (smaller than the long prompt)."""
+    c = start_cluster(model_dir, block_size=16, chunk=64)
+    yield c
+    c.stop()

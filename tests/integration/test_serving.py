@@ -1,0 +1,80 @@
+"""Continuous batching, bad input, cancellation and the CLI against a real cluster (real Redis, real model)."""
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from services.client import make_request, stream
+from tests.integration.helpers import generate_all, greedy_request, load, wait_all_blocks_free
+from tandem.v1 import gateway_pb2_grpc
+from tests.prompts import PROMPTS
+
+
+def test_continuous_batching_8_requests(cluster, hf_references):
+    decode_addr = cluster.addresses["decode0"]
+    start_free = load(decode_addr, "decode").num_free_blocks
+    cases = [(PROMPTS[i % len(PROMPTS)], 4 + 6 * i) for i in range(8)]  # max_tokens 4, 10, ..., 46
+    outs = generate_all(cluster.gateway_address, [greedy_request(kind, text, n) for (_, kind, text), n in cases])
+    for ((name, _, _), n), out in zip(cases, outs):
+        expected = hf_references[name][1][:n]
+        assert out.token_ids == expected, f"{name} max_tokens={n}"
+        assert out.finish_reason == ("length" if len(expected) == n and expected[-1] != 2 else "stop")
+        assert out.completion_tokens == len(expected)
+    loads = wait_all_blocks_free(cluster)
+    assert loads["decode0"].num_free_blocks == start_free == loads["decode0"].num_blocks
+
+
+BAD_INPUTS = {
+    "empty prompt": make_request("", raw=True),
+    "empty chat": make_request("", raw=False),
+    "too long": make_request("hello " * 9000, raw=True, max_tokens=4),
+    "max_tokens zero": make_request("hi", max_tokens=0),
+    "max_tokens negative": make_request("hi", max_tokens=-3),
+    "temperature negative": make_request("hi", temperature=-0.5),
+    "top_p zero": make_request("hi", top_p=0.0),
+    "top_p above one": make_request("hi", top_p=1.5),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_invalid_argument(cluster, case):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream(cluster.gateway_address, BAD_INPUTS[case], timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details(), "the error must say what is wrong"
+    ok = generate_all(cluster.gateway_address, [greedy_request("chat", "What is the capital of France?", 8)])[0]
+    assert ok.finish_reason in ("stop", "length") and ok.token_ids
+
+
+def test_cancel_mid_stream_frees_blocks_on_both_tiers(cluster):
+    request = make_request(PROMPTS[-1][2], max_tokens=200, temperature=0.0)
+    with grpc.insecure_channel(cluster.gateway_address) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120)
+        received = 0
+        for msg in call:
+            received += len(msg.token_ids)
+            if received >= 3:
+                held = load(cluster.addresses["decode0"], "decode")
+                assert held.num_free_blocks < held.num_blocks, "the request should hold decode blocks mid-stream"
+                call.cancel()
+                break
+    loads = wait_all_blocks_free(cluster)
+    for name, l in loads.items():
+        assert l.num_free_blocks == l.num_blocks, f"{name} still holds blocks after cancel"
+        assert l.num_running == 0 and l.num_waiting == 0
+
+
+def test_cli_generate_json(cluster, hf_references):
+    out = subprocess.run(
+        [sys.executable, "-m", "services", "generate", "--json", "--max-tokens", "12", "--temperature", "0",
+         "--gateway", cluster.gateway_address, "What is the capital of France?"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert set(result) == {"text", "token_ids", "finish_reason", "usage", "timings"}
+    assert result["token_ids"] == hf_references["capital"][1][:12]
+    assert "Paris" in result["text"]
+    assert result["usage"] == {"prompt_tokens": len(hf_references["capital"][0]), "completion_tokens": len(result["token_ids"])}
+    assert result["timings"]["ttft_ms"] > 0 and result["timings"]["e2e_ms"] >= result["timings"]["ttft_ms"]
