@@ -1,0 +1,77 @@
+"""The engine in one process against HF transformers: preemption under a tiny pool, KV export/import between
+two engines (the tiers' path without gRPC), abort frees blocks."""
+import pytest
+
+from shared.config import CacheConfig, SchedulerConfig
+from shared.engine import LLMEngine
+from shared.request import FinishReason, Request, SamplingParams
+from tests.integration.conftest import NUM_REFERENCE_TOKENS
+
+
+def run_to_end(engine, requests):
+    outs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    return outs
+
+
+def greedy(n=NUM_REFERENCE_TOKENS):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def test_preemption_under_a_tiny_pool_keeps_tokens_exact(model_config, hf_references):
+    names = ["capital", "haiku", "raw_story", "raw_chinese"]
+    engine = LLMEngine(model_config, CacheConfig(block_size=8, num_blocks=24), SchedulerConfig(32, 8))
+    requests = [Request(n, hf_references[n][0], greedy()) for n in names]
+    for r in requests:
+        engine.add_request(r)
+    preempted = 0
+    outs = {n: [] for n in names}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+        preempted += sum(r.num_computed_tokens == 0 and r.output_token_ids != [] for r in requests)
+    assert preempted > 0, "the pool was meant to be too small for all four at once"
+    for n in names:
+        assert outs[n] == hf_references[n][1], n
+    assert engine.num_free_blocks == 24
+
+
+def test_kv_export_then_import_into_a_second_engine(model_config, hf_references):
+    ids, expected = hf_references["long_summary"]
+    prefill = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(100, 8), export_kv=True)
+    decode = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8))
+    prefill.add_request(Request("r", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    decode.reserve(Request("r", ids, greedy()))
+    first = None
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            if o.kv is not None:
+                decode.import_kv("r", o.kv)
+            if o.new_token_ids:
+                first = o.new_token_ids[0]
+    assert prefill.num_free_blocks == 64
+    assert decode.finish_kv_import("r", first) is None
+    outs = run_to_end(decode, [decode.requests["r"]])
+    assert [first] + outs["r"] == expected
+
+
+def test_abort_frees_blocks_and_rejects_oversized_requests(model_config):
+    engine = LLMEngine(model_config, CacheConfig(16, 8), SchedulerConfig(64, 8))
+    engine.add_request(Request("a", list(range(1, 50)), greedy(10)))
+    engine.step()
+    assert engine.num_free_blocks < 8
+    assert engine.abort_request("a") and not engine.abort_request("a")
+    assert engine.num_free_blocks == 8 and not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="holds"):
+        engine.add_request(Request("b", list(range(1, 100)), greedy(100)))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(Request("c", [], greedy()))
+
+
+def test_eos_from_prefill_finishes_on_import(model_config):
+    engine = LLMEngine(model_config, CacheConfig(16, 8), SchedulerConfig(64, 8))
+    engine.reserve(Request("r", [1, 2, 3], greedy()))
+    out = engine.finish_kv_import("r", model_config.eos_token_ids[0])
+    assert out.finish_reason == FinishReason.STOP and engine.num_free_blocks == 8

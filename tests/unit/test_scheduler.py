@@ -1,0 +1,52 @@
+from shared.request import RequestStatus
+from tests.unit.factories import make_request, make_scheduler
+
+
+def test_prompt_larger_than_budget_is_chunked():
+    s = make_scheduler(max_num_batched_tokens=8)
+    req = make_request(num_prompt_tokens=20)
+    s.add_request(req)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r0": 8}
+    req.num_computed_tokens += 8
+    assert s.schedule().num_scheduled_tokens == {"r0": 8}
+    req.num_computed_tokens += 8
+    assert s.schedule().num_scheduled_tokens == {"r0": 4}
+
+
+def test_decode_and_prefill_chunks_share_one_step():
+    s = make_scheduler(max_num_batched_tokens=8)
+    decoding = make_request("d", num_prompt_tokens=4)
+    decoding.num_computed_tokens = 4
+    decoding.output_token_ids = [7]
+    s.add_request(decoding)  # KV already present: joins the running batch
+    assert decoding.status == RequestStatus.RUNNING
+    s.add_request(make_request("p", num_prompt_tokens=30))
+    out = s.schedule()
+    assert [r.request_id for r in out.scheduled_requests] == ["d", "p"]
+    assert out.num_scheduled_tokens == {"d": 1, "p": 7}
+
+
+def test_max_num_seqs_limits_admission():
+    s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", num_prompt_tokens=4))
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_preempts_newest_running_request_when_blocks_run_out():
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 8), make_request("b", 8)
+    s.add_request(a)
+    s.add_request(b)
+    s.schedule()
+    for r in (a, b):  # both prompts computed, each fills 2 blocks exactly
+        r.num_computed_tokens = 8
+        r.output_token_ids = [5]
+    out = s.schedule()  # each needs a third block; only preempting b makes room for a
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.preempted_requests == [b]
+    assert b.num_computed_tokens == 0 and b.status == RequestStatus.WAITING
+    assert s.kv_cache_manager.get_block_table("a") == [0, 1, 2]
