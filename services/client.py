@@ -26,9 +26,10 @@ def make_request(
     seed: int | None = None,
     stop: list[str] | None = None,
     history: list[tuple[str, str]] | None = None,
+    ignore_eos: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest: raw text, or a chat (history of (role, content) turns + this user prompt)."""
-    params = common_pb2.SamplingParams(stop=stop or [])
+    params = common_pb2.SamplingParams(stop=stop or [], ignore_eos=ignore_eos)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed)):  # fmt: skip
         if value is not None:

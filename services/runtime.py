@@ -146,8 +146,8 @@ def add_engine_args(parser: argparse.ArgumentParser, num_blocks: int, max_num_ba
     parser.add_argument("--model", default=os.environ.get("TANDEM_MODEL"), help="HF model dir (default: converted SmolLM2)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--advertise-host", default=os.environ.get("TANDEM_ADVERTISE_HOST", socket.gethostname()),
-                        help="host name other services use to reach this one")  # fmt: skip
+    parser.add_argument("--advertise-host", default=os.environ.get("TANDEM_ADVERTISE_HOST") or _own_address(),
+                        help="host or IP other services use to reach this one (default: this host's IP)")  # fmt: skip
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=num_blocks)
@@ -157,6 +157,13 @@ def add_engine_args(parser: argparse.ArgumentParser, num_blocks: int, max_num_ba
     parser.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")),
                         help="torch intra-op threads for this process")  # fmt: skip
     parser.add_argument("--device", default="cpu")
+
+
+def _own_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def engine_configs(args) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:

@@ -1,0 +1,16 @@
+# One image for every tier; docker-compose.yml picks the service with the command.
+FROM python:3.11-slim
+WORKDIR /app
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential make && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml Makefile ./
+COPY proto ./proto
+COPY shared ./shared
+COPY services ./services
+COPY kernels ./kernels
+COPY benchmarks ./benchmarks
+# Same set-up as on a developer machine: venv, deps, generated stubs, converted model (baked into the image).
+ENV TANDEM_CACHE=/models
+RUN make model PYTHON=python3 VENV=/venv
+ENV PATH=/venv/bin:$PATH PYTHONUNBUFFERED=1
+EXPOSE 50051
+CMD ["tandem", "--help"]
