@@ -1,0 +1,225 @@
+"""Causal attention of new query tokens over a paged KV cache (prefill, chunked prefill, prefix-cache hits,
+speculative verification).
+
+Method: FlashAttention-2 (Dao 2023) tiles queries and keys with an online softmax; keys and values are read
+through the block table as in PagedAttention (Kwon et al. 2023). Query tiles pack BLOCK_Q tokens x the query
+heads of one KV head (GQA), so each key/value tile serves the whole group. Programs find their sequence by a
+binary search over query_start_loc, so the launch needs no host sync.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # query rows (tokens x heads of one group) per program
+BLOCK_N = 64  # key tokens per tile
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    # Sequence s owns tiles [query_start_loc[s] // BLOCK_Q + s, ...): the largest s whose first tile <= tile.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale_log2,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < kv_end
+    block_ids = tl.load(block_table + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
+    in_block = offs_n % block_size
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k_offs = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    v_offs = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    if CAUSAL:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc, m_new, l
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    block_size, queries_per_kv, head_dim,
+    BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    first_pos = context_len - q_len  # absolute position of the sequence's first query token
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    q_tok = q_tile * BLOCK_Q + rows // GROUP_PAD  # [M] query index within the sequence
+    group = rows % GROUP_PAD
+    mask_m = (q_tok < q_len) & (group < queries_per_kv)
+    q_head = kv_head * queries_per_kv + group
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    q_offs = (q_start + q_tok).to(tl.int64)[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)  # [M, D]
+    q_pos = first_pos + q_tok  # [M]
+
+    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    tile_first_pos = first_pos + q_tile * BLOCK_Q
+    kv_end = tl.minimum(context_len, tile_first_pos + BLOCK_Q)  # keys past the tile's last query are unseen
+    full_end = (tile_first_pos // BLOCK_N) * BLOCK_N  # keys before this are visible to every row
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m, l = _attend_tile(
+            acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
+            False, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+        )
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m, l = _attend_tile(
+            acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
+            True, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+        )
+
+    acc = acc / l[:, None]
+    o_offs = (q_start + q_tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, context_lens) -> None:
+    check_tensor("query", query, 3, FLOAT_DTYPES)
+    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
+    check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    num_q_heads, head_dim = query.shape[1:]
+    num_seqs = context_lens.shape[0]
+    check_shape("key_cache", key_cache, (None, None, None, head_dim))
+    check_shape("value_cache", value_cache, tuple(key_cache.shape))
+    check_shape("block_tables", block_tables, (num_seqs, None))
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    num_kv_heads = key_cache.shape[2]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not query.dtype == key_cache.dtype == value_cache.dtype:
+        raise ValueError(f"query, key_cache, value_cache dtypes differ: "
+                         f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    check_devices(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                  query_start_loc=query_start_loc, context_lens=context_lens)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flat batch of query chunks whose keys/values are already in the cache.
+
+    Args:
+        query: [num_tokens, num_q_heads, head_dim], fp16/bf16/fp32, sequences back to back.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype;
+            num_q_heads % num_kv_heads == 0.
+        block_tables: [num_seqs, max_blocks_per_seq] int32.
+        query_start_loc: [num_seqs + 1] int32, cumulative query counts (query_start_loc[0] == 0).
+        context_lens: [num_seqs] int32, cached tokens per sequence after this chunk was written. Sequence i's
+            queries are its last q_len_i = query_start_loc[i+1] - query_start_loc[i] positions; the query at
+            absolute position p attends keys 0..p. Caller contract (not checked, it would sync):
+            q_len_i <= context_lens[i].
+        scale: softmax scale, usually head_dim ** -0.5.
+    Returns:
+        [num_tokens, num_q_heads, head_dim] in query's dtype; rows past query_start_loc[-1] (padding) are
+        left unwritten.
+    Raises:
+        ValueError: on bad shapes, dtypes, strides or devices.
+    """
+    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = context_lens.shape[0]
+    queries_per_kv = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    block_q = max(1, BLOCK_M // group_pad)
+    num_tiles = num_tokens // block_q + num_seqs  # upper bound on the query tiles of all sequences
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+        scale * LOG2E, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        block_size, queries_per_kv, head_dim,
+        BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=BLOCK_N, DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch paged_prefill_attention (fp32 math, one sequence at a time)."""
+    num_q_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    queries_per_kv = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for i in range(context_lens.shape[0]):
+        q_start, q_end, n = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(context_lens[i])
+        if q_end == q_start:
+            continue
+        if q_end - q_start > n:
+            raise ValueError(f"sequence {i}: {q_end - q_start} query tokens but context_len {n}")
+        blocks = block_tables[i, : triton.cdiv(n, block_size)].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k = k.repeat_interleave(queries_per_kv, dim=1)  # [n, q_heads, D]
+        v = v.repeat_interleave(queries_per_kv, dim=1)
+        q = query[q_start:q_end].float()  # [q_len, q_heads, D]
+        scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
+        q_pos = torch.arange(n - (q_end - q_start), n)
+        visible = torch.arange(n)[None, :] <= q_pos[:, None]  # [q_len, n]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
