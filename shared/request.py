@@ -45,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5  # as vLLM: below this, sampling is argmax in all but name
 
 
 @dataclass(slots=True, eq=False)

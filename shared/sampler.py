@@ -35,6 +35,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         probs = row.softmax(-1)
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=logits.device).manual_seed(params.seed * 1_000_003 + request.num_tokens)
+            seed = (params.seed * 1_000_003 + request.num_tokens) % 2**64
+            generator = torch.Generator(device=logits.device).manual_seed(seed)
         token_ids[i] = int(torch.multinomial(probs, 1, generator=generator))
     return token_ids
