@@ -48,6 +48,8 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     """
     if query.is_cuda:
         return _attention_cuda(query, key_cache, value_cache, meta, scale)
+    if meta.is_decode_only:
+        return _decode_attention_cpu(query, key_cache, value_cache, meta, scale)
     block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     for i, ctx in enumerate(meta.context_lens):
@@ -70,6 +72,19 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query token per request: gather every context into a padded batch and attend in one call."""
+    block_size = key_cache.shape[1]
+    max_ctx = max(meta.context_lens)
+    block_tables = meta.block_tables[:, : -(-max_ctx // block_size)]  # [num_seqs, num_blocks]
+    k = key_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [num_seqs, kv_heads, max_ctx, dim]
+    v = value_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+    mask = torch.arange(max_ctx) < meta.context_lens_t.unsqueeze(1)  # [num_seqs, max_ctx]
+    q = query.unsqueeze(2)  # [num_seqs, q_heads, 1, dim]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return o.squeeze(2)
 
 
 def _attention_cuda(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
