@@ -8,6 +8,10 @@ COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
 COPY benchmarks ./benchmarks
+# torch==2.13.0 from plain PyPI is the CUDA build (several GB); for a CPU-only image pass
+# --build-arg PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index> so pip finds the +cpu wheel.
+ARG PIP_EXTRA_INDEX_URL=""
+ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
 # Same set-up as on a developer machine: venv, deps, generated stubs, converted model (baked into the image).
 ENV TANDEM_CACHE=/models
 RUN make model PYTHON=python3 VENV=/venv

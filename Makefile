@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+PORT   ?= 50051
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS  := $(PROTOS:.proto=_pb2.py)
 
@@ -32,7 +33,7 @@ demo: model
 	$(BIN)/tandem up --temperature 0 --prompt "$(PROMPT)"
 
 serve: model
-	$(BIN)/tandem up
+	$(BIN)/tandem up --port $(PORT)
 
 # pytest exits 5 when it collects no test; that is not a failure of the set-up.
 test: model

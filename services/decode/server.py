@@ -49,6 +49,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             if not finished:  # client cancelled or disconnected: free the blocks now
                 await self.engine.abort(req.request_id)
+                log.info("request %s aborted: the gateway closed the stream", req.request_id)
 
     async def TransferKV(self, request_iterator, context):
         num_blocks = 0
@@ -93,7 +94,8 @@ async def main_async(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="tandem-decode", description="Decode tier: continuous batching over paged KV")
+    parser = argparse.ArgumentParser(prog="python -m services.decode", description="Decode tier: continuous batching over paged KV",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     add_engine_args(parser, num_blocks=2048, max_num_batched_tokens=256)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
     asyncio.run(main_async(parser.parse_args(argv)))

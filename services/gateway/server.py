@@ -101,14 +101,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=reply.token_ids)
             if text.stopped:
                 finish_reason = FINISH_TO_PROTO[FinishReason.STOP]
+        except BaseException as e:
+            log.info("request %s ended early (%s)", request_id, type(e).__name__)
+            raise
         finally:
             decode_call.cancel()  # no-op when finished; otherwise aborts on the decode and frees its blocks
+        e2e_ms = (time.perf_counter() - t0) * 1000
+        log.info("request %s: %d prompt + %d completion tokens, %s, TTFT %.0f ms, E2E %.0f ms (prefill %s, decode %s)",
+                 request_id, len(prompt_ids), len(text.token_ids), common_pb2.FinishReason.Name(finish_reason),
+                 ttft_ms, e2e_ms, prefill.instance_id, decode.instance_id)  # fmt: skip
         yield gateway_pb2.GenerateResponse(
             request_id=request_id,
             text=text.finish(),
             finish_reason=finish_reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids)),
-            timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=(time.perf_counter() - t0) * 1000),
+            timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
 
 
@@ -129,7 +136,8 @@ async def main_async(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="tandem-gateway", description="Public gRPC API of the tandem cluster")
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description="Public gRPC API of the tandem cluster",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default=os.environ.get("TANDEM_MODEL"))
     parser.add_argument("--weight-format", default="fp32", help="weight format the tiers serve (part of the model id)")
     parser.add_argument("--host", default="0.0.0.0")

@@ -69,6 +69,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except BaseException:
             transfer_call.cancel()  # the decode side sees the broken stream and frees its reservation
             await self.engine.abort(req.request_id)
+            log.info("request %s aborted during prefill", req.request_id)
             raise
         self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
         transfer.add_done_callback(self._transfer_done)
@@ -104,7 +105,8 @@ async def main_async(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="tandem-prefill", description="Prefill tier: chunked prefill + KV shipping")
+    parser = argparse.ArgumentParser(prog="python -m services.prefill", description="Prefill tier: chunked prefill + KV shipping",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     add_engine_args(parser, num_blocks=1024, max_num_batched_tokens=512)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     asyncio.run(main_async(parser.parse_args(argv)))
