@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -101,10 +102,17 @@ def _check_port_free(port: int) -> None:
             raise SystemExit(f"error: port {port} is in use; pass --port N (make serve PORT=N), or --port 0 for any")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def cmd_up(args) -> int:
     from services.launcher import LocalCluster, free_port
     from shared.model_files import prepare_model
 
+    # SIGTERM stops the cluster like Ctrl-C; SIGINT works even when a background shell started us ignoring it.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     port = args.port if args.port is not None else (0 if args.prompt is not None else 50051)
     if port:
         _check_port_free(port)

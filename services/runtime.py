@@ -18,7 +18,7 @@ from shared.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from shared.model_files import default_model_dir
 from shared.engine import LLMEngine
 from shared.registry import InstanceInfo, Registry
-from shared.request import FinishReason, SamplingParams
+from shared.request import FinishReason, RequestStatus, SamplingParams
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,14 @@ FINISH_TO_PROTO = {
 
 class ServiceUnavailable(Exception):
     """No instance can take the request now (mapped to UNAVAILABLE)."""
+
+
+class UpstreamError(Exception):
+    """A call to another tier failed; passed on with its status code and a message naming that instance."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -65,6 +73,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _abort_for(context, e: Exception):
+    if isinstance(e, UpstreamError):
+        await context.abort(e.code, str(e))
     if isinstance(e, grpc.aio.AioRpcError):
         await context.abort(e.code(), e.details())
     if isinstance(e, ServiceUnavailable):
@@ -137,7 +147,7 @@ def engine_load(engine: LLMEngine) -> common_pb2.InstanceLoad:
         num_blocks=engine.cache_config.num_blocks,
         num_free_blocks=engine.num_free_blocks,
         num_running=len(scheduler.running),
-        num_waiting=len(engine.requests) - len(scheduler.running),
+        num_waiting=sum(r.status != RequestStatus.RUNNING for r in engine.requests.values()),
     )
 
 

@@ -12,7 +12,7 @@ import threading
 from typing import Callable
 
 from shared.engine import LLMEngine, RequestOutput
-from shared.request import FinishReason
+from shared.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +33,28 @@ class AsyncEngine:
         self._commands.put((fn, args, future))
         return await future
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
+    async def add(self, admit: Callable, request: Request) -> asyncio.Queue:
+        """Admit a request with admit(request) (engine.add_request or engine.reserve) and return the queue its
+        outputs arrive on. ValueError if its id is in use here. If admission fails or the caller is cancelled
+        meanwhile, the request is aborted, so nothing stays behind."""
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[request.request_id] = stream
+        try:
+            await self.call(admit, request)
+        except BaseException:
+            self.abort(request.request_id)
+            raise
         return stream
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def abort(self, request_id: str) -> None:
+        """Drop the stream and abort on the engine (blocks freed at once); safe if already finished.
 
-    async def abort(self, request_id: str) -> None:
-        """Abort on the engine (blocks freed at once) and drop the stream; safe if already finished."""
-        self.close_stream(request_id)
-        await self.call(self.engine.abort_request, request_id)
+        NOTE: queued behind every earlier command, so it also undoes an admission still in the queue.
+        """
+        self._streams.pop(request_id, None)
+        self._commands.put((self.engine.abort_request, (request_id,), None))
 
     def stop(self) -> None:
         self._stopped = True
@@ -73,10 +83,11 @@ class AsyncEngine:
         while item is not None:
             fn, args, future = item
             try:
-                result = fn(*args)
-                self.loop.call_soon_threadsafe(_resolve, future, result, None)
+                result, error = fn(*args), None
             except Exception as e:
-                self.loop.call_soon_threadsafe(_resolve, future, None, e)
+                result, error = None, e
+            if future is not None:
+                self.loop.call_soon_threadsafe(_resolve, future, result, error)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

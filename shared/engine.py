@@ -114,6 +114,8 @@ class LLMEngine:
         Returns a finished RequestOutput if that first token already ends the request, else None.
         """
         request = self._get(request_id)
+        if request.status != RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
         request.num_computed_tokens = request.num_prompt_tokens
         reason = request.append_output_token(first_token_id)
         if reason is not None:

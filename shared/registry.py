@@ -48,12 +48,15 @@ class Registry:
         await self.redis.delete(info.key)
 
     async def heartbeat(self, get_info, interval_s: float = 1.0) -> None:
-        """Publish get_info() (an async callable) every interval_s until cancelled; errors are logged."""
+        """Publish get_info() (an async callable) every interval_s until cancelled; errors are logged and the
+        heartbeat goes on (an instance that stops beating disappears from routing)."""
         while True:
             try:
                 await self.publish(await get_info())
             except (RedisError, OSError) as e:
                 log.warning("registry heartbeat failed: %s", e)
+            except Exception:
+                log.exception("registry heartbeat failed")
             await asyncio.sleep(interval_s)
 
     async def list_instances(self, tier: str, model_id: str | None = None) -> list[InstanceInfo]:

@@ -31,12 +31,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         req = Request(request.request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.sampling_params))
         if not req.request_id:
             raise ValueError("request_id is required")
-        stream = self.engine.open_stream(req.request_id)
-        try:
-            await self.engine.call(self.engine.engine.reserve, req)
-        except BaseException:
-            self.engine.close_stream(req.request_id)
-            raise
+        stream = await self.engine.add(self.engine.engine.reserve, req)
         finished = False
         try:
             yield decode_pb2.DecodeResponse(reserved=True)
@@ -48,7 +43,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 yield msg
         finally:
             if not finished:  # client cancelled or disconnected: free the blocks now
-                await self.engine.abort(req.request_id)
+                self.engine.abort(req.request_id)
                 log.info("request %s aborted: the gateway closed the stream", req.request_id)
 
     async def TransferKV(self, request_iterator, context):

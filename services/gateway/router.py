@@ -17,12 +17,12 @@ class RoundRobinRouter:
         self.model_id = model_id
         self._counters = {"prefill": itertools.count(), "decode": itertools.count()}
 
-    async def pick(self, tier: str, num_tokens: int = 0) -> InstanceInfo:
-        """Next instance of the tier in turn; instances without free blocks for num_tokens are skipped while
-        another has room. Raises ServiceUnavailable when none is registered."""
-        instances = await self.registry.list_instances(tier, self.model_id)
+    async def pick(self, tier: str, num_tokens: int = 0, skip: set[str] = frozenset()) -> InstanceInfo:
+        """Next instance of the tier in turn, leaving out instance ids in skip; instances without free blocks
+        for num_tokens are passed over while another has room. ServiceUnavailable when none is left."""
+        instances = [i for i in await self.registry.list_instances(tier, self.model_id) if i.instance_id not in skip]
         if not instances:
-            raise ServiceUnavailable(f"no {tier} instance is registered for model {self.model_id}")
+            raise ServiceUnavailable(f"no live {tier} instance is registered for model {self.model_id}")
         roomy = [i for i in instances if i.num_free_blocks * i.block_size >= num_tokens]
         candidates = roomy or instances
         return candidates[next(self._counters[tier]) % len(candidates)]

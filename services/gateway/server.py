@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import RoundRobinRouter
-from services.runtime import GRPC_OPTIONS, FINISH_TO_PROTO, make_server, sampling_params_from_proto
+from services.runtime import FINISH_TO_PROTO, GRPC_OPTIONS, UpstreamError, make_server, sampling_params_from_proto
 from shared.config import ModelConfig
 from shared.model_files import default_model_dir
 from shared.registry import Registry
@@ -25,6 +25,8 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gate
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant")
+MAX_ATTEMPTS = 3
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -41,7 +43,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._channels[address]
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        """Prompt text or chat turns -> token ids. ValueError on empty input or an unknown role."""
+        """Prompt text or chat turns -> token ids. ValueError on empty or oversized input or an unknown role."""
         kind = request.WhichOneof("input")
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -50,14 +52,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for m in messages:
                 if m["role"] not in ROLES:
                     raise ValueError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
+            self._check_chars(sum(len(m["content"]) for m in messages))
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         if kind != "prompt" or not request.prompt:
             raise ValueError("prompt is empty")
+        self._check_chars(len(request.prompt))
         return self.tokenizer(request.prompt, add_special_tokens=False).input_ids
+
+    def _check_chars(self, num_chars: int) -> None:
+        # Cheap bound before tokenizing: no real prompt needs more than 64 characters per token of context.
+        limit = 64 * self.model_config.max_model_len
+        if num_chars > limit:
+            raise ValueError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
-        prompt_ids = self.tokenize(request)
+        prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
         max_len = self.model_config.max_model_len
         if len(prompt_ids) >= max_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len} tokens")
@@ -67,33 +77,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         proto_params.CopyFrom(request.sampling_params)
         proto_params.max_tokens = min(params.max_tokens, max_len - len(prompt_ids))
         request_id = request.request_id or uuid.uuid4().hex
-        decode = await self.router.pick("decode", len(prompt_ids) + proto_params.max_tokens)
-        prefill = await self.router.pick("prefill")
-        decode_call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
-            decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=proto_params)
-        )
+        decode_call, first_token_id, prefill, decode = await self._start(request_id, prompt_ids, proto_params)
         try:
-            reply = await decode_call.read()
-            if reply is grpc.aio.EOF or not reply.reserved:
-                raise RuntimeError(f"decode {decode.address} did not reserve the request")
-            prefill_reply = await prefill_pb2_grpc.PrefillStub(self._channel(prefill.address)).Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=proto_params,
-                    decode_address=decode.address,
-                )
-            )
             ttft_ms = (time.perf_counter() - t0) * 1000
-            tokens = [prefill_reply.first_token_id]
+            tokens = [first_token_id]
             yield gateway_pb2.GenerateResponse(request_id=request_id, text=text.push(tokens), token_ids=tokens)
             finish_reason = None
             while finish_reason is None and not text.stopped:
-                reply = await decode_call.read()
+                try:
+                    reply = await decode_call.read()
+                except grpc.aio.AioRpcError as e:
+                    raise UpstreamError(e.code(), f"decode {decode.address}: {e.details()}") from None
                 if reply is grpc.aio.EOF:
-                    raise RuntimeError("decode stream ended without a finish reason")
+                    raise RuntimeError(f"decode {decode.address} ended the stream without a finish reason")
                 if reply.error:
-                    raise RuntimeError(f"decode failed: {reply.error}")
+                    raise RuntimeError(f"decode {decode.address} failed: {reply.error}")
                 if reply.HasField("finish_reason"):
                     finish_reason = reply.finish_reason
                 delta = text.push(list(reply.token_ids))
@@ -117,6 +115,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids)),
             timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
+
+    async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams):
+        """Reserve on a decode, then prefill on a prefill naming that decode; returns (decode stream, first token,
+        prefill, decode). An instance that is unreachable (dead but still in the registry until its TTL) or
+        full is skipped and the request is placed again, up to MAX_ATTEMPTS times."""
+        skipped: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            decode = await self.router.pick("decode", len(prompt_ids) + params.max_tokens, skipped)
+            prefill = await self.router.pick("prefill", 0, skipped)
+            decode_call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
+                decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params)
+            )
+            failed = decode
+            try:
+                reply = await decode_call.read()
+                if reply is grpc.aio.EOF or not reply.reserved:
+                    raise RuntimeError(f"decode {decode.address} did not reserve the request")
+                failed = prefill
+                prefill_reply = await prefill_pb2_grpc.PrefillStub(self._channel(prefill.address)).Prefill(
+                    prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                               sampling_params=params, decode_address=decode.address)
+                )  # fmt: skip
+                return decode_call, prefill_reply.first_token_id, prefill, decode
+            except grpc.aio.AioRpcError as e:
+                decode_call.cancel()
+                retry = e.code() in RETRY_CODES and attempt < MAX_ATTEMPTS
+                log.warning("request %s: %s %s failed with %s%s", request_id, failed.tier, failed.address,
+                            e.code().name, ", placing it again" if retry else "")  # fmt: skip
+                if not retry:
+                    raise UpstreamError(e.code(), f"{failed.tier} {failed.address}: {e.details()}") from None
+                skipped.add(failed.instance_id)
+            except BaseException:
+                decode_call.cancel()
+                raise
 
 
 async def main_async(args) -> None:

@@ -13,7 +13,7 @@ import grpc
 
 from services.kv_wire import kv_to_messages
 from services.runtime import (
-    GRPC_OPTIONS, add_engine_args, engine_configs, engine_load, make_server, sampling_params_from_proto,
+    GRPC_OPTIONS, UpstreamError, add_engine_args, engine_configs, engine_load, make_server, sampling_params_from_proto,
     serve_engine,
 )  # fmt: skip
 from shared.async_engine import AsyncEngine
@@ -38,20 +38,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         start = time.perf_counter()
-        if not request.decode_address:
-            raise ValueError("decode_address is required")
+        if not request.request_id or not request.decode_address:
+            raise ValueError("request_id and decode_address are required")
         # The prefill samples exactly one token; EOS, stop ids and max_tokens are the decode's decisions.
         params = dataclasses.replace(
             sampling_params_from_proto(request.sampling_params), max_tokens=1, stop_token_ids=(), ignore_eos=True
         )
         req = Request(request.request_id, list(request.prompt_token_ids), params)
         outbox: asyncio.Queue = asyncio.Queue()
-        stream = self.engine.open_stream(req.request_id)
-        try:
-            await self.engine.call(self.engine.engine.add_request, req)
-        except BaseException:
-            self.engine.close_stream(req.request_id)
-            raise
+        stream = await self.engine.add(self.engine.engine.add_request, req)
         transfer_call = self._decode_stub(request.decode_address).TransferKV(_drain(outbox))
         transfer = asyncio.ensure_future(transfer_call)
         first_token_id = None
@@ -68,9 +63,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             outbox.put_nowait(None)
         except BaseException:
             transfer_call.cancel()  # the decode side sees the broken stream and frees its reservation
-            await self.engine.abort(req.request_id)
+            self.engine.abort(req.request_id)
             log.info("request %s aborted during prefill", req.request_id)
             raise
+        if transfer.done() and not transfer.cancelled() and transfer.exception() is not None:
+            e = transfer.exception()  # e.g. the decode address is unreachable: the first token would be orphaned
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+            raise UpstreamError(code, f"KV transfer to decode {request.decode_address} failed: {e}")
         self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
         transfer.add_done_callback(self._transfer_done)
         return prefill_pb2.PrefillResponse(
