@@ -11,6 +11,9 @@ import time
 
 import grpc
 
+from services.runtime import add_quantization_arg
+from shared.quant.cli import add_eval_args, add_quantize_args, run_eval, run_quantize
+
 DEFAULT_GATEWAY = os.environ.get("TANDEM_GATEWAY", "127.0.0.1:50051")
 
 
@@ -117,9 +120,10 @@ def cmd_up(args) -> int:
     if port:
         _check_port_free(port)
     model = args.model or str(prepare_model())
-    engine_args = ["--block-size", str(args.block_size), "--threads", str(args.threads)]
+    quant = ["--quantization", args.quantization] if args.quantization else []
+    engine_args = ["--block-size", str(args.block_size), "--threads", str(args.threads)] + quant
     prefill_args = engine_args + ["--max-num-batched-tokens", str(args.prefill_chunk)]
-    cluster = LocalCluster(model, port or free_port(), args.prefill, args.decode, prefill_args, engine_args,
+    cluster = LocalCluster(model, port or free_port(), args.prefill, args.decode, prefill_args, engine_args, quant,
                            log_dir=args.log_dir)  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
@@ -155,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
                        formatter_class=defaults)  # fmt: skip
     p.add_argument("--model", default=os.environ.get("TANDEM_MODEL"), help="HF Llama-family safetensors dir")
+    add_quantization_arg(p)
     p.add_argument("--port", type=int, default=None,
                    help="gateway port on 127.0.0.1 (default 50051; 0 = any free port, the default with --prompt)")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
@@ -166,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")
     add_sampling_args(p)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("quantize", help="write a weight-only INT8/INT4 checkpoint (RTN, GPTQ or AWQ)")
+    add_quantize_args(p)
+    p.set_defaults(func=run_quantize)
+
+    p = sub.add_parser("eval-quant", help="KL / top-1 of quantized formats against fp32 on shipped text")
+    add_eval_args(p)
+    p.set_defaults(func=run_eval)
 
     for name, func, help_ in (("generate", cmd_generate, "send one prompt"), ("chat", cmd_chat, "interactive chat")):
         p = sub.add_parser(name, help=help_)

@@ -154,6 +154,7 @@ def engine_load(engine: LLMEngine) -> common_pb2.InstanceLoad:
 # -- engine process set-up --------------------------------------------------------------------------------
 def add_engine_args(parser: argparse.ArgumentParser, num_blocks: int, max_num_batched_tokens: int) -> None:
     parser.add_argument("--model", default=os.environ.get("TANDEM_MODEL"), help="HF model dir (default: converted SmolLM2)")
+    add_quantization_arg(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--advertise-host", default=os.environ.get("TANDEM_ADVERTISE_HOST") or _own_address(),
@@ -169,6 +170,12 @@ def add_engine_args(parser: argparse.ArgumentParser, num_blocks: int, max_num_ba
     parser.add_argument("--device", default="cpu")
 
 
+def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION"),
+                        help="quantized checkpoint applied over --model: a `tandem quantize` / HF AWQ / HF GPTQ dir, "
+                             "a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers must agree)")  # fmt: skip
+
+
 def _own_address() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -178,7 +185,7 @@ def _own_address() -> str:
 
 def engine_configs(args) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
     torch.set_num_threads(args.threads)
-    model_config = ModelConfig.from_dir(args.model or default_model_dir())
+    model_config = ModelConfig.from_dir(args.model or default_model_dir(), args.quantization)
     cache_config = CacheConfig(args.block_size, args.num_blocks, parse_dtype(args.kv_dtype))
     return model_config, cache_config, SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
 

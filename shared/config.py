@@ -43,6 +43,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     digest: str
     weight_format: str = "fp32"
+    quantization: str | None = None  # quantized checkpoint (dir or .gguf) whose linears replace the float ones
 
     @property
     def model_id(self) -> str:
@@ -50,8 +51,15 @@ class ModelConfig:
         return f"{self.name}:{self.digest}:{self.weight_format}"
 
     @classmethod
-    def from_dir(cls, path: str | Path, weight_format: str = "fp32") -> ModelConfig:
-        """Read config.json (+ generation_config.json for extra EOS ids). ValueError if not Llama-like."""
+    def from_dir(cls, path: str | Path, quantization: str | None = None) -> ModelConfig:
+        """Read config.json (+ generation_config.json for extra EOS ids). ValueError if not Llama-like.
+
+        quantization: a quantized checkpoint (tandem / HF AWQ / HF GPTQ dir, a .gguf file, or "gguf" for the
+        packaged GGUF) applied over this model; a path that is itself a quantized checkpoint needs none.
+        """
+        from shared.model_files import packaged_gguf_path
+        from shared.quant import detect_quant_config
+
         path = Path(path)
         if not (path / "config.json").exists():
             raise ValueError(f"{path} is not a model directory (no config.json); run `tandem prepare-model`")
@@ -66,6 +74,13 @@ class ModelConfig:
         if gen_path.exists():
             eos |= set(_as_list(json.loads(gen_path.read_text()).get("eos_token_id")))
         heads = cfg["num_attention_heads"]
+        if quantization == "gguf":
+            quantization = str(packaged_gguf_path())
+        if quantization is None and detect_quant_config(path).bits is not None:
+            quantization = str(path)
+        digest = fingerprint(path)
+        if quantization is not None and Path(quantization) != path:
+            digest = f"{digest}+{fingerprint(Path(quantization))}"
         return cls(
             path=str(path),
             name=path.name,
@@ -81,8 +96,9 @@ class ModelConfig:
             max_model_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=tuple(sorted(eos)),
-            digest=fingerprint(path),
-            weight_format=weight_format,
+            digest=digest,
+            weight_format=detect_quant_config(quantization).weight_format,
+            quantization=quantization,
         )
 
 

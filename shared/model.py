@@ -133,14 +133,22 @@ class LlamaForCausalLM(nn.Module):
 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu", dtype=torch.float32) -> LlamaForCausalLM:
-    """Build the model from config.path's safetensors files (strict: every weight must be present)."""
+    """Build the model from config.path's safetensors files (strict: every weight must be present), then, with
+    config.quantization, swap its linears for the quantized layers of that checkpoint (shared/quant)."""
+    if config.quantization is not None:
+        from shared.quant import apply_quantization
+
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+        if Path(config.quantization) != Path(config.path):  # float base weights first (embeddings, norms)
+            model.load_state_dict(_read_state(config), strict=False)
+        apply_quantization(model, config.quantization)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.to(dtype).eval()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = {}
-    for path in sorted(Path(config.path).glob("*.safetensors")):
-        state.update(load_file(str(path), device=str(device)))
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = _read_state(config, device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -149,3 +157,12 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu", dtype=to
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     return model.to(dtype).eval()
+
+
+def _read_state(config: ModelConfig, device="cpu") -> dict[str, torch.Tensor]:
+    state = {}
+    for path in sorted(Path(config.path).glob("*.safetensors")):
+        state.update(load_file(str(path), device=str(device)))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state

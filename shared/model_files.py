@@ -98,13 +98,18 @@ def prepare_model(out_dir: Path | None = None, force: bool = False) -> Path:
 
 
 def fingerprint(model_dir: Path) -> str:
-    """A short stable digest of a checkpoint: SHA-256 of config.json and every safetensors header.
+    """A short stable digest of a checkpoint: SHA-256 of config.json and every safetensors header (for a single
+    file such as a GGUF: its size and first 4 MiB, which hold the header and tensor index).
 
     The header lists tensor names, dtypes, shapes and byte offsets, so the digest changes with architecture,
     format or layout without reading hundreds of MB of weights. Two checkpoints that differ only in weight
     values collide; the model id also carries the directory name.
     """
-    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    model_dir = Path(model_dir)
+    if model_dir.is_file():
+        with open(model_dir, "rb") as f:
+            return hashlib.sha256(str(model_dir.stat().st_size).encode() + f.read(4 << 20)).hexdigest()[:12]
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))

@@ -16,7 +16,9 @@ from transformers import AutoTokenizer
 
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import RoundRobinRouter
-from services.runtime import FINISH_TO_PROTO, GRPC_OPTIONS, UpstreamError, make_server, sampling_params_from_proto
+from services.runtime import (
+    FINISH_TO_PROTO, GRPC_OPTIONS, UpstreamError, add_quantization_arg, make_server, sampling_params_from_proto,
+)  # fmt: skip
 from shared.config import ModelConfig
 from shared.model_files import default_model_dir
 from shared.registry import Registry
@@ -154,7 +156,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 async def main_async(args) -> None:
     torch.set_num_threads(1)
     model_dir = args.model or default_model_dir()
-    model_config = ModelConfig.from_dir(model_dir, args.weight_format)
+    model_config = ModelConfig.from_dir(model_dir, args.quantization)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     router = RoundRobinRouter(Registry(args.redis_url), model_config.model_id)
     server, port, health_servicer = make_server(args.port, args.host)
@@ -171,7 +173,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description="Public gRPC API of the tandem cluster",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default=os.environ.get("TANDEM_MODEL"))
-    parser.add_argument("--weight-format", default="fp32", help="weight format the tiers serve (part of the model id)")
+    add_quantization_arg(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"))

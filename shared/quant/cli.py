@@ -1,0 +1,165 @@
+"""Command-line entry points, wired by the main CLI as
+
+    tandem quantize --method rtn|gptq|awq --bits 4|8 [--group-size G] --out DIR [--model DIR]
+    tandem eval-quant [--json] [--methods fp32,rtn8,rtn4,gptq4,awq4,gguf] [--checkpoint DIR ...]
+
+eval-quant prints, for each format, KL(fp32 || quant) of next-token distributions averaged over the positions of
+data/quant_eval.txt (at least 2,000 by default), top-1 agreement and weight bytes; with --json:
+{"results": [{"method", "bits", "group_size", "kl", "top1", "weight_bytes", ...}, ...]}.
+Bad arguments raise ValueError.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+
+from shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, quantize_model, save_quantized,
+                          weight_bytes)
+from shared.quant.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, compare_to_reference, eval_windows,
+                                     load_hf_model, reference_logprobs, text_token_ids)
+from shared.quant.modules import quantizable_linears
+
+DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn4,gptq4,awq4,gguf"
+MIN_REPORT_POSITIONS = 2000
+
+
+def _model_dir(arg: str | None) -> Path:
+    from shared.model_files import prepare_model
+
+    return Path(arg) if arg else prepare_model()
+
+
+def add_quantize_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", choices=("rtn", "gptq", "awq"), required=True)
+    parser.add_argument("--bits", type=int, choices=(4, 8), required=True)
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="input channels per INT4 scale: 32, 64 or 128 (default 128); INT8 is per channel")
+    parser.add_argument("--out", required=True, help="output checkpoint directory")
+    parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
+    parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT), help="calibration text for gptq/awq")
+    parser.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Quantize --model with --method and write a tandem checkpoint to --out; returns the exit code (0)."""
+    group_size = args.group_size if args.group_size is not None or args.bits == 8 else 128
+    config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)
+    model_dir = _model_dir(args.model)
+    start = time.perf_counter()
+    model = load_hf_model(model_dir)
+    calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" else None
+    options = {"act_order": True} if args.act_order and args.method == "gptq" else {}
+    state = quantize_model(model, args.method, args.bits, group_size, calib, **options)
+    out = save_quantized(args.out, state, config, model_dir)
+    apply_quantized_state(model, state)
+    print(f"wrote {out} ({config.weight_format}, {weight_bytes(model) / 2**20:.1f} MiB of weights) "
+          f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
+    parser.add_argument("--methods", default=DEFAULT_EVAL_METHODS,
+                        help="comma list of fp32, rtn8, rtn4, gptq4, gptq8, awq4, awq8, gguf")
+    parser.add_argument("--checkpoint", action="append", default=[],
+                        help="also evaluate a quantized checkpoint directory or .gguf file (repeatable)")
+    parser.add_argument("--gguf", default=None, help="GGUF file for 'gguf' (default: the packaged Q4_1 file)")
+    parser.add_argument("--group-size", type=int, default=128, help="INT4 group size for rtn4/gptq4/awq4")
+    parser.add_argument("--max-positions", type=int, default=2048, help="token positions evaluated (>= 2000)")
+    parser.add_argument("--seq-len", type=int, default=512, help="evaluation window length")
+    parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT))
+    parser.add_argument("--act-order", action="store_true", help="GPTQ entries use act-order")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluate each requested format against the float model; print a table or JSON; return 0."""
+    if args.max_positions < MIN_REPORT_POSITIONS:
+        raise ValueError(f"--max-positions must be at least {MIN_REPORT_POSITIONS}")
+    specs = [_parse_method(m, args.group_size) for m in args.methods.split(",") if m.strip()]
+    model_dir = _model_dir(args.model)
+    windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), args.seq_len, args.max_positions)
+    if windows.numel() < MIN_REPORT_POSITIONS:
+        raise ValueError(f"only {windows.numel()} evaluation positions fit; need {MIN_REPORT_POSITIONS}")
+    fp32 = load_hf_model(model_dir)
+    reference = reference_logprobs(fp32, windows)
+    calib = text_token_ids(model_dir, Path(args.calib_file))
+    results = []
+    for method, bits, group_size in specs:
+        if method == "fp32":
+            results.append(_row("fp32", None, None, 0.0, 1.0, fp32, windows.numel(), 0.0, 0.0))
+            continue
+        model, start = load_hf_model(model_dir), time.perf_counter()
+        if method == "gguf":
+            from shared.model_files import packaged_gguf_path
+
+            config = apply_quantization(model, args.gguf or packaged_gguf_path())
+            bits, group_size = config.bits, config.group_size
+        else:
+            options = {"act_order": True} if args.act_order and method == "gptq" else {}
+            apply_quantized_state(model, quantize_model(model, method, bits, group_size, calib, **options))
+        results.append(_evaluate(model, method, bits, group_size, windows, reference, start))
+    for path in args.checkpoint:
+        model, start = load_hf_model(model_dir), time.perf_counter()
+        config = apply_quantization(model, path)
+        results.append(_evaluate(model, config.method, config.bits, config.group_size, windows, reference, start)
+                       | {"checkpoint": str(path)})
+    _print(results, args.json)
+    return 0
+
+
+def _parse_method(name: str, group_size: int) -> tuple[str, int | None, int | None]:
+    name = name.strip()
+    if name in ("fp32", "gguf"):
+        return name, None, None
+    match = re.fullmatch(r"(rtn|gptq|awq)(4|8)", name)
+    if match is None:
+        raise ValueError(f"unknown eval method {name!r} (use fp32, gguf, or rtn/gptq/awq followed by 4 or 8)")
+    bits = int(match.group(2))
+    config = QuantConfig(bits=bits, group_size=group_size if bits == 4 else None, method=match.group(1))
+    return config.method, config.bits, config.group_size
+
+
+def _evaluate(model, method, bits, group_size, windows, reference, start) -> dict:
+    quantize_s = time.perf_counter() - start
+    start = time.perf_counter()
+    agreement = compare_to_reference(model, windows, reference)
+    return _row(method, bits, group_size, agreement.kl, agreement.top1, model, agreement.num_positions,
+                quantize_s, time.perf_counter() - start)
+
+
+def _row(method, bits, group_size, kl, top1, model, positions, quantize_s, eval_s) -> dict:
+    linear_bytes = sum(sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+                       for m in quantizable_linears(model).values())
+    return {"method": method, "bits": bits, "group_size": group_size, "kl": kl, "top1": top1,
+            "weight_bytes": weight_bytes(model), "linear_weight_bytes": linear_bytes, "num_positions": positions,
+            "quantize_s": round(quantize_s, 1), "eval_s": round(eval_s, 1)}
+
+
+def _print(results: list[dict], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"results": results}, indent=2))
+        return
+    print(f"{'method':<8}{'bits':>5}{'group':>6}{'KL':>12}{'top1':>8}{'weight MiB':>12}{'linear MiB':>12}")
+    for r in results:
+        print(f"{r['method']:<8}{str(r['bits'] or '-'):>5}{str(r['group_size'] or '-'):>6}{r['kl']:>12.6f}"
+              f"{r['top1']:>8.4f}{r['weight_bytes'] / 2**20:>12.1f}{r['linear_weight_bytes'] / 2**20:>12.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone use: python -m shared.quant.cli quantize|eval-quant ... (the tandem CLI wires the same)."""
+    parser = argparse.ArgumentParser(prog="python -m shared.quant.cli")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_quantize_args(commands.add_parser("quantize", help="write a quantized checkpoint"))
+    add_eval_args(commands.add_parser("eval-quant", help="KL / top-1 / bytes of each format vs fp32"))
+    args = parser.parse_args(argv)
+    return run_quantize(args) if args.command == "quantize" else run_eval(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

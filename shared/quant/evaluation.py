@@ -1,0 +1,71 @@
+"""Quantization quality against the float model: KL(fp32 || quant) of next-token distributions and top-1
+agreement, averaged over every position of fixed-length windows of text shipped in the repo (data/).
+
+    KL = mean over positions t of sum_v p(v | x_<=t) (log p(v | x_<=t) - log q(v | x_<=t))
+    top1 = mean over positions of [argmax p == argmax q]
+
+p comes from the float model, q from the quantized one; both see the same windows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+EVAL_TEXT = DATA_DIR / "quant_eval.txt"
+CALIBRATION_TEXT = DATA_DIR / "quant_calibration.txt"
+
+
+def load_hf_model(model_dir: str | Path) -> nn.Module:
+    """HF transformers causal LM in fp32, eval mode (module names as the engine's model)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def text_token_ids(model_dir: str | Path, path: Path) -> torch.Tensor:
+    """Token ids [T] int64 of a text file, with the tokenizer of model_dir."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return torch.tensor(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=torch.long)
+
+
+def eval_windows(token_ids: torch.Tensor, seq_len: int = 512, max_positions: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows [B, seq_len] covering up to max_positions tokens (whole windows only).
+
+    Raises ValueError if not even one window fits."""
+    limit = token_ids.numel() if max_positions is None else min(max_positions, token_ids.numel())
+    seq_len = min(seq_len, limit)
+    rows = limit // seq_len
+    if rows < 1:
+        raise ValueError("no evaluation tokens")
+    return token_ids[: rows * seq_len].view(rows, seq_len)
+
+
+@torch.no_grad()
+def reference_logprobs(model: nn.Module, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Float model's log-probabilities, one [seq_len, vocab] float32 tensor per window."""
+    return [torch.log_softmax(model(window[None], use_cache=False).logits[0].float(), dim=-1) for window in windows]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    kl: float  # nats per position, KL(reference || model)
+    top1: float  # fraction of positions with the same argmax
+    num_positions: int
+
+
+@torch.no_grad()
+def compare_to_reference(model: nn.Module, windows: torch.Tensor, reference: list[torch.Tensor]) -> Agreement:
+    """KL(reference || model) and top-1 agreement over all positions of windows [B, seq_len]."""
+    kl_sum, agree, count = 0.0, 0, 0
+    for window, ref in zip(windows, reference):
+        logq = torch.log_softmax(model(window[None], use_cache=False).logits[0].float(), dim=-1)
+        kl_sum += (ref.exp() * (ref - logq)).sum().item()
+        agree += (ref.argmax(-1) == logq.argmax(-1)).sum().item()
+        count += window.numel()
+    return Agreement(kl=kl_sum / count, top1=agree / count, num_positions=count)

@@ -1,0 +1,187 @@
+"""Weight-only quantized linear layers: INT8 (symmetric, per output channel or per group) and INT4 (asymmetric,
+per group along K).
+
+Storage (the canonical layout every loader in this package converts into; kernels/quant_gemm.py reads it):
+
+- WeightOnlyInt8Linear: qweight int8 [N, K]; scales float [N] (per channel, group_size None) or
+  [N, K // G] (per group, used for GGUF Q8_0); w = qweight * scale.
+- WeightOnlyInt4Linear: qweight uint8 [N, K_pad // 2], low nibble = even k, high nibble = odd k;
+  scales and zeros float [N, K_pad // G]; w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G].
+  zeros are in quantized units and may be fractional (GGUF Q4_1 stores a float minimum).
+
+NOTE: a group_size that does not divide K (576 / 128 on SmolLM2) is handled by padding: K_pad = ceil(K / G) * G,
+the last group holds only K % G real columns, and the padded columns are multiplied by zero-padded inputs, so
+they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G]; dequantize() returns [N, K].
+
+Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily); CPU dequantizes and calls a
+float matmul. On the AVX2 development machine that beats torch's packed CPU ops (_weight_int8pack_mm,
+_weight_int4pack_mm_for_cpu) at every M measured (1 to 256); see shared/quant/bench_cpu.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def padded_in_features(in_features: int, group_size: int) -> int:
+    """K rounded up to a multiple of group_size."""
+    return -(-in_features // group_size) * group_size
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers in [0, 15] (K even) -> [N, K // 2] uint8, low nibble = even k, high nibble = odd k."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K // 2] uint8 -> [N, K] uint8 in [0, 15] (inverse of pack_int4)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """y = x @ (qweight * scales).T (+ bias); int8 weights, activations stay in float.
+
+    Args:
+        in_features, out_features: K, N.
+        group_size: None for one scale per output channel (scales [N]); G for one scale per G input channels
+            (scales [N, K // G], K % G == 0), which GGUF Q8_0 needs.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int | None = None, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if group_size is not None and in_features % group_size:
+            raise ValueError(f"int8 group_size {group_size} must divide in_features {in_features}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(scale_shape, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> WeightOnlyInt8Linear:
+        """Round-to-nearest, symmetric per output channel: scale = max|w_n| / 127."""
+        from shared.quant.rtn import quantize_int8
+
+        qweight, scales = quantize_int8(linear.weight.detach())
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    dtype=linear.weight.dtype)
+        layer.load_quantized(qweight, scales, linear.bias)
+        return layer
+
+    def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        """Copy canonical tensors in (shapes checked; scales cast to the layer's float dtype)."""
+        _copy_checked(self, "qweight", qweight)
+        _copy_checked(self, "scales", scales)
+        if bias is not None:
+            _copy_checked(self, "bias", bias)
+        return self
+
+    def dequantize(self) -> torch.Tensor:
+        """Reference path: [N, K] float weight in the scales' dtype."""
+        if self.group_size is None:
+            return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        q = self.qweight.to(self.scales.dtype).view(self.out_features, -1, self.group_size)
+        return (q * self.scales[..., None]).view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.group_size is None:
+            from kernels.quant_gemm import w8a16_gemm
+
+            y = w8a16_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.group_size is None:  # the per-channel scale commutes with the matmul
+            y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class WeightOnlyInt4Linear(nn.Module):
+    """y = x @ ((q - zeros) * scales).T (+ bias); 4-bit weights, asymmetric per group of group_size along K.
+
+    GPTQ (Frantar et al. 2022) and AWQ (Lin et al. 2023) both produce this format; see the module docstring
+    for the layout and the padding rule when group_size does not divide K.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        k_pad = padded_in_features(in_features, group_size)
+        self.register_buffer("qweight", torch.zeros(out_features, k_pad // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, k_pad // group_size, dtype=dtype))
+        self.register_buffer("zeros", torch.zeros(out_features, k_pad // group_size, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+
+    @property
+    def padded_in_features(self) -> int:
+        return padded_in_features(self.in_features, self.group_size)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 128) -> WeightOnlyInt4Linear:
+        """Round-to-nearest with each group's [min, max] mapped onto [0, 15] (float zero point)."""
+        from shared.quant.rtn import quantize_int4
+
+        q, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
+        layer = cls(linear.in_features, linear.out_features, group_size, bias=linear.bias is not None,
+                    dtype=linear.weight.dtype)
+        layer.load_quantized(pack_int4(q), scales, zeros, linear.bias)
+        return layer
+
+    def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bias: torch.Tensor | None = None):
+        """Copy canonical tensors in: qweight uint8 [N, K_pad // 2], scales/zeros [N, K_pad // G]."""
+        _copy_checked(self, "qweight", qweight)
+        _copy_checked(self, "scales", scales)
+        _copy_checked(self, "zeros", zeros)
+        if bias is not None:
+            _copy_checked(self, "bias", bias)
+        return self
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reference path: [N, K] float weight (padded columns dropped), in dtype or the scales' dtype."""
+        dtype = dtype or self.scales.dtype
+        n, num_groups = self.scales.shape
+        # Writing both nibbles straight into a float buffer avoids an extra uint8 copy (about 2x on CPU).
+        w = torch.empty(n, num_groups, self.group_size, dtype=dtype, device=self.qweight.device)
+        pairs = w.view(n, -1, 2)  # [N, K_pad // 2, 2]
+        pairs[..., 0] = self.qweight & 0xF
+        pairs[..., 1] = self.qweight >> 4
+        w.sub_(self.zeros.to(dtype)[..., None]).mul_(self.scales.to(dtype)[..., None])
+        return w.view(n, -1)[:, : self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kernels.quant_gemm import w4a16_gemm
+
+            x2 = x.reshape(-1, self.in_features)
+            if self.padded_in_features != self.in_features:
+                x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+            y = w4a16_gemm(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def _copy_checked(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    buf = getattr(module, name)
+    if buf is None or tuple(buf.shape) != tuple(value.shape):
+        shape = None if buf is None else tuple(buf.shape)
+        raise ValueError(f"{type(module).__name__}.{name}: expected shape {shape}, got {tuple(value.shape)}")
+    if buf.dtype in (torch.int8, torch.uint8) and value.dtype != buf.dtype:
+        raise ValueError(f"{type(module).__name__}.{name}: expected {buf.dtype}, got {value.dtype}")
+    buf.copy_(value.detach())

@@ -1,0 +1,121 @@
+"""Find the quantizable linears of a Llama-family module tree and swap them for quantized layers in place.
+
+Works on any nn.Module tree that keeps HF names: ``...layers.{i}.self_attn.{q,k,v,o}_proj`` and
+``...layers.{i}.mlp.{gate,up,down}_proj`` (HF LlamaForCausalLM and the engine's model). Embeddings, norms and
+the (tied) lm_head stay in float. Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>``
+followed by ``.qweight`` / ``.scales`` / ``.zeros``; every other key is a float tensor copied by name.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+
+LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QUANT_TENSOR_NAMES = ("qweight", "scales", "zeros")
+_LINEAR_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(s) for s in LINEAR_SUFFIXES) + r")$")
+
+QuantLinear = WeightOnlyInt8Linear | WeightOnlyInt4Linear
+
+
+def canonical_name(module_name: str) -> str | None:
+    """"model.model.layers.3.mlp.up_proj" -> "model.layers.3.mlp.up_proj"; None for a non-quantizable name."""
+    match = _LINEAR_RE.search(module_name)
+    return None if match is None else f"model.layers.{match.group(1)}.{match.group(2)}"
+
+
+def quantizable_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """Canonical name -> module (nn.Linear or an already quantized layer), in model order."""
+    found = {}
+    for name, module in model.named_modules():
+        canon = canonical_name(name)
+        if canon is not None and isinstance(module, (nn.Linear, WeightOnlyInt8Linear, WeightOnlyInt4Linear)):
+            found[canon] = module
+    return found
+
+
+def _set_module(model: nn.Module, canon: str, new: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if canonical_name(name) == canon:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+            return
+    raise KeyError(canon)
+
+
+def make_quant_layer(linear: nn.Module, tensors: dict[str, torch.Tensor]) -> QuantLinear:
+    """Build the quantized layer for one linear from its canonical tensors; the kind and group size come from
+    the tensor shapes and dtypes (int8 qweight -> INT8, uint8 -> INT4). Raises ValueError on a mismatch."""
+    qweight, scales = tensors["qweight"], tensors["scales"]
+    n, k = linear.out_features, linear.in_features
+    bias = getattr(linear, "bias", None)
+    dtype = _float_dtype(linear)
+    if qweight.dtype == torch.int8:
+        group_size = None if scales.dim() == 1 else k // max(scales.shape[1], 1)
+        layer = WeightOnlyInt8Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
+        layer.load_quantized(qweight, scales, bias)
+    elif qweight.dtype == torch.uint8:
+        if scales.dim() != 2 or scales.shape[1] == 0:
+            raise ValueError(f"int4 scales must be [N, groups], got {tuple(scales.shape)}")
+        group_size = 2 * qweight.shape[1] // scales.shape[1]
+        layer = WeightOnlyInt4Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
+        layer.load_quantized(qweight, scales, tensors["zeros"], bias)
+    else:
+        raise ValueError(f"qweight must be int8 or uint8, got {qweight.dtype}")
+    return layer.to(device=_device(linear))
+
+
+def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """Swap every quantizable linear for its quantized layer from ``state`` and copy the remaining float
+    tensors (norms, embeddings; AWQ changes norms) onto the model's parameters/buffers of the same name.
+
+    Args:
+        model: module tree with HF names; modified in place and returned.
+        state: canonical state dict (see module docstring), as quantize_model or load_quantized_state return.
+    Raises:
+        ValueError: a linear without quantized tensors, a tensor the model has no place for, or a shape mismatch.
+    """
+    linears = quantizable_linears(model)
+    missing = [name for name in linears if f"{name}.qweight" not in state]
+    if missing:
+        raise ValueError(f"quantized checkpoint lacks {len(missing)} linear layers, e.g. {missing[0]}")
+    for name, linear in linears.items():
+        tensors = {t: state[f"{name}.{t}"] for t in QUANT_TENSOR_NAMES if f"{name}.{t}" in state}
+        _set_module(model, name, make_quant_layer(linear, tensors))
+    quant_keys = {f"{name}.{t}" for name in linears for t in QUANT_TENSOR_NAMES}
+    targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    with torch.no_grad():
+        for key, value in state.items():
+            if key in quant_keys:
+                continue
+            if key not in targets:
+                raise ValueError(f"quantized checkpoint tensor {key!r} matches nothing in the model")
+            if tuple(targets[key].shape) != tuple(value.shape):
+                raise ValueError(f"{key}: model shape {tuple(targets[key].shape)}, checkpoint {tuple(value.shape)}")
+            targets[key].copy_(value)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers, each storage counted once (tied embeddings count once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        key = (tensor.untyped_storage().data_ptr(), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    ref = module.weight if isinstance(module, nn.Linear) else module.scales
+    return ref.dtype
+
+
+def _device(module: nn.Module) -> torch.device:
+    ref = module.weight if isinstance(module, nn.Linear) else module.qweight
+    return ref.device

@@ -1,0 +1,62 @@
+"""Quantized weights through the cluster: the same greedy tokens as the same quantized model in one process;
+finite logits on a 2,000-token prompt in every format."""
+import subprocess
+import sys
+
+import pytest
+
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.engine import LLMEngine
+from shared.request import Request, SamplingParams
+from tests.integration.helpers import generate_all, greedy_request
+from tests.prompts import LONG_TEXT, PROMPTS, prompt_token_ids
+
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def int8_dir(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("int8") / "SmolLM2-int8"
+    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "8", "--out", str(out),
+                    "--model", str(model_dir)], check=True, timeout=600)  # fmt: skip
+    return out
+
+
+def in_process_greedy(model_config, prompts):
+    engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(256, 8))
+    outs = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0)))
+        outs[str(i)] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
+    from services.launcher import LocalCluster
+
+    cases = [p for p in PROMPTS if p[0] in ("capital", "raw_story", "chinese_chat")]
+    config = ModelConfig.from_dir(model_dir, str(int8_dir))
+    assert config.weight_format == "int8"
+    expected = in_process_greedy(config, [prompt_token_ids(tokenizer, kind, text) for _, kind, text in cases])
+    quant = ["--quantization", str(int8_dir)]
+    engine = ["--num-blocks", "256", "--threads", "1", *quant]
+    with LocalCluster(str(model_dir), prefill_args=engine + ["--max-num-batched-tokens", "32"], decode_args=engine,
+                      gateway_args=quant) as c:  # fmt: skip
+        outs = generate_all(c.gateway_address, [greedy_request(kind, text, NUM_TOKENS) for _, kind, text in cases])
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("fmt", ["int8", "gguf"])
+def test_long_prompt_gives_finite_logits(model_dir, int8_dir, tokenizer, fmt):
+    config = ModelConfig.from_dir(model_dir, str(int8_dir) if fmt == "int8" else "gguf")
+    ids = tokenizer((LONG_TEXT + "\n") * 8, add_special_tokens=False).input_ids[:2000]
+    assert len(ids) == 2000
+    engine = LLMEngine(config, CacheConfig(16, 200), SchedulerConfig(512, 8))
+    engine.add_request(Request("long", ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].error is None and len(outs[-1].new_token_ids) == 1
