@@ -1,6 +1,7 @@
 """The engine in one process against HF transformers: preemption under a tiny pool, KV export/import between
 two engines (the tiers' path without gRPC), abort frees blocks."""
 import pytest
+import torch
 
 from shared.config import CacheConfig, SchedulerConfig
 from shared.engine import LLMEngine
@@ -75,3 +76,16 @@ def test_eos_from_prefill_finishes_on_import(model_config):
     engine.reserve(Request("r", [1, 2, 3], greedy()))
     out = engine.finish_kv_import("r", model_config.eos_token_ids[0])
     assert out.finish_reason == FinishReason.STOP and engine.num_free_blocks == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernel path")
+def test_cuda_kernels_give_the_cpu_greedy_tokens(model_config, hf_references):
+    names = ["capital", "long_summary", "raw_chinese"]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(64, 8), device)
+        requests = [Request(n, hf_references[n][0], greedy()) for n in names]
+        for r in requests:
+            engine.add_request(r)
+        outs[device] = run_to_end(engine, requests)
+    assert outs["cuda"] == outs["cpu"]
