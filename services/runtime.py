@@ -14,6 +14,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shared.async_engine import AsyncEngine
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from shared.model_files import default_model_dir
 from shared.engine import LLMEngine
@@ -188,6 +189,41 @@ def engine_configs(args) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
     model_config = ModelConfig.from_dir(args.model or default_model_dir(), args.quantization)
     cache_config = CacheConfig(args.block_size, args.num_blocks, parse_dtype(args.kv_dtype))
     return model_config, cache_config, SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
+
+
+class ChannelPool:
+    """One gRPC channel per peer address, opened on first use, with the raised message limits."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return self._channels[address]
+
+
+def engine_main(tier: str, description: str, num_blocks: int, max_num_batched_tokens: int, add_servicer,
+                export_kv: bool = False, argv=None) -> None:
+    """Entry point of an engine service: parse flags, load the engine, add_servicer(server, async_engine),
+    serve until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{tier}", description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_engine_args(parser, num_blocks, max_num_batched_tokens)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tier} %(levelname)s %(message)s")
+    asyncio.run(_run_engine_service(parser.parse_args(argv), tier, add_servicer, export_kv))
+
+
+async def _run_engine_service(args, tier: str, add_servicer, export_kv: bool) -> None:
+    model_config, cache_config, scheduler_config = engine_configs(args)
+    engine = LLMEngine(model_config, cache_config, scheduler_config, args.device, export_kv=export_kv)
+    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
+    server, port, health_servicer = make_server(args.port, args.host)
+    add_servicer(server, async_engine)
+    try:
+        await serve_engine(server, port, health_servicer, args, tier, lambda: async_engine.call(engine_load, engine))
+    finally:
+        async_engine.stop()
 
 
 async def serve_engine(server, bound_port, health_servicer, args, tier: str, get_load) -> None:

@@ -4,17 +4,12 @@ Thin by design: protobuf in -> AsyncEngine call -> protobuf out.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 
 from services.kv_wire import kv_from_message
-from services.runtime import (
-    FINISH_TO_PROTO, add_engine_args, engine_configs, engine_load, make_server, sampling_params_from_proto,
-    serve_engine,
-)  # fmt: skip
+from services.runtime import FINISH_TO_PROTO, engine_load, engine_main, sampling_params_from_proto
 from shared.async_engine import AsyncEngine
-from shared.engine import LLMEngine, RequestOutput
+from shared.engine import RequestOutput
 from shared.request import FinishReason, Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
@@ -78,19 +73,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return await self.engine.call(engine_load, self.engine.engine)
 
 
-async def main_async(args) -> None:
-    model_config, cache_config, scheduler_config = engine_configs(args)
-    engine = AsyncEngine(LLMEngine(model_config, cache_config, scheduler_config, args.device), asyncio.get_running_loop())
-    server, port, health_servicer = make_server(args.port, args.host)
-    servicer = DecodeServicer(engine)
-    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-    await serve_engine(server, port, health_servicer, args, "decode", lambda: servicer.GetLoad(None, None))
-    engine.stop()
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.decode", description="Decode tier: continuous batching over paged KV",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    add_engine_args(parser, num_blocks=2048, max_num_batched_tokens=256)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
-    asyncio.run(main_async(parser.parse_args(argv)))
+    engine_main("decode", "Decode tier: continuous batching over paged KV", num_blocks=2048,
+                max_num_batched_tokens=256, argv=argv,
+                add_servicer=lambda server, engine: decode_pb2_grpc.add_DecodeServicer_to_server(
+                    DecodeServicer(engine), server))  # fmt: skip

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import RoundRobinRouter
 from services.runtime import (
-    FINISH_TO_PROTO, GRPC_OPTIONS, UpstreamError, add_quantization_arg, make_server, sampling_params_from_proto,
+    FINISH_TO_PROTO, ChannelPool, UpstreamError, add_quantization_arg, make_server, sampling_params_from_proto,
 )  # fmt: skip
 from shared.config import ModelConfig
 from shared.model_files import default_model_dir
@@ -37,12 +37,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.router = router
         self.default_max_tokens = default_max_tokens
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        return self._channels[address]
+        self.channels = ChannelPool()
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """Prompt text or chat turns -> token ids. ValueError on empty or oversized input or an unknown role."""
@@ -126,7 +121,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for attempt in range(1, MAX_ATTEMPTS + 1):
             decode = await self.router.pick("decode", len(prompt_ids) + params.max_tokens, skipped)
             prefill = await self.router.pick("prefill", 0, skipped)
-            decode_call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
+            decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
                 decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params)
             )
             failed = decode
@@ -135,7 +130,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if reply is grpc.aio.EOF or not reply.reserved:
                     raise RuntimeError(f"decode {decode.address} did not reserve the request")
                 failed = prefill
-                prefill_reply = await prefill_pb2_grpc.PrefillStub(self._channel(prefill.address)).Prefill(
+                prefill_reply = await prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address)).Prefill(
                     prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                sampling_params=params, decode_address=decode.address)
                 )  # fmt: skip

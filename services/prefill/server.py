@@ -3,7 +3,6 @@ the target decode instance while the next chunk computes; the first token return
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -12,12 +11,8 @@ import time
 import grpc
 
 from services.kv_wire import kv_to_messages
-from services.runtime import (
-    GRPC_OPTIONS, UpstreamError, add_engine_args, engine_configs, engine_load, make_server, sampling_params_from_proto,
-    serve_engine,
-)  # fmt: skip
+from services.runtime import ChannelPool, UpstreamError, engine_load, engine_main, sampling_params_from_proto
 from shared.async_engine import AsyncEngine
-from shared.engine import LLMEngine
 from shared.request import FinishReason, Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -28,13 +23,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.model_config = engine.engine.model_config
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.channels = ChannelPool()
         self._transfers: set[asyncio.Task] = set()
-
-    def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        return decode_pb2_grpc.DecodeStub(self._channels[address])
 
     async def Prefill(self, request, context):
         start = time.perf_counter()
@@ -47,7 +37,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         req = Request(request.request_id, list(request.prompt_token_ids), params)
         outbox: asyncio.Queue = asyncio.Queue()
         stream = await self.engine.add(self.engine.engine.add_request, req)
-        transfer_call = self._decode_stub(request.decode_address).TransferKV(_drain(outbox))
+        transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(_drain(outbox))
         transfer = asyncio.ensure_future(transfer_call)
         first_token_id = None
         try:
@@ -92,20 +82,8 @@ async def _drain(outbox: asyncio.Queue):
         yield msg
 
 
-async def main_async(args) -> None:
-    model_config, cache_config, scheduler_config = engine_configs(args)
-    engine = LLMEngine(model_config, cache_config, scheduler_config, args.device, export_kv=True)
-    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
-    server, port, health_servicer = make_server(args.port, args.host)
-    servicer = PrefillServicer(async_engine)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    await serve_engine(server, port, health_servicer, args, "prefill", lambda: servicer.GetLoad(None, None))
-    async_engine.stop()
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.prefill", description="Prefill tier: chunked prefill + KV shipping",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    add_engine_args(parser, num_blocks=1024, max_num_batched_tokens=512)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
-    asyncio.run(main_async(parser.parse_args(argv)))
+    engine_main("prefill", "Prefill tier: chunked prefill + KV shipping", num_blocks=1024,
+                max_num_batched_tokens=512, export_kv=True, argv=argv,
+                add_servicer=lambda server, engine: prefill_pb2_grpc.add_PrefillServicer_to_server(
+                    PrefillServicer(engine), server))  # fmt: skip
