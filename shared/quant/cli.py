@@ -24,7 +24,7 @@ from shared.quant.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, compare_to_ref
                                      load_hf_model, reference_logprobs, text_token_ids)
 from shared.quant.modules import quantizable_linears
 
-DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn4,gptq4,awq4,gguf"
+DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn8g32,rtn4,gptq4,awq4,gguf"
 MIN_REPORT_POSITIONS = 2000
 
 
@@ -38,7 +38,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=("rtn", "gptq", "awq"), required=True)
     parser.add_argument("--bits", type=int, choices=(4, 8), required=True)
     parser.add_argument("--group-size", type=int, default=None,
-                        help="input channels per INT4 scale: 32, 64 or 128 (default 128); INT8 is per channel")
+                        help="input channels per scale: INT4 32, 64 or 128 (default 128); INT8 per channel "
+                             "(default) or, with rtn, 32 or 64")
     parser.add_argument("--out", required=True, help="output checkpoint directory")
     parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
     parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT), help="calibration text for gptq/awq")
@@ -65,7 +66,8 @@ def run_quantize(args: argparse.Namespace) -> int:
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
     parser.add_argument("--methods", default=DEFAULT_EVAL_METHODS,
-                        help="comma list of fp32, rtn8, rtn4, gptq4, gptq8, awq4, awq8, gguf")
+                        help="comma list of fp32, rtn8, rtn8g32, rtn4, gptq4, gptq8, awq4, awq8, gguf; a gG "
+                             "suffix sets the group size")
     parser.add_argument("--checkpoint", action="append", default=[],
                         help="also evaluate a quantized checkpoint directory or .gguf file (repeatable)")
     parser.add_argument("--gguf", default=None, help="GGUF file for 'gguf' (default: the packaged Q4_1 file)")
@@ -117,11 +119,14 @@ def _parse_method(name: str, group_size: int) -> tuple[str, int | None, int | No
     name = name.strip()
     if name in ("fp32", "gguf"):
         return name, None, None
-    match = re.fullmatch(r"(rtn|gptq|awq)(4|8)", name)
+    match = re.fullmatch(r"(rtn|gptq|awq)(4|8)(?:g(\d+))?", name)
     if match is None:
-        raise ValueError(f"unknown eval method {name!r} (use fp32, gguf, or rtn/gptq/awq followed by 4 or 8)")
+        raise ValueError(f"unknown eval method {name!r} (use fp32, gguf, or rtn/gptq/awq + 4 or 8 [+ gG])")
     bits = int(match.group(2))
-    config = QuantConfig(bits=bits, group_size=group_size if bits == 4 else None, method=match.group(1))
+    if match.group(3):
+        group_size = int(match.group(3))
+    config = QuantConfig(bits=bits, group_size=group_size if bits == 4 or match.group(3) else None,
+                         method=match.group(1))
     return config.method, config.bits, config.group_size
 
 

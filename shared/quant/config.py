@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from shared.quant.layers import INT4_GROUP_SIZES
 
+INT8_GROUP_SIZES = (32, 64)  # must divide every K of the model (576 and 1536 here)
+
 METHODS = ("rtn", "gptq", "awq", "gguf")
 GGUF_TYPES = ("q4_0", "q4_1", "q8_0")
 
@@ -45,7 +47,9 @@ class QuantConfig:
         if self.bits == 4 and self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
         if self.bits == 8 and self.group_size is not None and self.method != "gguf":
-            raise ValueError("int8 is per output channel: group_size must be None (grouped int8 is GGUF Q8_0 only)")
+            if self.method != "rtn" or self.group_size not in INT8_GROUP_SIZES:
+                raise ValueError(f"int8 is per output channel (group_size None), or RTN per group of "
+                                 f"{INT8_GROUP_SIZES}; got {self.method} with group_size {self.group_size}")
 
     @property
     def weight_format(self) -> str:
@@ -55,7 +59,10 @@ class QuantConfig:
             return "fp32"
         if self.method == "gguf":
             return f"gguf-{self.gguf_type}"
-        base = "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+        if self.bits == 8:
+            base = "int8" if self.group_size is None else f"int8-g{self.group_size}"
+        else:
+            base = f"int4-g{self.group_size}"
         return base if self.method == "rtn" and self.bits == 8 else f"{base}-{self.method}"
 
     def to_json(self) -> dict:

@@ -1,6 +1,8 @@
 """Round-to-nearest (RTN) weight quantization: the baseline GPTQ and AWQ improve on, and their inner step.
 
-INT8: symmetric per output channel, scale = max|w_n| / 127, q in [-127, 127] (gpt-fast's int8 scheme).
+INT8: symmetric per output channel, scale = max|w_n| / 127, q in [-127, 127] (gpt-fast's int8 scheme), or the
+same per group of 32/64 input channels (finer scales; it follows checkpoints whose weights came from 32-wide
+block formats such as GGUF Q4_1).
 INT4: asymmetric per group of G input channels; each group's [min, max] maps onto [0, 15] with a float zero
 point (AWQ's min/max scheme, Lin et al. 2023, without rounding the zero to an integer). A G that does not divide
 K pads K to a multiple of G; the padded columns' quantized values are irrelevant (their inputs are zero) and
@@ -16,11 +18,19 @@ INT4_MAX = 15
 INT8_MAX = 127
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (qweight int8 [N, K], scales [N] in w's dtype); w ~= qweight * scales[:, None]."""
-    scales = int8_scales(w)
-    q = torch.round(w.float() / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scales
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qweight int8 [N, K], scales in w's dtype): [N] per channel, or [N, K // G] per group
+    of G input channels (K % G == 0); w ~= qweight * scale."""
+    n, k = w.shape
+    if group_size is None:
+        scales = int8_scales(w)
+        q = torch.round(w.float() / scales.float()[:, None])
+    else:
+        if k % group_size:
+            raise ValueError(f"int8 group_size {group_size} must divide in_features {k}")
+        scales = int8_scales(w.reshape(n * k // group_size, group_size)).view(n, k // group_size)
+        q = torch.round(w.float().view(n, -1, group_size) / scales.float()[..., None]).view(n, k)
+    return q.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
 
 
 def int8_scales(w: torch.Tensor) -> torch.Tensor:
@@ -72,8 +82,9 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None) -> torch.T
     AWQ's scale search and the tests use this; it matches what the packed layers compute.
     """
     if bits == 8:
-        q, scales = quantize_int8(w)
-        return (q.float() * scales.float()[:, None]).to(w.dtype)
+        q, scales = quantize_int8(w, group_size)
+        s = scales.float()[:, None] if group_size is None else scales.float().repeat_interleave(group_size, dim=1)
+        return (q.float() * s).to(w.dtype)
     n, k = w.shape
     q, scales, zeros = quantize_int4(w, group_size)
     wq = (q.view(n, -1, group_size).float() - zeros.float()[..., None]) * scales.float()[..., None]
@@ -95,5 +106,5 @@ def canonical_tensors(bits: int, codes: torch.Tensor, scales: torch.Tensor,
 def rtn_tensors(w: torch.Tensor, bits: int, group_size: int | None) -> dict[str, torch.Tensor]:
     """Round-to-nearest quantization of one weight [N, K] into canonical layer tensors."""
     if bits == 8:
-        return canonical_tensors(8, *quantize_int8(w))
+        return canonical_tensors(8, *quantize_int8(w, group_size))
     return canonical_tensors(4, *quantize_int4(w, group_size))

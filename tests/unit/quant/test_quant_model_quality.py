@@ -27,8 +27,16 @@ def test_int8_rtn_is_close_to_fp32(model_dir, eval_reference):
     result = evaluate(model_dir, eval_reference, "rtn", 8, None)
     assert result.kl <= 0.01
     # NOTE: 0.98 was the target; per-channel INT8 RTN measures 0.963-0.965 top-1 on this model (KL ~0.0037,
-    # spread evenly over layers; GPTQ INT8 reaches ~0.972), so the bound asserted is 0.95.
+    # spread evenly over layers; GPTQ INT8 reaches ~0.972), so the bound asserted is 0.95. The checkpoint is a
+    # dequantized Q4_1 GGUF with one scale per 32 weights, which one scale per row cannot follow; per-group
+    # INT8 (below) meets the target.
     assert result.top1 >= 0.95
+
+
+def test_int8_rtn_per_group_meets_the_target(model_dir, eval_reference):
+    result = evaluate(model_dir, eval_reference, "rtn", 8, 32)
+    assert result.kl <= 0.01
+    assert result.top1 >= 0.98
 
 
 def test_native_gguf_q4_1_matches_hf_dequantized_model(model_dir, eval_reference):
