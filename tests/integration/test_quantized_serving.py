@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.engine import LLMEngine
@@ -49,9 +50,9 @@ def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
     assert [o.token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("fmt", ["int8", "gguf"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])
 def test_long_prompt_gives_finite_logits(model_dir, int8_dir, tokenizer, fmt):
-    config = ModelConfig.from_dir(model_dir, str(int8_dir) if fmt == "int8" else "gguf")
+    config = ModelConfig.from_dir(model_dir, {"fp32": None, "int8": str(int8_dir), "gguf": "gguf"}[fmt])
     ids = tokenizer((LONG_TEXT + "\n") * 8, add_special_tokens=False).input_ids[:2000]
     assert len(ids) == 2000
     engine = LLMEngine(config, CacheConfig(16, 200), SchedulerConfig(512, 8))
@@ -60,3 +61,13 @@ def test_long_prompt_gives_finite_logits(model_dir, int8_dir, tokenizer, fmt):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].error is None and len(outs[-1].new_token_ids) == 1
+
+
+def test_non_finite_logits_fail_the_request_not_the_batch(model_config):
+    engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8))
+    with torch.no_grad():
+        engine.model_runner.model.model.norm.weight[0] = float("nan")
+    engine.add_request(Request("bad", [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0)))
+    outs = engine.step()
+    assert outs[0].finish_reason.value == "abort" and "non-finite" in outs[0].error
+    assert engine.num_free_blocks == 64 and not engine.has_unfinished_requests()
