@@ -9,8 +9,8 @@ import logging
 from services.kv_wire import kv_from_message
 from services.runtime import FINISH_TO_PROTO, engine_load, engine_main, sampling_params_from_proto
 from shared.async_engine import AsyncEngine
-from shared.engine import RequestOutput
-from shared.request import FinishReason, Request
+from shared.engine import LLMEngine, RequestOutput
+from shared.request import FinishReason, Request, RequestStatus
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
 
     async def _fail(self, request_id: str, error: str) -> None:
-        aborted = await self.engine.call(self.engine.engine.abort_request, request_id)
+        """Fail a request whose KV transfer broke; one already decoding (a stray repeat) is left alone."""
+        aborted = await self.engine.call(_abort_if_waiting_for_kv, self.engine.engine, request_id)
         if aborted:
             self.engine.deliver([RequestOutput(request_id, [], FinishReason.ABORT, error)])
 
     async def GetLoad(self, request, context):
         return await self.engine.call(engine_load, self.engine.engine)
+
+
+def _abort_if_waiting_for_kv(engine: LLMEngine, request_id: str) -> bool:
+    request = engine.requests.get(request_id)
+    return request is not None and request.status == RequestStatus.WAITING_FOR_KV and engine.abort_request(request_id)
 
 
 def main(argv=None) -> None:
