@@ -218,8 +218,8 @@ def paged_prefill_attention_ref(
         v = v.repeat_interleave(queries_per_kv, dim=1)
         q = query[q_start:q_end].float()  # [q_len, q_heads, D]
         scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
-        q_pos = torch.arange(n - (q_end - q_start), n)
-        visible = torch.arange(n)[None, :] <= q_pos[:, None]  # [q_len, n]
+        q_pos = torch.arange(n - (q_end - q_start), n, device=query.device)
+        visible = torch.arange(n, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, n]
         scores = scores.masked_fill(~visible, float("-inf"))
         out[q_start:q_end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

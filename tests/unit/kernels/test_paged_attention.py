@@ -1,4 +1,4 @@
-"""paged_decode_attention (Triton, interpreted on CPU) against paged_decode_attention_ref."""
+"""paged_decode_attention (Triton; interpreted on CPU, or compiled on CUDA) against paged_decode_attention_ref."""
 
 import pytest
 import torch
@@ -8,9 +8,9 @@ from kernels.paged_attention import paged_decode_attention, paged_decode_attenti
 NUM_KV_HEADS = 2
 
 
-def _query(num_seqs, num_q_heads, head_dim, dtype, seed=1):
+def _query(num_seqs, num_q_heads, head_dim, dtype, device, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(num_seqs, num_q_heads, head_dim, generator=gen).to(dtype)
+    return torch.randn(num_seqs, num_q_heads, head_dim, generator=gen).to(dtype).to(device)
 
 
 def _context_lens(block_size):
@@ -18,7 +18,7 @@ def _context_lens(block_size):
 
 
 def _run_both(query, key_cache, value_cache, block_tables, context_lens, **kwargs):
-    context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    context_lens = torch.tensor(context_lens, dtype=torch.int32, device=query.device)
     scale = query.shape[-1] ** -0.5
     out = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, **kwargs)
     ref = paged_decode_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale)
@@ -32,50 +32,50 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
-def test_matches_reference(make_paged_kv, close, queries_per_kv, head_dim, block_size, dtype):
+def test_matches_reference(make_paged_kv, close, device, queries_per_kv, head_dim, block_size, dtype):
     lens = _context_lens(block_size)
     k, v, tables = make_paged_kv(lens, block_size, NUM_KV_HEADS, head_dim, dtype)
-    query = _query(len(lens), NUM_KV_HEADS * queries_per_kv, head_dim, dtype)
+    query = _query(len(lens), NUM_KV_HEADS * queries_per_kv, head_dim, dtype, device)
     out, ref = _run_both(query, k, v, tables, lens)
-    assert out.dtype == dtype and out.shape == query.shape
+    assert out.dtype == dtype and out.shape == query.shape and out.device == query.device
     close(out, ref)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
-def test_split_context_matches_reference(make_paged_kv, close, num_splits):
+def test_split_context_matches_reference(make_paged_kv, close, device, num_splits):
     # Short contexts leave later splits empty; the 0-length context must give zeros, not NaN.
     lens = [0, 1, 17, 130, 300]
     k, v, tables = make_paged_kv(lens, 16, NUM_KV_HEADS, 64)
-    query = _query(len(lens), NUM_KV_HEADS * 3, 64, torch.float32)
+    query = _query(len(lens), NUM_KV_HEADS * 3, 64, torch.float32, device)
     out, ref = _run_both(query, k, v, tables, lens, num_splits=num_splits)
     close(out, ref)
     assert torch.all(out[0] == 0)
 
 
-def test_large_block_ids(make_paged_kv, close):
+def test_large_block_ids(make_paged_kv, close, device):
     lens = [15, 33, 200]
     k, v, tables = make_paged_kv(lens, 16, 1, 64, torch.float16, large_block_ids=True)
     assert int(tables.max()) > 2**21
-    query = _query(len(lens), 8, 64, torch.float16)
+    query = _query(len(lens), 8, 64, torch.float16, device)
     out, ref = _run_both(query, k, v, tables, lens, num_splits=2)
     close(out, ref)
 
 
-def test_strided_layer_view_of_pool(close):
+def test_strided_layer_view_of_pool(close, device):
     # The engine passes kv[layer, 0] and kv[layer, 1] of a [num_layers, 2, num_blocks, ...] pool.
     gen = torch.Generator().manual_seed(3)
-    pool = torch.randn(3, 2, 8, 16, 2, 64, generator=gen)
-    tables = torch.tensor([[5, 1, 7], [0, 2, 3]], dtype=torch.int32)
-    query = _query(2, 6, 64, torch.float32)
+    pool = torch.randn(3, 2, 8, 16, 2, 64, generator=gen).to(device)
+    tables = torch.tensor([[5, 1, 7], [0, 2, 3]], dtype=torch.int32, device=device)
+    query = _query(2, 6, 64, torch.float32, device)
     out, ref = _run_both(query, pool[1, 0], pool[1, 1], tables, [40, 9])
     close(out, ref)
 
 
-def _valid_args():
-    query = torch.randn(2, 4, 64)
-    cache = torch.randn(4, 16, 2, 64)
-    tables = torch.zeros(2, 2, dtype=torch.int32)
-    lens = torch.ones(2, dtype=torch.int32)
+def _valid_args(device):
+    query = torch.randn(2, 4, 64, device=device)
+    cache = torch.randn(4, 16, 2, 64, device=device)
+    tables = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
     return [query, cache, cache.clone(), tables, lens, 0.125]
 
 
@@ -89,14 +89,16 @@ def _valid_args():
     (4, torch.ones(3, dtype=torch.int32), "shape"),
     (1, torch.randn(4, 16, 64), "dims"),
 ])
-def test_bad_arguments_raise(index, bad, match):
-    args = _valid_args()
-    args[index] = bad
+def test_bad_arguments_raise(device, on_device, index, bad, match):
+    args = _valid_args(device)
+    args[index] = on_device(bad)
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(*args)
 
 
 def test_cpu_without_interpreter_raises(monkeypatch):
+    # CPU tensors on purpose, whatever TANDEM_KERNEL_DEVICE says: without the interpreter they must be refused.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
-        paged_decode_attention(*_valid_args())
+        paged_decode_attention(*_valid_args(torch.device("cpu")))
+

@@ -1,4 +1,4 @@
-"""paged_prefill_attention (Triton, interpreted on CPU) against paged_prefill_attention_ref."""
+"""paged_prefill_attention (Triton; interpreted on CPU, or compiled on CUDA) against paged_prefill_attention_ref."""
 
 import pytest
 import torch
@@ -20,14 +20,17 @@ def _batch(block_size):
 def _run_both(make_paged_kv, query_lens, context_lens, block_size, queries_per_kv, head_dim, dtype,
               large_block_ids=False, num_kv_heads=NUM_KV_HEADS):
     k, v, tables = make_paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, large_block_ids)
+    device = k.device
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(sum(query_lens), num_kv_heads * queries_per_kv, head_dim, generator=gen).to(dtype)
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query = query.to(device)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
     out = paged_prefill_attention(query, k, v, tables, query_start_loc, lens, scale)
     ref = paged_prefill_attention_ref(query, k, v, tables, query_start_loc, lens, scale)
-    assert out.dtype == dtype and out.shape == query.shape
+    assert out.dtype == dtype and out.shape == query.shape and out.device == query.device
     return out, ref
 
 
@@ -61,22 +64,22 @@ def test_large_block_ids(make_paged_kv, close):
     close(out, ref)
 
 
-def test_single_query_matches_decode_reference(make_paged_kv, close):
+def test_single_query_matches_decode_reference(make_paged_kv, close, device):
     lens = [1, 33, 200]
     k, v, tables = make_paged_kv(lens, 16, NUM_KV_HEADS, 64)
-    query = torch.randn(3, 6, 64)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
-    query_start_loc = torch.arange(4, dtype=torch.int32)
+    query = torch.randn(3, 6, 64).to(device)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(4, dtype=torch.int32, device=device)
     out = paged_prefill_attention(query, k, v, tables, query_start_loc, context_lens, 0.125)
     close(out, paged_decode_attention_ref(query, k, v, tables, context_lens, 0.125))
 
 
-def _valid_args():
-    query = torch.randn(5, 4, 64)
-    cache = torch.randn(4, 16, 2, 64)
-    tables = torch.zeros(2, 2, dtype=torch.int32)
-    query_start_loc = torch.tensor([0, 2, 5], dtype=torch.int32)
-    lens = torch.tensor([2, 3], dtype=torch.int32)
+def _valid_args(device):
+    query = torch.randn(5, 4, 64, device=device)
+    cache = torch.randn(4, 16, 2, 64, device=device)
+    tables = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    lens = torch.tensor([2, 3], dtype=torch.int32, device=device)
     return [query, cache, cache.clone(), tables, query_start_loc, lens, 0.125]
 
 
@@ -89,8 +92,8 @@ def _valid_args():
     (4, torch.tensor([0, 2, 5], dtype=torch.int64), "int32"),
     (5, torch.tensor([2, 3, 1], dtype=torch.int32), "shape"),
 ])
-def test_bad_arguments_raise(index, bad, match):
-    args = _valid_args()
-    args[index] = bad
+def test_bad_arguments_raise(device, on_device, index, bad, match):
+    args = _valid_args(device)
+    args[index] = on_device(bad)
     with pytest.raises(ValueError, match=match):
         paged_prefill_attention(*args)
