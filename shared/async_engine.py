@@ -64,7 +64,10 @@ class AsyncEngine:
     # -- engine thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                self._drain_commands(timeout=0.5)
+            else:  # a stalled engine (queued work, no room) waits for a command instead of spinning
+                self._drain_commands(timeout=0.01 if self.engine.last_step_num_tokens == 0 else None)
             if self._stopped or not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -75,9 +78,10 @@ class AsyncEngine:
             if outputs:
                 self.loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, timeout: float | None) -> None:
+        """Run queued commands; wait up to timeout seconds for the first one (None: do not wait)."""
         try:
-            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
         except queue.Empty:
             return
         while item is not None:

@@ -59,6 +59,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.export_kv = export_kv
         self.requests: dict[str, Request] = {}
+        self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -150,6 +151,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         if not scheduler_output.scheduled_requests:
             return []
         sampled = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
