@@ -91,6 +91,7 @@ class LLMEngine:
         """Decode tier: hold blocks for the prompt, to be filled by import_kv. MemoryError if the pool is full."""
         self._admit(request)
         if not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens):
+            self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             raise MemoryError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
         request.status = RequestStatus.WAITING_FOR_KV
@@ -117,6 +118,8 @@ class LLMEngine:
         request = self._get(request_id)
         if request.status != RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
         request.num_computed_tokens = request.num_prompt_tokens
         reason = request.append_output_token(first_token_id)
         if reason is not None:

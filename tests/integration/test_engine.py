@@ -89,3 +89,14 @@ def test_cuda_kernels_give_the_cpu_greedy_tokens(model_config, hf_references):
             engine.add_request(r)
         outs[device] = run_to_end(engine, requests)
     assert outs["cuda"] == outs["cpu"]
+
+
+def test_reservation_refusals_leave_nothing_behind(model_config):
+    engine = LLMEngine(model_config, CacheConfig(16, 4), SchedulerConfig(64, 8))
+    engine.reserve(Request("a", list(range(1, 49)), greedy(8)))  # 3 of 4 blocks
+    with pytest.raises(MemoryError):
+        engine.reserve(Request("b", list(range(1, 33)), greedy(8)))
+    assert "b" not in engine.kv_cache_manager.block_tables and "b" not in engine.requests
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.finish_kv_import("a", model_config.vocab_size)
+    assert engine.abort_request("a") and engine.num_free_blocks == 4
