@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
+from shared.quant.layers import pack_int4, unpack_int4  # noqa: F401  (the layout is defined there; re-exported)
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def w4a16_gemm(
 
     Args:
         x: [M, K] fp16/bf16/fp32.
-        qweight: [N, K // 2] uint8, packed as pack_int4 does (low nibble = even k, high nibble = odd k).
+        qweight: [N, K // 2] uint8, packed as shared.quant.layers.pack_int4 does (low nibble = even k, high nibble = odd k).
         scales, zeros: [N, K // group_size] fp16/bf16/fp32; zeros in quantized units (asymmetric).
         group_size: input channels per group; K % group_size == 0 and K even.
     Returns:
@@ -181,23 +182,6 @@ def w4a16_gemm(
         DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype), **cfg,
     )
     return y
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack [N, K] integers in [0, 15] into [N, K // 2] uint8: low nibble = even k, high nibble = odd k."""
-    if q.dim() != 2 or q.shape[1] % 2 != 0:
-        raise ValueError(f"q must be [N, K] with K even, got shape {tuple(q.shape)}")
-    if q.is_floating_point() or q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
-        raise ValueError("q must hold integers in [0, 15]")
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int4: [N, K // 2] uint8 -> [N, K] uint8 in [0, 15]."""
-    if packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise ValueError(f"packed must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
 def w8a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self._abort_all(f"engine step failed: {e}")
             if outputs:
-                self.loop.call_soon_threadsafe(self._deliver, outputs)
+                self.loop.call_soon_threadsafe(self.deliver, outputs)
 
     def _drain_commands(self, timeout: float | None) -> None:
         """Run queued commands; wait up to timeout seconds for the first one (None: do not wait)."""
@@ -106,10 +106,8 @@ class AsyncEngine:
 
     # -- event loop ----------------------------------------------------------------------------------------
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs produced outside step() (e.g. by finish_kv_import) to their streams."""
-        self._deliver(outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams (event-loop thread): step() results, and ones made elsewhere (e.g. by
+        finish_kv_import)."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

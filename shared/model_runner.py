@@ -39,7 +39,7 @@ class ModelRunner:
             n = out.num_scheduled_tokens[request.request_id]
             start = request.num_computed_tokens
             block_table = block_tables[request.request_id]
-            input_ids.extend(request.all_token_ids[start : start + n])
+            input_ids.extend(request.token_ids(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)

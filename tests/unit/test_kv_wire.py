@@ -1,5 +1,3 @@
-import dataclasses
-
 import pytest
 import torch
 
@@ -41,7 +39,7 @@ def test_mismatch_is_refused_with_clear_error(small, field, value):
 def test_truncated_bytes_are_refused(small):
     model_config, cache_config = small
     data = torch.zeros(1, 2, 1, 4, model_config.num_key_value_heads, model_config.head_dim)
-    msg = kv_to_messages("r", KVBlocks(0, data), dataclasses.replace(model_config))[0]
+    msg = kv_to_messages("r", KVBlocks(0, data), model_config)[0]
     msg.data = msg.data[:-4]
     with pytest.raises(ValueError, match="bytes"):
         kv_from_message(msg, model_config, cache_config)

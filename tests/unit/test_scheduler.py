@@ -50,3 +50,12 @@ def test_preempts_newest_running_request_when_blocks_run_out():
     assert out.preempted_requests == [b]
     assert b.num_computed_tokens == 0 and b.status == RequestStatus.WAITING
     assert s.kv_cache_manager.get_block_table("a") == [0, 1, 2]
+
+
+def test_token_ids_slices_prompt_and_output_alike():
+    req = make_request(num_prompt_tokens=4)  # prompt 1..4
+    req.output_token_ids = [50, 51]
+    full = req.prompt_token_ids + req.output_token_ids
+    for start in range(7):
+        for end in range(start, 7):
+            assert req.token_ids(start, end) == full[start:end]
