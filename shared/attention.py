@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache, and the one place that picks torch ops (CPU) or Triton kernels (CUDA).
+"""Attention over the paged KV cache, and the one place that picks torch ops (CPU) or Triton kernels (CUDA):
+use_triton(), which the quantized linears (shared/quant/layers.py) ask too.
 
 The batch is flat: request i owns query rows query_start_loc[i]:query_start_loc[i+1], which are the last
 positions of its context of context_lens[i] tokens (cached prefix + this step's tokens). Causal masking is
@@ -6,6 +7,7 @@ therefore offset: query row j of a request with n new tokens sits at position co
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +30,16 @@ class AttentionMetadata:
         return len(self.query_start_loc) - 1 == self.query_start_loc[-1]
 
 
+def use_triton(t: torch.Tensor) -> bool:
+    """True when work on tensor t goes through the Triton kernels: always for CUDA tensors; for CPU tensors only
+    with TANDEM_TRITON_ON_CPU=1, which needs TRITON_INTERPRET=1 set before triton is imported (the interpreter then
+    runs the GPU code path on the CPU, slowly: tests use it to check that path end to end without a GPU)."""
+    return t.is_cuda or os.environ.get("TANDEM_TRITON_ON_CPU") == "1"
+
+
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Scatter new K/V rows [num_tokens, num_kv_heads, head_dim] into one layer's pool by slot."""
-    if key.is_cuda:
+    if use_triton(key):
         from kernels.kv_cache_write import write_kv_cache as kernel
 
         return kernel(key, value, key_cache, value_cache, slot_mapping)
@@ -46,8 +55,8 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     head_dim] (already holding this step's K/V); returns [num_tokens, num_q_heads, head_dim].
     CUDA: Triton kernels (decode and extend). CPU: per-request gather + scaled_dot_product_attention.
     """
-    if query.is_cuda:
-        return _attention_cuda(query, key_cache, value_cache, meta, scale)
+    if use_triton(query):
+        return _attention_triton(query, key_cache, value_cache, meta, scale)
     if meta.is_decode_only:
         return _decode_attention_cpu(query, key_cache, value_cache, meta, scale)
     block_size = key_cache.shape[1]
@@ -87,7 +96,7 @@ def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata
     return o.squeeze(2)
 
 
-def _attention_cuda(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.is_decode_only:
         from kernels.paged_attention import paged_decode_attention
 

@@ -13,15 +13,18 @@ NOTE: a group_size that does not divide K (576 / 128 on SmolLM2) is handled by p
 the last group holds only K % G real columns, and the padded columns are multiplied by zero-padded inputs, so
 they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G]; dequantize() returns [N, K].
 
-Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily); CPU dequantizes and calls a
-float matmul. On the AVX2 development machine that beats torch's packed CPU ops (_weight_int8pack_mm,
-_weight_int4pack_mm_for_cpu) at every M measured (1 to 256); see shared/quant/bench_cpu.py.
+Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.attention.use_triton
+decides, as for attention); CPU dequantizes and calls a float matmul. On the AVX2 development machine that
+beats torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) at every M measured (1 to 256);
+see shared/quant/bench_cpu.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.attention import use_triton
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -97,7 +100,7 @@ class WeightOnlyInt8Linear(nn.Module):
         return (q * self.scales[..., None]).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.group_size is None:
+        if self.group_size is None and use_triton(x):
             from kernels.quant_gemm import w8a16_gemm
 
             y = w8a16_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
@@ -169,7 +172,7 @@ class WeightOnlyInt4Linear(nn.Module):
         return w.view(n, -1)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if use_triton(x):
             from kernels.quant_gemm import w4a16_gemm
 
             x2 = x.reshape(-1, self.in_features)

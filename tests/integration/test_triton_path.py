@@ -1,0 +1,112 @@
+"""The GPU code path without a GPU: with TANDEM_TRITON_ON_CPU=1 and TRITON_INTERPRET=1 the engine sends its KV
+writes, paged attention (extend and decode) and quantized GEMMs through the Triton kernels, run on the CPU by the
+interpreter. It must give the same greedy tokens as the torch path for fp32, INT8 per channel and INT4 with a
+padded group (576 / 128). The interpreter is slow (INT4 runs at about 1 s per linear), so the model is the default
+one cut to its first decoder layer (real weights and shapes) and the run is three steps: a 24-token chunk, a mixed
+step (the rest of that prompt over its cached prefix, plus a whole 3-token prompt), then a decode step of both. Runs in a subprocess: TRITON_INTERPRET is read when triton is
+first imported."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("triton")
+REPO = Path(__file__).resolve().parents[2]
+NUM_LAYERS = 1
+
+SCRIPT = r"""
+import collections, os, sys, torch
+torch.set_num_threads(1)
+import kernels.kv_cache_write, kernels.paged_attention, kernels.prefill_attention, kernels.quant_gemm
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.engine import LLMEngine
+from shared.request import Request, SamplingParams
+
+model_dir, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+config = ModelConfig.from_dir(model_dir, quantization)
+prompts = [list(range(100, 140)), list(range(300, 303))]  # 40 tokens: two chunks of 24 (extend over a prefix)
+calls = collections.Counter()
+
+
+def count_calls(module, name):  # the engine imports kernels lazily, by module attribute, so this sees each launch
+    kernel = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return kernel(*args, **kwargs)
+
+    setattr(module, name, counted)
+
+
+count_calls(kernels.kv_cache_write, "write_kv_cache")
+count_calls(kernels.paged_attention, "paged_decode_attention")
+count_calls(kernels.prefill_attention, "paged_prefill_attention")
+count_calls(kernels.quant_gemm, "w8a16_gemm")
+count_calls(kernels.quant_gemm, "w4a16_gemm")
+
+
+def greedy_tokens(triton_on_cpu):
+    os.environ["TANDEM_TRITON_ON_CPU"] = triton_on_cpu
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(24, 4))
+    outs = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+        outs[str(i)] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.error is None, o.error
+            outs[o.request_id] += o.new_token_ids
+    assert engine.num_free_blocks == 64
+    return outs
+
+
+torch_path = greedy_tokens("0")
+assert not calls, calls
+triton_path = greedy_tokens("1")
+print(config.weight_format, torch_path, triton_path, dict(calls))
+assert torch_path == triton_path
+gemm = {"fp32": None, "int8": "w8a16_gemm", "int4-g128-rtn": "w4a16_gemm"}[config.weight_format]
+expected = {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"} | ({gemm} if gemm else set())
+assert set(calls) == expected, calls
+print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def cut_model_dir(model_dir, tmp_path_factory):
+    """The default model's first NUM_LAYERS decoder layer(s), embeddings, final norm and tokenizer files."""
+    out = tmp_path_factory.mktemp("cut_model")
+    for f in Path(model_dir).iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["num_hidden_layers"] = NUM_LAYERS
+    (out / "config.json").write_text(json.dumps(config))
+    state = {}
+    for path in Path(model_dir).glob("*.safetensors"):
+        state.update(load_file(str(path)))
+    keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < NUM_LAYERS}
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def run_script(*args):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4-g128"])
+def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
+    if fmt == "fp32":
+        return run_script(cut_model_dir)
+    quantized = tmp_path / fmt
+    bits = ["--bits", "8"] if fmt == "int8" else ["--bits", "4", "--group-size", "128"]
+    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", *bits,
+                    "--model", str(cut_model_dir), "--out", str(quantized)], check=True, timeout=300)
+    run_script(cut_model_dir, quantized)
