@@ -192,5 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
+    """Run one subcommand; a bad argument, unreadable file or dead cluster process ends it with one
+    "error: ..." line on stderr and exit code 1, not a traceback."""
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        sys.exit(args.func(args))
+    except grpc.RpcError as e:
+        sys.exit(f"error: {e.code().name}: {e.details()}")
+    except (ValueError, OSError, RuntimeError) as e:
+        sys.exit(f"error: {e}")

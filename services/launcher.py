@@ -118,9 +118,11 @@ class LocalCluster:
 
     def check_alive(self) -> None:
         for name, proc in self.processes.items():
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text()[-2000:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+            if proc.poll() is not None:  # its last log line is the error (a traceback's last line)
+                log_path = self.log_dir / f"{name}.log"
+                lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+                last = lines[-1].strip() if lines else "no output"
+                raise RuntimeError(f"{name} exited with code {proc.returncode}: {last} (log: {log_path})")
 
     def stop(self) -> None:
         """SIGTERM every child (engines deregister), then SIGKILL what is left after 10 s; Redis last."""

@@ -171,8 +171,14 @@ def add_engine_args(parser: argparse.ArgumentParser, num_blocks: int, max_num_ba
     parser.add_argument("--device", default="cpu")
 
 
+def _quantization_source(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a checkpoint directory, a .gguf file or 'gguf'")
+    return value
+
+
 def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION"),
+    parser.add_argument("--quantization", type=_quantization_source, default=os.environ.get("TANDEM_QUANTIZATION"),
                         help="quantized checkpoint applied over --model: a `tandem quantize` / HF AWQ / HF GPTQ dir, "
                              "a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers must agree)")  # fmt: skip
 

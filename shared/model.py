@@ -133,16 +133,15 @@ class LlamaForCausalLM(nn.Module):
 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu", dtype=torch.float32) -> LlamaForCausalLM:
-    """Build the model from config.path's safetensors files (strict: every weight must be present), then, with
-    config.quantization, swap its linears for the quantized layers of that checkpoint (shared/quant)."""
+    """Build the model from config.path's safetensors files, or with config.quantization from that quantized
+    checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight must be present
+    (ValueError otherwise)."""
     if config.quantization is not None:
         from shared.quant import apply_quantization
 
         with torch.device(device):
             model = LlamaForCausalLM(config)
-        if Path(config.quantization) != Path(config.path):  # float base weights first (embeddings, norms)
-            model.load_state_dict(_read_state(config), strict=False)
-        apply_quantization(model, config.quantization)
+        apply_quantization(model, config.quantization)  # a complete checkpoint: it fills every tensor
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return model.to(dtype).eval()

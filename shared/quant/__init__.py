@@ -19,7 +19,8 @@ from torch import nn
 from shared.quant.checkpoint import detect_quant_config, load_quantized_state, save_quantized
 from shared.quant.config import QuantConfig
 from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-from shared.quant.modules import apply_quantized_state, quantizable_linears, weight_bytes
+from shared.quant.modules import (apply_quantized_state, float_tensor_names, quantizable_linears,
+                                  weight_bytes)
 
 __all__ = ["QuantConfig", "WeightOnlyInt4Linear", "WeightOnlyInt8Linear", "apply_quantization",
            "apply_quantized_state", "detect_quant_config", "load_quantized_state", "quantize_model",
@@ -70,15 +71,9 @@ def quantize_model(model: nn.Module, method: str, bits: int, group_size: int | N
 
 
 def float_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict minus the quantizable linears' weights and tied duplicates (lm_head)."""
-    linear_ids = {id(m.weight) for m in quantizable_linears(model).values() if isinstance(m, nn.Linear)}
-    quant_ids = {id(t) for m in quantizable_linears(model).values() for t in m.buffers()}
-    out, seen = {}, linear_ids | quant_ids
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:  # tied weights share one object: stored once, under the first name
-            seen.add(id(tensor))
-            out[key] = tensor.detach().clone()
-    return out
+    """The model's state dict minus the quantizable linears and tied duplicates (lm_head), copied."""
+    state = model.state_dict()
+    return {key: state[key].detach().clone() for key in float_tensor_names(model)}
 
 
 def apply_quantization(model: nn.Module, source: str | Path) -> QuantConfig:
@@ -91,8 +86,16 @@ def apply_quantization(model: nn.Module, source: str | Path) -> QuantConfig:
     Returns:
         the checkpoint's QuantConfig.
     Raises:
-        ValueError: unsupported or unquantized checkpoint, or one that does not fit the model.
+        ValueError: unsupported or unquantized checkpoint, one that does not fit the model or is incomplete, or
+            one whose tensors disagree with its quantization_config.
     """
     state, config = load_quantized_state(source)
     apply_quantized_state(model, state)
+    # A directory's quantization_config names its format, so its tensors must agree. A GGUF file may mix types
+    # per tensor (its config names the most common one), and that is read from the tensors themselves.
+    for name, layer in quantizable_linears(model).items() if config.method != "gguf" else ():
+        bits = 8 if isinstance(layer, WeightOnlyInt8Linear) else 4
+        if (bits, layer.group_size) != (config.bits, config.group_size):
+            raise ValueError(f"{source}: its quantization_config says {config.weight_format}, but {name} holds "
+                             f"int{bits} weights with group_size {layer.group_size}")
     return config

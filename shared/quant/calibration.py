@@ -20,6 +20,7 @@ from shared.quant.modules import LINEAR_SUFFIXES
 SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
                 "mlp.up_proj": "mlp.gate_proj"}
 INPUT_OWNERS = tuple(s for s in LINEAR_SUFFIXES if s not in SHARED_INPUT)  # q, o, gate, down
+MIN_DISTINCT_TOKENS = 32
 
 
 class _StopForward(Exception):
@@ -45,11 +46,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def calibration_batch(token_ids: list[int] | torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Cut token ids into as many full rows of seq_len as fit: [B, seq_len] int64. Raises ValueError if < 1."""
+    """Cut token ids into as many full rows of seq_len as fit: [B, seq_len] int64.
+
+    Raises ValueError if not even one row fits, or if the text has fewer than MIN_DISTINCT_TOKENS distinct
+    tokens: activations of a repeated token say nothing about the others (AWQ then scales channels for that one
+    token, and the model it writes answers nonsense)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     rows = ids.numel() // seq_len
     if rows < 1:
         raise ValueError(f"need at least {seq_len} calibration tokens, got {ids.numel()}")
+    distinct = ids.unique().numel()
+    if distinct < MIN_DISTINCT_TOKENS:
+        raise ValueError(f"calibration text has {distinct} distinct tokens; use varied text (at least "
+                         f"{MIN_DISTINCT_TOKENS} distinct tokens)")
     return ids[: rows * seq_len].view(rows, seq_len)
 
 

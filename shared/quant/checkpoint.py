@@ -50,8 +50,11 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{model_dir} holds no .safetensors file")
     state = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            state.update({key: f.get_tensor(key) for key in f.keys()})
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                state.update({key: f.get_tensor(key) for key in f.keys()})
+        except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
+            raise ValueError(f"{path} cannot be read (truncated or corrupt?): {e}") from e
     return state
 
 
@@ -87,7 +90,10 @@ def load_quantized_state(source: str | Path) -> tuple[dict[str, torch.Tensor], Q
         from shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
 
         convert = convert_hf_awq if method == "awq" else convert_hf_gptq
-        return convert(read_safetensors(source), qc)
+        try:
+            return convert(read_safetensors(source), qc)
+        except KeyError as e:
+            raise ValueError(f"{source} says quant_method {method!r} but lacks the tensor {e}") from e
     raise ValueError(f"unsupported quant_method {method!r} (supported: tandem, awq, gptq, or a .gguf file)")
 
 

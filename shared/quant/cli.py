@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 
-from shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, quantize_model, save_quantized,
-                          weight_bytes)
+from shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config,
+                          quantize_model, save_quantized, weight_bytes)
 from shared.quant.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, compare_to_reference, eval_windows,
                                      load_hf_model, reference_logprobs, text_token_ids)
 from shared.quant.modules import quantizable_linears
@@ -40,7 +40,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=None,
                         help="input channels per scale: INT4 32, 64 or 128 (default 128); INT8 per channel "
                              "(default) or, with rtn, 32 or 64")
-    parser.add_argument("--out", required=True, help="output checkpoint directory")
+    parser.add_argument("--out", required=True, help="output checkpoint directory (new or empty)")
     parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
     parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT), help="calibration text for gptq/awq")
     parser.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
@@ -50,13 +50,17 @@ def run_quantize(args: argparse.Namespace) -> int:
     """Quantize --model with --method and write a tandem checkpoint to --out; returns the exit code (0)."""
     group_size = args.group_size if args.group_size is not None or args.bits == 8 else 128
     config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never overwrite a model (or its source)
+        raise ValueError(f"--out {out} already exists and is not an empty directory; choose a new path")
+    out.mkdir(parents=True, exist_ok=True)  # unwritable paths fail now, not after the calibration
     model_dir = _model_dir(args.model)
     start = time.perf_counter()
     model = load_hf_model(model_dir)
     calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" else None
     options = {"act_order": True} if args.act_order and args.method == "gptq" else {}
     state = quantize_model(model, args.method, args.bits, group_size, calib, **options)
-    out = save_quantized(args.out, state, config, model_dir)
+    save_quantized(out, state, config, model_dir)
     apply_quantized_state(model, state)
     print(f"wrote {out} ({config.weight_format}, {weight_bytes(model) / 2**20:.1f} MiB of weights) "
           f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -83,7 +87,15 @@ def run_eval(args: argparse.Namespace) -> int:
     """Evaluate each requested format against the float model; print a table or JSON; return 0."""
     if args.max_positions < MIN_REPORT_POSITIONS:
         raise ValueError(f"--max-positions must be at least {MIN_REPORT_POSITIONS}")
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len must be at least 1, got {args.seq_len}")
     specs = [_parse_method(m, args.group_size) for m in args.methods.split(",") if m.strip()]
+    if not specs and not args.checkpoint:
+        raise ValueError("nothing to evaluate: --methods lists no format and no --checkpoint is given")
+    sources = args.checkpoint + ([args.gguf] if args.gguf and any(m == "gguf" for m, _, _ in specs) else [])
+    for source in sources:  # fail now, not after minutes of evaluation
+        if detect_quant_config(source).bits is None:
+            raise ValueError(f"{source} is a float checkpoint, not a quantized one")
     model_dir = _model_dir(args.model)
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), args.seq_len, args.max_positions)
     if windows.numel() < MIN_REPORT_POSITIONS:

@@ -20,18 +20,34 @@ CALIBRATION_TEXT = DATA_DIR / "quant_calibration.txt"
 
 
 def load_hf_model(model_dir: str | Path) -> nn.Module:
-    """HF transformers causal LM in fp32, eval mode (module names as the engine's model)."""
+    """HF transformers causal LM in fp32, eval mode (module names as the engine's model).
+
+    Raises:
+        ValueError: model_dir is a quantized checkpoint (transformers would skip the unknown "tandem" format and
+            leave random weights) or lacks weights."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from shared.quant.checkpoint import read_quant_config
+
+    if read_quant_config(Path(model_dir)) is not None:
+        raise ValueError(f"{model_dir} is a quantized checkpoint; --model needs the float model it came from")
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                       output_loading_info=True)
+    if info["missing_keys"]:
+        raise ValueError(f"{model_dir} lacks {len(info['missing_keys'])} weights, e.g. {info['missing_keys'][0]}")
+    return model.eval()
 
 
 def text_token_ids(model_dir: str | Path, path: Path) -> torch.Tensor:
-    """Token ids [T] int64 of a text file, with the tokenizer of model_dir."""
+    """Token ids [T] int64 of a UTF-8 text file, with the tokenizer of model_dir (ValueError if not UTF-8)."""
     from transformers import AutoTokenizer
 
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e}") from e
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return torch.tensor(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=torch.long)
+    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
 
 
 def eval_windows(token_ids: torch.Tensor, seq_len: int = 512, max_positions: int | None = None) -> torch.Tensor:

@@ -74,15 +74,30 @@ def decode_q8_0(blocks: np.ndarray) -> dict[str, torch.Tensor]:
     return {"qweight": q, "scales": d}
 
 
+def open_gguf(path: str | Path):
+    """A gguf.GGUFReader over path.
+
+    Raises:
+        ValueError naming the file: not a GGUF file, or a truncated or corrupt one (the reader's own error, e.g.
+            a numpy reshape error, names neither)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} cannot be read as GGUF (truncated or corrupt?): {e}") from e
+
+
 def load_gguf_state(path: str | Path) -> tuple[dict[str, torch.Tensor], QuantConfig]:
     """Read a llama-architecture GGUF into (canonical state dict with HF names, QuantConfig).
 
     Raises:
-        ValueError: another architecture, a linear in an unsupported type (e.g. Q6_K), or an unknown tensor.
+        ValueError: not a (complete) GGUF file, another architecture, a linear in an unsupported type (e.g.
+            Q6_K), or an unknown tensor.
     """
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch != "llama":
         raise ValueError(f"only llama GGUF files are supported, got architecture {arch!r}")
@@ -122,9 +137,7 @@ def load_gguf_state(path: str | Path) -> tuple[dict[str, torch.Tensor], QuantCon
 
 def gguf_quant_config(path: str | Path) -> QuantConfig:
     """QuantConfig of a GGUF file from its tensor headers only (the most common linear type names it)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     types = Counter(t.tensor_type.name for t in reader.tensors
                     if (m := _BLOCK_RE.match(t.name)) and m.group(2) in GGUF_LINEARS)
     if not types:

@@ -76,13 +76,24 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
     Args:
         model: module tree with HF names; modified in place and returned.
         state: canonical state dict (see module docstring), as quantize_model or load_quantized_state return.
+    NOTE: the state must be complete (every float tensor of the model but a tied lm_head), as every supported
+    checkpoint format is; a partial one would leave randomly initialised weights behind.
+
     Raises:
-        ValueError: a linear without quantized tensors, a tensor the model has no place for, or a shape mismatch.
+        ValueError: a linear without quantized tensors, a missing float tensor, a tensor the model has no place
+            for, a shape mismatch, or a NaN/inf value.
     """
     linears = quantizable_linears(model)
     missing = [name for name in linears if f"{name}.qweight" not in state]
     if missing:
         raise ValueError(f"quantized checkpoint lacks {len(missing)} linear layers, e.g. {missing[0]}")
+    missing = [key for key in float_tensor_names(model) if key not in state]
+    if missing:
+        raise ValueError(f"quantized checkpoint lacks {len(missing)} float tensors, e.g. {missing[0]}")
+    bad = next((key for key, value in state.items() if value.is_floating_point() and not value.isfinite().all()),
+               None)
+    if bad is not None:
+        raise ValueError(f"quantized checkpoint tensor {bad!r} holds NaN or inf")
     for name, linear in linears.items():
         tensors = {t: state[f"{name}.{t}"] for t in QUANT_TENSOR_NAMES if f"{name}.{t}" in state}
         _set_module(model, name, make_quant_layer(linear, tensors))
@@ -98,6 +109,18 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
                 raise ValueError(f"{key}: model shape {tuple(targets[key].shape)}, checkpoint {tuple(value.shape)}")
             targets[key].copy_(value)
     return model
+
+
+def float_tensor_names(model: nn.Module) -> list[str]:
+    """State-dict names of the model's tensors outside the quantizable linears, each storage once (a tied lm_head
+    is left out): what a quantized checkpoint carries in float."""
+    skip = {id(t) for m in quantizable_linears(model).values() for t in list(m.parameters()) + list(m.buffers())}
+    names = []
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in skip:
+            skip.add(id(tensor))
+            names.append(key)
+    return names
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -71,3 +71,13 @@ def test_non_finite_logits_fail_the_request_not_the_batch(model_config):
     outs = engine.step()
     assert outs[0].finish_reason.value == "abort" and "non-finite" in outs[0].error
     assert engine.num_free_blocks == 64 and not engine.has_unfinished_requests()
+
+
+def test_up_with_an_unreadable_quantization_says_why_in_one_line(model_dir, tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(96))
+    result = subprocess.run([sys.executable, "-m", "services", "up", "--model", str(model_dir), "--threads", "1",
+                             "--quantization", str(tmp_path / "junk.gguf"), "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "junk.gguf cannot be read as GGUF" in last, last

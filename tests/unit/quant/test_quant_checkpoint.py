@@ -152,3 +152,55 @@ def test_float_checkpoint_is_refused(tmp_path, make_tiny_llama):
     assert detect_quant_config(tmp_path).weight_format == "fp32"
     with pytest.raises(ValueError, match="float checkpoint"):
         apply_quantization(make_tiny_llama(), tmp_path)
+
+
+@pytest.fixture
+def rtn4_checkpoint(tmp_path, make_tiny_llama):
+    """A tandem INT4 g32 checkpoint of the tiny model at tmp_path / "q"; returns (dir, its state dict)."""
+    model = make_tiny_llama()
+    (tmp_path / "src").mkdir()
+    model.config.save_pretrained(tmp_path / "src")
+    state = quantize_model(model, "rtn", 4, 32)
+    save_quantized(tmp_path / "q", state, QuantConfig(bits=4, group_size=32, method="rtn"), tmp_path / "src")
+    return tmp_path / "q", state
+
+
+def rewrite(path, state=None, **quant_config):
+    """Overwrite a tandem checkpoint's tensors and/or fields of its quantization_config."""
+    if state is not None:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(quant_config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage,error", [
+    ("drop model.norm.weight", "lacks 1 float tensors, e.g. model.norm.weight"),
+    ("drop a linear", "lacks 1 linear layers"),
+    ("nan scale", "'model.layers.1.self_attn.o_proj.scales' holds NaN or inf"),
+    ("config says int8", "says int8, but model.layers.0.self_attn.q_proj holds int4 weights with group_size 32"),
+    ("config says g128", "says int4-g128-rtn, but .* group_size 32"),
+    ("config says awq layout", "quant_method 'awq' but lacks the tensor"),
+    ("truncated file", "model.safetensors cannot be read"),
+])
+def test_damaged_or_mislabelled_checkpoints_are_refused(make_tiny_llama, rtn4_checkpoint, damage, error):
+    path, state = rtn4_checkpoint
+    if damage == "drop model.norm.weight":
+        rewrite(path, {k: v for k, v in state.items() if k != "model.norm.weight"})
+    elif damage == "drop a linear":
+        rewrite(path, {k: v for k, v in state.items() if not k.startswith("model.layers.1.mlp.up_proj.")})
+    elif damage == "nan scale":
+        scales = state["model.layers.1.self_attn.o_proj.scales"].clone()
+        scales[0, 0] = float("nan")
+        rewrite(path, state | {"model.layers.1.self_attn.o_proj.scales": scales})
+    elif damage == "config says int8":
+        rewrite(path, bits=8, group_size=None)
+    elif damage == "config says g128":
+        rewrite(path, group_size=128)
+    elif damage == "config says awq layout":
+        rewrite(path, quant_method="awq")
+    else:
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=error):
+        apply_quantization(make_tiny_llama(seed=1), path)

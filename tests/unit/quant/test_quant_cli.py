@@ -61,3 +61,58 @@ def test_eval_refuses_fewer_than_2000_positions():
     add_eval_args(parser)
     with pytest.raises(ValueError, match="2000"):
         run_eval(parser.parse_args(["--max-positions", "512"]))
+
+
+def quantize_args(*argv):
+    parser = argparse.ArgumentParser()
+    add_quantize_args(parser)
+    return parser.parse_args(["--method", "rtn", "--bits", "8", *argv])
+
+
+def eval_args(*argv):
+    parser = argparse.ArgumentParser()
+    add_eval_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_quantize_never_writes_into_an_existing_model(tmp_path, make_tiny_llama):
+    make_tiny_llama().save_pretrained(tmp_path / "src")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "src").iterdir()}
+    with pytest.raises(ValueError, match="already exists and is not an empty directory"):
+        run_quantize(quantize_args("--model", str(tmp_path / "src"), "--out", str(tmp_path / "src")))
+    assert {f.name: f.read_bytes() for f in (tmp_path / "src").iterdir()} == before
+    assert run_quantize(quantize_args("--model", str(tmp_path / "src"), "--out", str(tmp_path / "q"))) == 0
+    with pytest.raises(ValueError, match="is a quantized checkpoint; --model needs the float model"):
+        run_quantize(quantize_args("--model", str(tmp_path / "q"), "--out", str(tmp_path / "q2")))
+
+
+def test_eval_checks_its_arguments_before_any_work(tmp_path, make_tiny_llama):
+    with pytest.raises(ValueError, match="--seq-len must be at least 1"):
+        run_eval(eval_args("--seq-len", "0"))
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        run_eval(eval_args("--methods", ","))
+    make_tiny_llama().save_pretrained(tmp_path / "float")
+    with pytest.raises(ValueError, match="is a float checkpoint"):
+        run_eval(eval_args("--methods", "rtn8", "--checkpoint", str(tmp_path / "float"), "--model", "/nonexistent"))
+
+
+def test_calibration_text_must_be_varied():
+    from shared.quant.calibration import MIN_DISTINCT_TOKENS, calibration_batch
+
+    assert calibration_batch(torch.arange(64), 32).shape == (2, 32)
+    with pytest.raises(ValueError, match="distinct tokens"):
+        calibration_batch(torch.arange(MIN_DISTINCT_TOKENS - 1).repeat(4), 32)
+
+
+def test_tandem_commands_end_bad_input_with_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "8",
+                             "--group-size", "128", "--out", str(tmp_path / "q")],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: int8 is per output channel")
+    result = subprocess.run([sys.executable, "-m", "services", "up", "--quantization", " ", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "--quantization: must name a checkpoint" in result.stderr, result.stderr

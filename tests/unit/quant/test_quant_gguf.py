@@ -101,3 +101,14 @@ def test_gguf_unsupported_type_is_refused(tmp_path, make_tiny_llama):
     writer.close()
     with pytest.raises(ValueError, match="F16"):
         load_gguf_state(tmp_path / "bad.gguf")
+
+
+def test_truncated_or_foreign_gguf_files_are_refused_by_name(tmp_path, make_tiny_llama):
+    write_tiny_gguf(tmp_path / "tiny.gguf", make_tiny_llama())
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=r"cut.gguf cannot be read as GGUF \(truncated or corrupt\?\): cannot reshape"):
+        apply_quantization(make_tiny_llama(), tmp_path / "cut.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(96))
+    with pytest.raises(ValueError, match="junk.gguf"):
+        detect_quant_config(tmp_path / "junk.gguf")
