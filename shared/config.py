@@ -47,7 +47,9 @@ class ModelConfig:
 
     @property
     def model_id(self) -> str:
-        """Identity checked by KV transfer and block hashes: name, checkpoint digest and weight format."""
+        """Identity checked by KV transfer and block hashes: name, digest and weight format of the checkpoint
+        the weights come from (the quantized one when there is one, since it fills every tensor; so --model Q
+        and --model BASE --quantization Q give the same id)."""
         return f"{self.name}:{self.digest}:{self.weight_format}"
 
     @classmethod
@@ -55,7 +57,8 @@ class ModelConfig:
         """Read config.json (+ generation_config.json for extra EOS ids). ValueError if not Llama-like.
 
         quantization: a quantized checkpoint (tandem / HF AWQ / HF GPTQ dir, a .gguf file, or "gguf" for the
-        packaged GGUF) applied over this model; a path that is itself a quantized checkpoint needs none.
+        packaged GGUF) with this model's architecture, which supplies every weight; a path that is itself a
+        quantized checkpoint needs none.
         """
         from shared.model_files import packaged_gguf_path
         from shared.quant import detect_quant_config
@@ -78,12 +81,10 @@ class ModelConfig:
             quantization = str(packaged_gguf_path())
         if quantization is None and detect_quant_config(path).bits is not None:
             quantization = str(path)
-        digest = fingerprint(path)
-        if quantization is not None and Path(quantization) != path:
-            digest = f"{digest}+{fingerprint(Path(quantization))}"
+        weights = path if quantization is None else Path(quantization)
         return cls(
             path=str(path),
-            name=path.name,
+            name=weights.stem if weights.suffix == ".gguf" else weights.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -96,7 +97,7 @@ class ModelConfig:
             max_model_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=tuple(sorted(eos)),
-            digest=digest,
+            digest=fingerprint(weights),
             weight_format=detect_quant_config(quantization).weight_format,
             quantization=quantization,
         )

@@ -50,6 +50,12 @@ def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_model_id_names_the_weights_whichever_flag_brings_them(model_dir, int8_dir):
+    over_base, alone = ModelConfig.from_dir(model_dir, str(int8_dir)), ModelConfig.from_dir(int8_dir)
+    assert over_base.model_id == alone.model_id and alone.model_id.endswith(":int8")
+    assert over_base.model_id != ModelConfig.from_dir(model_dir).model_id
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])
 def test_long_prompt_gives_finite_logits(model_dir, int8_dir, tokenizer, fmt):
     config = ModelConfig.from_dir(model_dir, {"fp32": None, "int8": str(int8_dir), "gguf": "gguf"}[fmt])
