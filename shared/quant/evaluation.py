@@ -33,8 +33,9 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
         raise ValueError(f"{model_dir} is a quantized checkpoint; --model needs the float model it came from")
     model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                        output_loading_info=True)
-    if info["missing_keys"]:
-        raise ValueError(f"{model_dir} lacks {len(info['missing_keys'])} weights, e.g. {info['missing_keys'][0]}")
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ValueError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[0]}")
     return model.eval()
 
 

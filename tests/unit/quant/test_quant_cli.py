@@ -84,6 +84,12 @@ def test_quantize_never_writes_into_an_existing_model(tmp_path, make_tiny_llama)
     assert run_quantize(quantize_args("--model", str(tmp_path / "src"), "--out", str(tmp_path / "q"))) == 0
     with pytest.raises(ValueError, match="is a quantized checkpoint; --model needs the float model"):
         run_quantize(quantize_args("--model", str(tmp_path / "q"), "--out", str(tmp_path / "q2")))
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "src" / "model.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if k != "model.norm.weight"}, str(weights))
+    with pytest.raises(ValueError, match="lacks 1 weights, e.g. model.norm.weight"):
+        run_quantize(quantize_args("--model", str(tmp_path / "src"), "--out", str(tmp_path / "q3")))
 
 
 def test_eval_checks_its_arguments_before_any_work(tmp_path, make_tiny_llama):
