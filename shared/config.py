@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from shared.model_files import fingerprint
 
@@ -47,9 +48,10 @@ class ModelConfig:
 
     @property
     def model_id(self) -> str:
-        """Identity checked by KV transfer and block hashes: name, digest and weight format of the checkpoint
-        the weights come from (the quantized one when there is one, since it fills every tensor; so --model Q
-        and --model BASE --quantization Q give the same id)."""
+        """Identity checked by KV transfer and block hashes: the name and weight format of the checkpoint the
+        weights come from (the quantized one when there is one, since it fills every tensor; so --model Q and
+        --model BASE --quantization Q give the same id), and a digest of those weights plus the architecture
+        fields they run with."""
         return f"{self.name}:{self.digest}:{self.weight_format}"
 
     @classmethod
@@ -82,9 +84,7 @@ class ModelConfig:
         if quantization is None and detect_quant_config(path).bits is not None:
             quantization = str(path)
         weights = path if quantization is None else Path(quantization)
-        return cls(
-            path=str(path),
-            name=weights.stem if weights.suffix == ".gguf" else weights.name,
+        arch = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -97,10 +97,11 @@ class ModelConfig:
             max_model_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=tuple(sorted(eos)),
-            digest=fingerprint(weights),
-            weight_format=detect_quant_config(quantization).weight_format,
-            quantization=quantization,
         )
+        # The same weights run with another architecture config (rope_theta, eps, ...) are another model.
+        digest = xxhash.xxh3_64_hexdigest(f"{fingerprint(weights)}|{sorted(arch.items())}".encode())[:12]
+        return cls(path=str(path), name=weights.stem if weights.suffix == ".gguf" else weights.name, digest=digest,
+                   weight_format=detect_quant_config(quantization).weight_format, quantization=quantization, **arch)
 
 
 def _as_list(value) -> list[int]:

@@ -21,6 +21,7 @@ SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "sel
                 "mlp.up_proj": "mlp.gate_proj"}
 INPUT_OWNERS = tuple(s for s in LINEAR_SUFFIXES if s not in SHARED_INPUT)  # q, o, gate, down
 MIN_DISTINCT_TOKENS = 32
+MAX_TOKEN_SHARE = 0.2  # the shipped calibration and evaluation texts: at most 4% for any one token
 
 
 class _StopForward(Exception):
@@ -48,9 +49,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def calibration_batch(token_ids: list[int] | torch.Tensor, seq_len: int) -> torch.Tensor:
     """Cut token ids into as many full rows of seq_len as fit: [B, seq_len] int64.
 
-    Raises ValueError if not even one row fits, or if the text has fewer than MIN_DISTINCT_TOKENS distinct
-    tokens: activations of a repeated token say nothing about the others (AWQ then scales channels for that one
-    token, and the model it writes answers nonsense)."""
+    Raises ValueError if not even one row fits, if the text has fewer than MIN_DISTINCT_TOKENS distinct tokens,
+    or if one token makes up more than MAX_TOKEN_SHARE of it: activations dominated by a repeated token say
+    little about the others (GPTQ and AWQ then fit that token, and the models they write answer nonsense)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     rows = ids.numel() // seq_len
     if rows < 1:
@@ -59,6 +60,10 @@ def calibration_batch(token_ids: list[int] | torch.Tensor, seq_len: int) -> torc
     if distinct < MIN_DISTINCT_TOKENS:
         raise ValueError(f"calibration text has {distinct} distinct tokens; use varied text (at least "
                          f"{MIN_DISTINCT_TOKENS} distinct tokens)")
+    share = torch.bincount(ids).max().item() / ids.numel()
+    if share > MAX_TOKEN_SHARE:
+        raise ValueError(f"one token makes up {share:.0%} of the calibration text; use varied text (at most "
+                         f"{MAX_TOKEN_SHARE:.0%} for any token)")
     return ids[: rows * seq_len].view(rows, seq_len)
 
 

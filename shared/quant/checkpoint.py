@@ -52,9 +52,13 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                state.update({key: f.get_tensor(key) for key in f.keys()})
+                shard = {key: f.get_tensor(key) for key in f.keys()}
         except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
             raise ValueError(f"{path} cannot be read (truncated or corrupt?): {e}") from e
+        repeated = shard.keys() & state.keys()
+        if repeated:  # e.g. a stale shard left beside a new one: which copy is meant is unknowable
+            raise ValueError(f"{path} repeats {len(repeated)} tensors of another shard, e.g. {min(repeated)}")
+        state.update(shard)
     return state
 
 
@@ -63,7 +67,14 @@ def read_quant_config(model_dir: Path) -> dict | None:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise ValueError(f"{model_dir} has no config.json")
-    return json.loads(path.read_text()).get("quantization_config")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(qc, (dict, type(None))):
+        raise ValueError(f"{path}: expected a JSON object with an optional quantization_config object")
+    return qc
 
 
 def load_quantized_state(source: str | Path) -> tuple[dict[str, torch.Tensor], QuantConfig]:
@@ -85,7 +96,7 @@ def load_quantized_state(source: str | Path) -> tuple[dict[str, torch.Tensor], Q
         raise ValueError(f"{source}/config.json has no quantization_config: it is a float checkpoint")
     method = qc.get("quant_method")
     if method == "tandem":
-        return read_safetensors(source), QuantConfig.from_json(qc)
+        return read_safetensors(source), _tandem_config(qc)
     if method in ("awq", "gptq"):
         from shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
 
@@ -110,7 +121,14 @@ def detect_quant_config(source: str | Path | None) -> QuantConfig:
     if qc is None:
         return QuantConfig()
     if qc.get("quant_method") == "tandem":
-        return QuantConfig.from_json(qc)
+        return _tandem_config(qc)
     if qc.get("quant_method") in ("awq", "gptq"):
         return QuantConfig(bits=qc.get("bits"), group_size=qc.get("group_size"), method=qc["quant_method"])
     raise ValueError(f"unsupported quant_method {qc.get('quant_method')!r}")
+
+
+def _tandem_config(qc: dict) -> QuantConfig:
+    config = QuantConfig.from_json(qc)
+    if config.method == "gguf":  # GGUF weights are read from .gguf files; `tandem quantize` never writes them
+        raise ValueError("a tandem checkpoint's method is rtn, gptq or awq, not 'gguf'")
+    return config

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,9 @@ MIN_REPORT_POSITIONS = 2000
 def _model_dir(arg: str | None) -> Path:
     from shared.model_files import prepare_model
 
-    return Path(arg) if arg else prepare_model()
+    if arg is not None and not arg.strip():
+        raise ValueError("--model must name a model directory (omit it for the packaged model)")
+    return Path(arg) if arg is not None else prepare_model()
 
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
@@ -53,14 +56,20 @@ def run_quantize(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never overwrite a model (or its source)
         raise ValueError(f"--out {out} already exists and is not an empty directory; choose a new path")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)  # unwritable paths fail now, not after the calibration
-    model_dir = _model_dir(args.model)
-    start = time.perf_counter()
-    model = load_hf_model(model_dir)
-    calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" else None
-    options = {"act_order": True} if args.act_order and args.method == "gptq" else {}
-    state = quantize_model(model, args.method, args.bits, group_size, calib, **options)
-    save_quantized(out, state, config, model_dir)
+    try:
+        model_dir = _model_dir(args.model)
+        start = time.perf_counter()
+        model = load_hf_model(model_dir)
+        calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" else None
+        options = {"act_order": True} if args.act_order and args.method == "gptq" else {}
+        state = quantize_model(model, args.method, args.bits, group_size, calib, **options)
+        save_quantized(out, state, config, model_dir)
+    except BaseException:
+        if created:  # leave nothing half-written behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     apply_quantized_state(model, state)
     print(f"wrote {out} ({config.weight_format}, {weight_bytes(model) / 2**20:.1f} MiB of weights) "
           f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -92,11 +101,15 @@ def run_eval(args: argparse.Namespace) -> int:
     specs = [_parse_method(m, args.group_size) for m in args.methods.split(",") if m.strip()]
     if not specs and not args.checkpoint:
         raise ValueError("nothing to evaluate: --methods lists no format and no --checkpoint is given")
+    if args.gguf is not None and Path(args.gguf).suffix != ".gguf":
+        raise ValueError(f"--gguf must be a .gguf file, got {args.gguf}")
     sources = args.checkpoint + ([args.gguf] if args.gguf and any(m == "gguf" for m, _, _ in specs) else [])
     for source in sources:  # fail now, not after minutes of evaluation
         if detect_quant_config(source).bits is None:
             raise ValueError(f"{source} is a float checkpoint, not a quantized one")
     model_dir = _model_dir(args.model)
+    for source in sources:  # every tensor, checked as the engine would load it
+        apply_quantization(load_hf_model(model_dir), source)
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), args.seq_len, args.max_positions)
     if windows.numel() < MIN_REPORT_POSITIONS:
         raise ValueError(f"only {windows.numel()} evaluation positions fit; need {MIN_REPORT_POSITIONS}")

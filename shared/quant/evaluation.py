@@ -24,7 +24,7 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
 
     Raises:
         ValueError: model_dir is a quantized checkpoint (transformers would skip the unknown "tandem" format and
-            leave random weights) or lacks weights."""
+            leave random weights), lacks weights, or holds NaN/inf."""
     from transformers import AutoModelForCausalLM
 
     from shared.quant.checkpoint import read_quant_config
@@ -36,6 +36,10 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
     missing = sorted(info["missing_keys"])
     if missing:
         raise ValueError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[0]}")
+    bad = next((name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()),
+               None)
+    if bad is not None:  # quantizing it would silently zero the affected rows
+        raise ValueError(f"{model_dir}: weight {bad} holds NaN or inf")
     return model.eval()
 
 

@@ -98,6 +98,8 @@ def load_gguf_state(path: str | Path) -> tuple[dict[str, torch.Tensor], QuantCon
     from gguf import dequantize
 
     reader = open_gguf(path)
+    if "general.architecture" not in reader.fields:
+        raise ValueError(f"{path} has no general.architecture metadata")
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch != "llama":
         raise ValueError(f"only llama GGUF files are supported, got architecture {arch!r}")

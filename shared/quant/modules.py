@@ -63,6 +63,8 @@ def make_quant_layer(linear: nn.Module, tensors: dict[str, torch.Tensor]) -> Qua
             raise ValueError(f"int4 scales must be [N, groups], got {tuple(scales.shape)}")
         group_size = 2 * qweight.shape[1] // scales.shape[1]
         layer = WeightOnlyInt4Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
+        if "zeros" not in tensors:
+            raise ValueError(f"int4 tensors lack zeros (scales {tuple(scales.shape)})")
         layer.load_quantized(qweight, scales, tensors["zeros"], bias)
     else:
         raise ValueError(f"qweight must be int8 or uint8, got {qweight.dtype}")
@@ -96,7 +98,11 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
         raise ValueError(f"quantized checkpoint tensor {bad!r} holds NaN or inf")
     for name, linear in linears.items():
         tensors = {t: state[f"{name}.{t}"] for t in QUANT_TENSOR_NAMES if f"{name}.{t}" in state}
-        _set_module(model, name, make_quant_layer(linear, tensors))
+        try:
+            layer = make_quant_layer(linear, tensors)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        _set_module(model, name, layer)
     quant_keys = {f"{name}.{t}" for name in linears for t in QUANT_TENSOR_NAMES}
     targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     with torch.no_grad():

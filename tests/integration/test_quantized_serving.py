@@ -1,7 +1,9 @@
 """Quantized weights through the cluster: the same greedy tokens as the same quantized model in one process;
 finite logits on a 2,000-token prompt in every format."""
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,10 +52,13 @@ def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
     assert [o.token_ids for o in outs] == expected
 
 
-def test_model_id_names_the_weights_whichever_flag_brings_them(model_dir, int8_dir):
+def test_model_id_names_the_weights_whichever_flag_brings_them(model_dir, int8_dir, tmp_path):
     over_base, alone = ModelConfig.from_dir(model_dir, str(int8_dir)), ModelConfig.from_dir(int8_dir)
     assert over_base.model_id == alone.model_id and alone.model_id.endswith(":int8")
     assert over_base.model_id != ModelConfig.from_dir(model_dir).model_id
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0.1}))  # same weights, other model
+    assert ModelConfig.from_dir(tmp_path, str(int8_dir)).model_id != alone.model_id
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])

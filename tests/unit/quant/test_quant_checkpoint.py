@@ -182,6 +182,9 @@ def rewrite(path, state=None, **quant_config):
     ("config says g128", "says int4-g128-rtn, but .* group_size 32"),
     ("config says awq layout", "quant_method 'awq' but lacks the tensor"),
     ("truncated file", "model.safetensors cannot be read"),
+    ("config says gguf", "method is rtn, gptq or awq, not 'gguf'"),
+    ("stale second shard", "zz-old.safetensors repeats .* tensors of another shard"),
+    ("int4 without zeros", "model.layers.0.mlp.down_proj: int4 tensors lack zeros"),
 ])
 def test_damaged_or_mislabelled_checkpoints_are_refused(make_tiny_llama, rtn4_checkpoint, damage, error):
     path, state = rtn4_checkpoint
@@ -199,6 +202,12 @@ def test_damaged_or_mislabelled_checkpoints_are_refused(make_tiny_llama, rtn4_ch
         rewrite(path, group_size=128)
     elif damage == "config says awq layout":
         rewrite(path, quant_method="awq")
+    elif damage == "config says gguf":
+        rewrite(path, method="gguf", gguf_type="q4_0")
+    elif damage == "stale second shard":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "zz-old.safetensors"))
+    elif damage == "int4 without zeros":
+        rewrite(path, {k: v for k, v in state.items() if k != "model.layers.0.mlp.down_proj.zeros"})
     else:
         data = (path / "model.safetensors").read_bytes()
         (path / "model.safetensors").write_bytes(data[: len(data) // 2])

@@ -108,6 +108,22 @@ def test_calibration_text_must_be_varied():
     assert calibration_batch(torch.arange(64), 32).shape == (2, 32)
     with pytest.raises(ValueError, match="distinct tokens"):
         calibration_batch(torch.arange(MIN_DISTINCT_TOKENS - 1).repeat(4), 32)
+    with pytest.raises(ValueError, match="one token makes up 62% of the calibration text"):
+        calibration_batch(torch.cat([torch.zeros(100, dtype=torch.long), torch.arange(1, 61)]), 32)
+
+
+def test_quantize_refuses_nan_weights_and_leaves_no_output_behind(tmp_path, make_tiny_llama):
+    model = make_tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(ValueError, match="weight model.layers.1.mlp.up_proj.weight holds NaN or inf"):
+        run_quantize(quantize_args("--model", str(tmp_path / "src"), "--out", str(tmp_path / "q")))
+    assert not (tmp_path / "q").exists()
+    with pytest.raises(ValueError, match="--model must name a model directory"):
+        run_quantize(quantize_args("--model", " ", "--out", str(tmp_path / "q")))
+    with pytest.raises(ValueError, match="--gguf must be a .gguf file"):
+        run_eval(eval_args("--methods", "gguf", "--gguf", str(tmp_path / "src")))
 
 
 def test_tandem_commands_end_bad_input_with_one_error_line(tmp_path):
