@@ -28,6 +28,7 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from shared.quant.checkpoint import read_quant_config
+    from shared.quant.modules import first_non_finite
 
     if read_quant_config(Path(model_dir)) is not None:
         raise ValueError(f"{model_dir} is a quantized checkpoint; --model needs the float model it came from")
@@ -36,8 +37,7 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
     missing = sorted(info["missing_keys"])
     if missing:
         raise ValueError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[0]}")
-    bad = next((name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()),
-               None)
+    bad = first_non_finite(model.state_dict())
     if bad is not None:  # quantizing it would silently zero the affected rows
         raise ValueError(f"{model_dir}: weight {bad} holds NaN or inf")
     return model.eval()

@@ -92,8 +92,7 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
     missing = [key for key in float_tensor_names(model) if key not in state]
     if missing:
         raise ValueError(f"quantized checkpoint lacks {len(missing)} float tensors, e.g. {missing[0]}")
-    bad = next((key for key, value in state.items() if value.is_floating_point() and not value.isfinite().all()),
-               None)
+    bad = first_non_finite(state)
     if bad is not None:
         raise ValueError(f"quantized checkpoint tensor {bad!r} holds NaN or inf")
     for name, linear in linears.items():
@@ -115,6 +114,11 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
                 raise ValueError(f"{key}: model shape {tuple(targets[key].shape)}, checkpoint {tuple(value.shape)}")
             targets[key].copy_(value)
     return model
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """Name of the first float tensor holding a NaN or inf, or None."""
+    return next((name for name, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()), None)
 
 
 def float_tensor_names(model: nn.Module) -> list[str]:
