@@ -103,13 +103,18 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError("nothing to evaluate: --methods lists no format and no --checkpoint is given")
     if args.gguf is not None and Path(args.gguf).suffix != ".gguf":
         raise ValueError(f"--gguf must be a .gguf file, got {args.gguf}")
-    sources = args.checkpoint + ([args.gguf] if args.gguf and any(m == "gguf" for m, _, _ in specs) else [])
-    for source in sources:  # fail now, not after minutes of evaluation
+    gguf = None
+    if any(m == "gguf" for m, _, _ in specs):
+        from shared.model_files import packaged_gguf_path
+
+        gguf = args.gguf or str(packaged_gguf_path())
+    sources = args.checkpoint + ([gguf] if gguf else [])
+    for source in sources:  # config.json only: fail before loading anything
         if detect_quant_config(source).bits is None:
             raise ValueError(f"{source} is a float checkpoint, not a quantized one")
     model_dir = _model_dir(args.model)
-    for source in sources:  # every tensor, checked as the engine would load it
-        apply_quantization(load_hf_model(model_dir), source)
+    # Every checkpoint is loaded (each tensor checked, as the engine would) before minutes of evaluation.
+    loaded = {source: _load_checkpoint(model_dir, source) for source in sources}
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), args.seq_len, args.max_positions)
     if windows.numel() < MIN_REPORT_POSITIONS:
         raise ValueError(f"only {windows.numel()} evaluation positions fit; need {MIN_REPORT_POSITIONS}")
@@ -121,21 +126,19 @@ def run_eval(args: argparse.Namespace) -> int:
         if method == "fp32":
             results.append(_row("fp32", None, None, 0.0, 1.0, fp32, windows.numel(), 0.0, 0.0))
             continue
-        model, start = load_hf_model(model_dir), time.perf_counter()
         if method == "gguf":
-            from shared.model_files import packaged_gguf_path
-
-            config = apply_quantization(model, args.gguf or packaged_gguf_path())
+            model, config, quantize_s = loaded[gguf]
             bits, group_size = config.bits, config.group_size
         else:
+            model, start = load_hf_model(model_dir), time.perf_counter()
             options = {"act_order": True} if args.act_order and method == "gptq" else {}
             apply_quantized_state(model, quantize_model(model, method, bits, group_size, calib, **options))
-        results.append(_evaluate(model, method, bits, group_size, windows, reference, start))
+            quantize_s = time.perf_counter() - start
+        results.append(_evaluate(model, method, bits, group_size, windows, reference, quantize_s))
     for path in args.checkpoint:
-        model, start = load_hf_model(model_dir), time.perf_counter()
-        config = apply_quantization(model, path)
-        results.append(_evaluate(model, config.method, config.bits, config.group_size, windows, reference, start)
-                       | {"checkpoint": str(path)})
+        model, config, quantize_s = loaded[path]
+        results.append(_evaluate(model, config.method, config.bits, config.group_size, windows, reference,
+                                 quantize_s) | {"checkpoint": str(path)})
     _print(results, args.json)
     return 0
 
@@ -155,8 +158,14 @@ def _parse_method(name: str, group_size: int) -> tuple[str, int | None, int | No
     return config.method, config.bits, config.group_size
 
 
-def _evaluate(model, method, bits, group_size, windows, reference, start) -> dict:
-    quantize_s = time.perf_counter() - start
+def _load_checkpoint(model_dir: Path, source: str):
+    """(model with the checkpoint applied, its QuantConfig, load seconds)."""
+    model, start = load_hf_model(model_dir), time.perf_counter()
+    config = apply_quantization(model, source)
+    return model, config, time.perf_counter() - start
+
+
+def _evaluate(model, method, bits, group_size, windows, reference, quantize_s) -> dict:
     start = time.perf_counter()
     agreement = compare_to_reference(model, windows, reference)
     return _row(method, bits, group_size, agreement.kl, agreement.top1, model, agreement.num_positions,

@@ -40,7 +40,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     ValueError on another shape or on values outside [0, 15]."""
     if q.dim() != 2 or q.shape[1] % 2 != 0:
         raise ValueError(f"q must be [N, K] with K even, got shape {tuple(q.shape)}")
-    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15 or (q.is_floating_point() and not torch.equal(q, q.round()))):
+    not_integral = q.is_floating_point() and not torch.equal(q, q.round())
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15 or not_integral):
         raise ValueError("q must hold integers in [0, 15]")
     q = q.to(torch.uint8)
     return q[:, 0::2] | (q[:, 1::2] << 4)

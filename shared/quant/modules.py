@@ -61,10 +61,10 @@ def make_quant_layer(linear: nn.Module, tensors: dict[str, torch.Tensor]) -> Qua
     elif qweight.dtype == torch.uint8:
         if scales.dim() != 2 or scales.shape[1] == 0:
             raise ValueError(f"int4 scales must be [N, groups], got {tuple(scales.shape)}")
-        group_size = 2 * qweight.shape[1] // scales.shape[1]
-        layer = WeightOnlyInt4Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
         if "zeros" not in tensors:
             raise ValueError(f"int4 tensors lack zeros (scales {tuple(scales.shape)})")
+        group_size = 2 * qweight.shape[1] // scales.shape[1]
+        layer = WeightOnlyInt4Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
         layer.load_quantized(qweight, scales, tensors["zeros"], bias)
     else:
         raise ValueError(f"qweight must be int8 or uint8, got {qweight.dtype}")
@@ -78,9 +78,8 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
     Args:
         model: module tree with HF names; modified in place and returned.
         state: canonical state dict (see module docstring), as quantize_model or load_quantized_state return.
-    NOTE: the state must be complete (every float tensor of the model but a tied lm_head), as every supported
-    checkpoint format is; a partial one would leave randomly initialised weights behind.
-
+            NOTE: it must be complete (every float tensor of the model but a tied lm_head), as every supported
+            checkpoint format is; a partial one would leave randomly initialised weights behind.
     Raises:
         ValueError: a linear without quantized tensors, a missing float tensor, a tensor the model has no place
             for, a shape mismatch, or a NaN/inf value.

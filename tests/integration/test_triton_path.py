@@ -3,8 +3,8 @@ writes, paged attention (extend and decode) and quantized GEMMs through the Trit
 interpreter. It must give the same greedy tokens as the torch path for fp32, INT8 per channel and INT4 with a
 padded group (576 / 128). The interpreter is slow (INT4 runs at about 1 s per linear), so the model is the default
 one cut to its first decoder layer (real weights and shapes) and the run is three steps: a 24-token chunk, a mixed
-step (the rest of that prompt over its cached prefix, plus a whole 3-token prompt), then a decode step of both. Runs in a subprocess: TRITON_INTERPRET is read when triton is
-first imported."""
+step (the rest of that prompt over its cached prefix, plus a whole 3-token prompt), then a decode step of both.
+Runs in a subprocess: TRITON_INTERPRET is read when triton is first imported."""
 import importlib.util
 import json
 import os

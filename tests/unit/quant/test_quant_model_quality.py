@@ -26,10 +26,10 @@ def rtn_g128(model_dir, eval_reference):
 def test_int8_rtn_is_close_to_fp32(model_dir, eval_reference):
     result = evaluate(model_dir, eval_reference, "rtn", 8, None)
     assert result.kl <= 0.01
-    # NOTE: 0.98 was the target; per-channel INT8 RTN measures 0.963-0.965 top-1 on this model (KL ~0.0037,
-    # spread evenly over layers; GPTQ INT8 reaches ~0.972), so the bound asserted is 0.95. The checkpoint is a
-    # dequantized Q4_1 GGUF with one scale per 32 weights, which one scale per row cannot follow; per-group
-    # INT8 (below) meets the target.
+    # NOTE: 0.98 was the target; per-channel INT8 RTN measures 0.961-0.965 top-1 on this model (KL ~0.004,
+    # spread evenly over layers; GPTQ INT8 reaches 0.966-0.972, AWQ INT8 0.974), so the bound asserted is 0.95.
+    # The checkpoint is a dequantized Q4_1 GGUF with one scale per 32 weights, which one scale per row cannot
+    # follow; per-group INT8 (below) meets the target.
     assert result.top1 >= 0.95
 
 
