@@ -179,8 +179,9 @@ def _quantization_source(value: str) -> str:
 
 def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", type=_quantization_source, default=os.environ.get("TANDEM_QUANTIZATION"),
-                        help="quantized checkpoint applied over --model: a `tandem quantize` / HF AWQ / HF GPTQ dir, "
-                             "a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers must agree)")  # fmt: skip
+                        help="quantized checkpoint holding every weight, run with --model's architecture and tokenizer: "
+                             "a `tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, or 'gguf' for the packaged "
+                             "Q4_1 GGUF (all tiers must agree)")  # fmt: skip
 
 
 def _own_address() -> str:
