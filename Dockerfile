@@ -8,6 +8,7 @@ COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
 COPY benchmarks ./benchmarks
+COPY tools ./tools
 # torch==2.13.0 from plain PyPI is the CUDA build (several GB); for a CPU-only image pass
 # --build-arg PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index> so pip finds the +cpu wheel.
 ARG PIP_EXTRA_INDEX_URL=""

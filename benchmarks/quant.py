@@ -19,9 +19,9 @@ import torch
 
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.engine import LLMEngine
-from shared.model_files import prepare_model
 from shared.quant import weight_bytes
 from shared.request import Request, SamplingParams
+from tools.prepare_model import prepare_model
 
 
 def measure(config: ModelConfig, device: str, prompt_len: int, decode_tokens: int) -> dict:

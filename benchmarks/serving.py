@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args(argv)
     from services.launcher import LocalCluster
-    from shared.model_files import prepare_model
+    from tools.prepare_model import prepare_model
 
     model_dir = str(prepare_model())
     results = {}

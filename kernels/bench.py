@@ -11,12 +11,12 @@ from typing import Callable
 
 import torch
 
+from kernels.int4_format import pack_int4
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.quant_gemm import w4a16_gemm, w4a16_gemm_ref, w8a16_gemm, w8a16_gemm_ref
 from kernels.rmsnorm import rms_norm, rms_norm_ref
-from shared.quant.layers import pack_int4
 
 # Dense bf16 peaks: (HBM bytes/s, FLOP/s), matched against torch.cuda.get_device_name().
 DEVICE_PEAKS = {

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
-from shared.quant.layers import unpack_int4  # the layout is defined there
+from kernels.int4_format import unpack_int4
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def w4a16_gemm(
 
     Args:
         x: [M, K] fp16/bf16/fp32.
-        qweight: [N, K // 2] uint8, packed as shared.quant.layers.pack_int4 does (low nibble = even k, high
+        qweight: [N, K // 2] uint8, packed as kernels.int4_format.pack_int4 does (low nibble = even k, high
             nibble = odd k).
         scales, zeros: [N, K // group_size] fp16/bf16/fp32; zeros in quantized units (asymmetric).
         group_size: input channels per group; K % group_size == 0 and K even.

@@ -1,9 +1,13 @@
-"""The `tandem` command: prepare-model, up (a local cluster), generate, chat."""
+"""The `tandem` command: prepare-model, up (a local cluster), generate, chat, quantize, eval-quant.
+
+The client side (generate, chat) imports neither torch, redis nor the engine: each command imports what it
+needs when it runs, and quantize / eval-quant build their flags only when they are the command given.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import signal
 import socket
 import sys
@@ -11,10 +15,17 @@ import time
 
 import grpc
 
-from services.runtime import add_quantization_arg
-from shared.quant.cli import add_eval_args, add_quantize_args, run_eval, run_quantize
+from services.flags import add_engine_args, engine_argv
+from shared import envs
+from shared.config import EngineArgs
 
-DEFAULT_GATEWAY = os.environ.get("TANDEM_GATEWAY", "127.0.0.1:50051")
+# Offline tools (they need torch): command -> (help, module with add_args(parser) and run(args))
+TOOLS = {
+    "quantize": ("write a weight-only INT8/INT4 checkpoint (RTN, GPTQ or AWQ)",
+                 "tools.quantize", "add_quantize_args", "run_quantize"),
+    "eval-quant": ("KL / top-1 of quantized formats against fp32 on shipped text",
+                   "tools.eval_quant", "add_eval_args", "run_eval"),
+}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -31,8 +42,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _request(args, prompt: str, history=None):
     from services.client import make_request
 
-    return make_request(prompt, args.raw, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                        args.stop, history, args.ignore_eos)  # fmt: skip
+    return make_request(prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, history=history,
+                        ignore_eos=args.ignore_eos)  # fmt: skip
 
 
 def _print_text(text: str) -> None:
@@ -51,7 +63,7 @@ def _stream_to_terminal(address: str, request):
 
 
 def cmd_prepare_model(args) -> int:
-    from shared.model_files import prepare_model
+    from tools.prepare_model import prepare_model
 
     print(prepare_model(args.out, force=args.force))
     return 0
@@ -111,7 +123,7 @@ def _interrupt(signum, frame):
 
 def cmd_up(args) -> int:
     from services.launcher import LocalCluster, free_port
-    from shared.model_files import prepare_model
+    from tools.prepare_model import prepare_model
 
     # SIGTERM stops the cluster like Ctrl-C; SIGINT works even when a background shell started us ignoring it.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -119,12 +131,13 @@ def cmd_up(args) -> int:
     port = args.port if args.port is not None else (0 if args.prompt is not None else 50051)
     if port:
         _check_port_free(port)
-    model = args.model or str(prepare_model())
-    quant = ["--quantization", args.quantization] if args.quantization else []
-    engine_args = ["--block-size", str(args.block_size), "--threads", str(args.threads)] + quant
-    prefill_args = engine_args + ["--max-num-batched-tokens", str(args.prefill_chunk)]
-    cluster = LocalCluster(model, port or free_port(), args.prefill, args.decode, prefill_args, engine_args, quant,
-                           log_dir=args.log_dir)  # fmt: skip
+    engine_args = EngineArgs.from_namespace(args)
+    model = engine_args.model or str(prepare_model())
+    engine_flags = engine_argv(engine_args)  # --model goes to every process separately
+    chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
+    cluster = LocalCluster(model=model, gateway_port=port or free_port(), num_prefill=args.prefill,
+                           num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
+                           gateway_args=engine_argv(engine_args, groups=("model",)), log_dir=args.log_dir)  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
     with cluster:
@@ -146,7 +159,7 @@ def cmd_up(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving: gateway, prefill, decode")
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = argparse.ArgumentDefaultsHelpFormatter
@@ -157,35 +170,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare_model)
 
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
-                       formatter_class=defaults)  # fmt: skip
-    p.add_argument("--model", default=os.environ.get("TANDEM_MODEL"), help="HF Llama-family safetensors dir")
-    add_quantization_arg(p)
+                       formatter_class=defaults,
+                       description="Every engine flag is passed to each prefill and decode process (see "
+                                   "python -m services.decode --help); --prefill-chunk to the prefills only.")  # fmt: skip
+    add_engine_args(p)
     p.add_argument("--port", type=int, default=None,
                    help="gateway port on 127.0.0.1 (default 50051; 0 = any free port, the default with --prompt)")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prefill max_num_batched_tokens per step")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the prefills' --max-num-batched-tokens (default: theirs, 512)")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")
     add_sampling_args(p)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("quantize", help="write a weight-only INT8/INT4 checkpoint (RTN, GPTQ or AWQ)")
-    add_quantize_args(p)
-    p.set_defaults(func=run_quantize)
-
-    p = sub.add_parser("eval-quant", help="KL / top-1 of quantized formats against fp32 on shipped text")
-    add_eval_args(p)
-    p.set_defaults(func=run_eval)
+    for name, (help_, module, add_args, run) in TOOLS.items():
+        p = sub.add_parser(name, help=help_)
+        if name in argv[:1]:  # the command given: only now import it (and torch)
+            tool = importlib.import_module(module)
+            getattr(tool, add_args)(p)
+            p.set_defaults(func=getattr(tool, run))
 
     for name, func, help_ in (("generate", cmd_generate, "send one prompt"), ("chat", cmd_chat, "interactive chat")):
         p = sub.add_parser(name, help=help_)
         if name == "generate":
             p.add_argument("prompt", help="the prompt ('-' reads it from stdin)")
             p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-        p.add_argument("--gateway", default=DEFAULT_GATEWAY, help="HOST:PORT of the gateway")
+        p.add_argument("--gateway", default=envs.TANDEM_GATEWAY, help="HOST:PORT of the gateway ($TANDEM_GATEWAY)")
         add_sampling_args(p)
         p.set_defaults(func=func)
     return parser
@@ -194,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     """Run one subcommand; a bad argument, unreadable file or dead cluster process ends it with one
     "error: ..." line on stderr and exit code 1, not a traceback."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         sys.exit(args.func(args))
     except grpc.RpcError as e:

@@ -9,6 +9,7 @@ import torch
 
 from shared.config import CacheConfig, ModelConfig, dtype_name
 from shared.engine import KVBlocks
+from shared.errors import InvalidRequestError
 from tandem.v1 import decode_pb2
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -49,10 +50,11 @@ def kv_to_messages(
 
 
 def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, cache_config: CacheConfig) -> KVBlocks:
-    """Check a message against this instance and view its bytes as a tensor. ValueError on any mismatch."""
+    """Check a message against this instance and view its bytes as a tensor. InvalidRequestError on any
+    mismatch."""
     want = {
         "model_id": model_config.model_id,
-        "dtype": dtype_name(cache_config.dtype),
+        "dtype": cache_config.kv_dtype,
         "block_size": cache_config.block_size,
         "num_kv_heads": model_config.num_key_value_heads,
         "head_dim": model_config.head_dim,
@@ -60,12 +62,12 @@ def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, 
     for field, expected in want.items():
         got = getattr(msg, field)
         if got != expected:
-            raise ValueError(f"KV transfer refused: {field} is {got!r}, this decode instance has {expected!r}")
+            raise InvalidRequestError(f"KV transfer refused: {field} is {got!r}, this decode instance has {expected!r}")
     if not 0 <= msg.layer_start < msg.layer_end <= model_config.num_hidden_layers:
-        raise ValueError(f"KV transfer refused: layer range [{msg.layer_start}, {msg.layer_end}) is out of bounds")
+        raise InvalidRequestError(f"KV transfer refused: layer range [{msg.layer_start}, {msg.layer_end}) is out of bounds")
     shape = (msg.layer_end - msg.layer_start, 2, msg.num_blocks, msg.block_size, msg.num_kv_heads, msg.head_dim)
     expected_bytes = torch.Size(shape).numel() * cache_config.dtype.itemsize
     if len(msg.data) != expected_bytes:
-        raise ValueError(f"KV transfer refused: {len(msg.data)} bytes for shape {shape}, expected {expected_bytes}")
+        raise InvalidRequestError(f"KV transfer refused: {len(msg.data)} bytes for shape {shape}, expected {expected_bytes}")
     data = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(cache_config.dtype).view(shape)
     return KVBlocks(msg.first_block_index, data, msg.layer_start)

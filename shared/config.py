@@ -2,22 +2,34 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from shared.model_files import fingerprint
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' -> torch dtype; ValueError on anything else."""
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+def check_dtype(name: str) -> str:
+    """name if it is one of DTYPES; ValueError otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {list(DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' -> torch dtype; ValueError on anything else. (torch is imported here,
+    not at module level, so that the flag definitions built from this module load without it.)"""
+    import torch
+
+    return getattr(torch, check_dtype(name))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -45,6 +57,7 @@ class ModelConfig:
     digest: str
     weight_format: str = "fp32"
     quantization: str | None = None  # quantized checkpoint (dir or .gguf) whose linears replace the float ones
+    dtype: str = "float32"  # weights and activations (the float ones; quantized codes keep their own type)
 
     @property
     def model_id(self) -> str:
@@ -55,12 +68,14 @@ class ModelConfig:
         return f"{self.name}:{self.digest}:{self.weight_format}"
 
     @classmethod
-    def from_dir(cls, path: str | Path, quantization: str | None = None) -> ModelConfig:
+    def from_dir(cls, path: str | Path, quantization: str | None = None, dtype: str = "float32") -> ModelConfig:
         """Read config.json (+ generation_config.json for extra EOS ids). ValueError if not Llama-like.
 
         quantization: a quantized checkpoint (tandem / HF AWQ / HF GPTQ dir, a .gguf file, or "gguf" for the
         packaged GGUF) with this model's architecture, which supplies every weight; a path that is itself a
         quantized checkpoint needs none.
+        dtype: the float type weights and activations run in ("float32", "bfloat16", "float16"); part of the
+        weight format, so tiers running different types never share KV.
         """
         from shared.model_files import packaged_gguf_path
         from shared.quant import detect_quant_config
@@ -100,8 +115,11 @@ class ModelConfig:
         )
         # The same weights run with another architecture config (rope_theta, eps, ...) are another model.
         digest = xxhash.xxh3_64_hexdigest(f"{fingerprint(weights)}|{sorted(arch.items())}".encode())[:12]
+        weight_format = detect_quant_config(quantization).weight_format
+        if check_dtype(dtype) != "float32":
+            weight_format = _SHORT_DTYPE[dtype] if quantization is None else f"{weight_format}-{_SHORT_DTYPE[dtype]}"
         return cls(path=str(path), name=weights.stem if weights.suffix == ".gguf" else weights.name, digest=digest,
-                   weight_format=detect_quant_config(quantization).weight_format, quantization=quantization, **arch)
+                   weight_format=weight_format, quantization=quantization, dtype=dtype, **arch)
 
 
 def _as_list(value) -> list[int]:
@@ -114,22 +132,84 @@ def _as_list(value) -> list[int]:
 class CacheConfig:
     """Paged KV cache: num_blocks blocks of block_size token slots per layer, for K and for V."""
 
-    block_size: int = 16
-    num_blocks: int = 1024
-    dtype: torch.dtype = torch.float32
+    block_size: int
+    num_blocks: int
+    kv_dtype: str = "float32"
 
     def __post_init__(self):
         if self.block_size <= 0 or self.num_blocks <= 0:
             raise ValueError("block_size and num_blocks must be positive")
+        check_dtype(self.kv_dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.kv_dtype)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step budgets: tokens computed in one forward and requests running at once."""
 
-    max_num_batched_tokens: int = 256
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int
+    max_num_seqs: int
 
     def __post_init__(self):
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+
+def _setting(default, help: str, kind: type | None = None, env: str | None = None, choices=None,
+             group: str = "engine"):
+    """A field of EngineArgs: its default and what the flag built from it says (services/flags.py). kind: the
+    flag's type when the default is None; group: "model" for the settings the gateway needs too."""
+    metadata = {"help": help, "type": kind or type(default), "env": env, "choices": choices, "group": group}
+    return field(default=default, metadata=metadata)
+
+
+# The settings whose default depends on the tier; everything else has one default for both, in EngineArgs.
+TIER_DEFAULTS = {
+    "prefill": {"num_blocks": 1024, "max_num_batched_tokens": 512},
+    "decode": {"num_blocks": 2048, "max_num_batched_tokens": 256},
+}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine setting and its default, in one place (as vLLM's EngineArgs, nano-vllm's Config).
+
+    services/flags.py makes one command-line flag per field (--block-size for block_size), for the engine
+    services and `tandem up`; a field with env reads that variable (shared/envs.py) when the flag is absent.
+    None for num_blocks / max_num_batched_tokens means the tier's default (TIER_DEFAULTS). A test checks that
+    the defaults the README and the protos document equal these.
+    """
+
+    model: str | None = _setting(None, "HF Llama-family safetensors dir (default: the converted SmolLM2)", str,
+                                 env="TANDEM_MODEL", group="model")
+    quantization: str | None = _setting(
+        None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
+        "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers "
+        "must agree)", str, env="TANDEM_QUANTIZATION", group="model")
+    dtype: str = _setting("float32", "float type of weights and activations (part of the model id)",
+                          choices=DTYPES, group="model")
+    device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
+    block_size: int = _setting(16, "tokens per KV block")
+    num_blocks: int | None = _setting(None, "KV blocks in the pool", int)
+    kv_dtype: str = _setting("float32", "KV cache element type", choices=DTYPES)
+    max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
+    max_num_seqs: int = _setting(64, "requests in the running batch at most")
+    threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")
+
+    def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
+        tier_defaults = TIER_DEFAULTS[tier]
+        num_blocks = self.num_blocks if self.num_blocks is not None else tier_defaults["num_blocks"]
+        budget = self.max_num_batched_tokens
+        budget = budget if budget is not None else tier_defaults["max_num_batched_tokens"]
+        model_config = ModelConfig.from_dir(self.model or model_dir, self.quantization, self.dtype)
+        return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype),
+                SchedulerConfig(budget, self.max_num_seqs))
+
+    @classmethod
+    def from_namespace(cls, args) -> EngineArgs:
+        """The fields of an argparse namespace (or any object) that EngineArgs has."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

@@ -1,8 +1,8 @@
-"""LLMEngine: one step reads top to bottom - schedule -> run the model -> update requests.
+"""LLMEngine: one step reads top to bottom - schedule -> execute_model -> update_from_output.
 
 The same engine serves both tiers. The prefill tier runs requests with max_tokens=1 and exports the KV of the
-blocks each step completes; the decode tier reserves blocks for a request, imports its prompt KV, then decodes
-it in the running batch (continuous batching).
+blocks each step completes (export_kv); the decode tier reserves blocks for a request, imports its prompt KV,
+then decodes it in the running batch (continuous batching).
 """
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from shared.kv_cache_manager import KVCacheManager
-from shared.model_runner import ModelRunner
+from shared.model_runner import ModelRunner, ModelRunnerOutput
 from shared.request import FinishReason, Request, RequestStatus
-from shared.scheduler import Scheduler
+from shared.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -31,15 +32,30 @@ class KVBlocks:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """What one step (or a KV import) produced for one request: new tokens, the finish reason once it ends
+    (with error set when the server failed it), and on the prefill tier the KV blocks the step completed."""
+
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
-    kv: KVBlocks | None = None  # prefill tier: blocks completed by this step
+    kv: KVBlocks | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of an engine's load, as the registry publishes it and the router reads it."""
+
+    model_id: str
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int  # in the running batch
+    num_waiting: int  # queued, preempted, or (decode) waiting for their prompt's KV
 
 
 class LLMEngine:
@@ -57,24 +73,24 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
-        self.export_kv = export_kv
+        self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty")
         max_len = self.model_config.max_model_len
         if request.num_prompt_tokens >= max_len:
-            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
+            raise InvalidRequestError(f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
         if any(not 0 <= t < self.model_config.vocab_size for t in request.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         if self.kv_cache_manager.num_blocks_for(total) > self.cache_config.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request needs up to {total} tokens of KV; this instance holds "
                 f"{self.cache_config.num_blocks * self.cache_config.block_size}"
             )
@@ -83,28 +99,30 @@ class LLMEngine:
         self.requests[request.request_id] = request
 
     def add_request(self, request: Request) -> None:
-        """Queue a request to compute from its first token. Raises ValueError on bad input."""
+        """Queue a request to compute from its first token. InvalidRequestError on bad input."""
         self._admit(request)
         self.scheduler.add_request(request)
 
     def reserve(self, request: Request) -> None:
-        """Decode tier: hold blocks for the prompt, to be filled by import_kv. MemoryError if the pool is full."""
+        """Decode tier: hold blocks for the prompt, to be filled by import_kv. InvalidRequestError on bad input,
+        NoCapacityError if the pool has no room now."""
         self._admit(request)
         if not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens):
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
-            raise MemoryError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
+            raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
         request.status = RequestStatus.WAITING_FOR_KV
 
     def import_kv(self, request_id: str, kv: KVBlocks) -> None:
-        """Write received blocks into the pool at the request's reserved block ids."""
+        """Write received blocks into the pool at the request's reserved block ids. UnknownRequestError for an
+        id not here; InvalidRequestError when the request is not waiting for KV or the blocks overrun it."""
         request = self._get(request_id)
         if request.status != RequestStatus.WAITING_FOR_KV:
-            raise ValueError(f"request {request_id!r} is not waiting for KV")
+            raise InvalidRequestError(f"request {request_id!r} is not waiting for KV")
         block_table = self.kv_cache_manager.get_block_table(request_id)
         n = kv.data.shape[2]
         if kv.first_block_index + n > len(block_table):
-            raise ValueError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the prompt")
+            raise InvalidRequestError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the prompt")
         device = self.model_runner.device
         ids = torch.tensor(block_table[kv.first_block_index : kv.first_block_index + n], device=device)
         layers = self.model_runner.kv_caches[kv.layer_start : kv.layer_start + kv.data.shape[0]]
@@ -117,36 +135,46 @@ class LLMEngine:
         """
         request = self._get(request_id)
         if request.status != RequestStatus.WAITING_FOR_KV:
-            raise ValueError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
+            raise InvalidRequestError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
         if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+            raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         request.num_computed_tokens = request.num_prompt_tokens
         reason = request.append_output_token(first_token_id)
         if reason is not None:
-            return self._finish(request, reason, [])
+            return self._finish(request, reason, RequestOutput(request_id, []))
         self.scheduler.add_request(request)
         return None
+
+    def fail_kv_import(self, request_id: str, error: str) -> RequestOutput | None:
+        """A KV transfer broke: fail the request if it is still waiting for its KV (blocks freed) and return its
+        finished output; a request already decoding (this was a stray repeat) or gone is left alone (None)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_KV:
+            return None
+        return self._finish(request, FinishReason.ABORT, RequestOutput(request_id, []), error)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once. False if it was not here (already finished)."""
         request = self.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.remove_request(request)
-        self._finish(request, FinishReason.ABORT, [])
+        self._finish(request, FinishReason.ABORT, RequestOutput(request_id, []))
         return True
 
     def _get(self, request_id: str) -> Request:
         if request_id not in self.requests:
-            raise KeyError(f"unknown request {request_id!r}")
+            raise UnknownRequestError(f"unknown request {request_id!r}")
         return self.requests[request_id]
 
-    def _finish(self, request: Request, reason: FinishReason, new_tokens: list[int], error=None) -> RequestOutput:
+    def _finish(self, request: Request, reason: FinishReason, out: RequestOutput, error: str | None = None):
+        """End a request: take it out of the scheduler, free its blocks, record the reason on out (returned)."""
+        self.scheduler.remove_request(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        return RequestOutput(request.request_id, new_tokens, reason, error)
+        out.finish_reason, out.error = reason, error
+        return out
 
     # -- the step ------------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -154,46 +182,61 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
+        kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
+        return self.update_from_output(scheduler_output, model_output, kv_blocks)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
+                           kv_blocks: dict[str, KVBlocks]) -> list[RequestOutput]:
+        """Advance num_computed_tokens, append sampled tokens, finish requests that stop (freeing their blocks).
+
+        Returns one RequestOutput per request with new tokens, a finish or exported blocks.
+        """
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
-        if not scheduler_output.scheduled_requests:
-            return []
-        sampled = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         outputs = []
         for request in scheduler_output.scheduled_requests:
-            prev = request.num_computed_tokens
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
-            kv = self._export(request, prev, request.request_id in sampled) if self.export_kv else None
-            if request.request_id not in sampled:
-                if kv is not None:
-                    outputs.append(RequestOutput(request.request_id, [], kv=kv))
-                continue
-            token_id = sampled[request.request_id]
-            if token_id is None:
-                self.scheduler.remove_request(request)
-                out = self._finish(request, FinishReason.ABORT, [], error="the model produced non-finite logits")
-            else:
+            request_id = request.request_id
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
+            out = RequestOutput(request_id, [], kv=kv_blocks.get(request_id))
+            if request_id in model_output.non_finite_request_ids:
+                self._finish(request, FinishReason.ABORT, out, error="the model produced non-finite logits")
+            for token_id in model_output.sampled_token_ids.get(request_id, ()):
+                out.new_token_ids.append(token_id)
                 reason = request.append_output_token(token_id)
                 if reason is not None:
-                    self.scheduler.remove_request(request)
-                    out = self._finish(request, reason, [token_id])
-                else:
-                    out = RequestOutput(request.request_id, [token_id])
-            out.kv = kv
-            outputs.append(out)
+                    self._finish(request, reason, out)
+                    break
+            if out.new_token_ids or out.finished or out.kv is not None:
+                outputs.append(out)
         return outputs
 
-    def _export(self, request: Request, prev_computed: int, prompt_done: bool) -> KVBlocks | None:
-        """Copy the blocks this step completed (and the partial last block once the prompt is done)."""
-        block_size = self.cache_config.block_size
-        first = prev_computed // block_size
-        end = -(-request.num_computed_tokens // block_size) if prompt_done else request.num_computed_tokens // block_size
-        if end <= first:
-            return None
-        block_ids = self.kv_cache_manager.get_block_table(request.request_id)[first:end]
-        ids = torch.tensor(block_ids, device=self.model_runner.device)
-        return KVBlocks(first, self.model_runner.kv_caches.index_select(2, ids))
+    def export_kv(self, scheduler_output: SchedulerOutput) -> dict[str, KVBlocks]:
+        """Prefill tier: copy the blocks this step fills, per request (the partial last block too once the
+        prompt is done). Call after execute_model and before update_from_output, which frees finished requests."""
+        exported = {}
+        for request in scheduler_output.scheduled_requests:
+            start = request.num_computed_tokens
+            end = start + scheduler_output.num_scheduled_tokens[request.request_id]
+            block_size = self.cache_config.block_size
+            first = start // block_size
+            last = self.kv_cache_manager.num_blocks_for(end) if end == request.num_tokens else end // block_size
+            if last > first:
+                block_ids = self.kv_cache_manager.get_block_table(request.request_id)[first:last]
+                ids = torch.tensor(block_ids, device=self.model_runner.device)
+                exported[request.request_id] = KVBlocks(first, self.model_runner.kv_caches.index_select(2, ids))
+        return exported
 
     # -- introspection -------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache_manager.num_free_blocks
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            model_id=self.model_config.model_id,
+            block_size=self.cache_config.block_size,
+            num_blocks=self.cache_config.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.requests) - len(self.scheduler.running),
+        )

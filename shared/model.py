@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shared.attention import AttentionMetadata, paged_attention, write_kv_cache
-from shared.config import ModelConfig
+from shared.config import ModelConfig, torch_dtype
 
 
 class RMSNorm(nn.Module):
@@ -132,10 +132,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
 
-def load_model(config: ModelConfig, device: torch.device | str = "cpu", dtype=torch.float32) -> LlamaForCausalLM:
-    """Build the model from config.path's safetensors files, or with config.quantization from that quantized
-    checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight must be present
-    (ValueError otherwise)."""
+def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Build the model in config.dtype from config.path's safetensors files, or with config.quantization from
+    that quantized checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight
+    must be present (ValueError otherwise)."""
+    dtype = torch_dtype(config.dtype)
     if config.quantization is not None:
         from shared.quant import apply_quantization
 

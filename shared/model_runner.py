@@ -1,6 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into model inputs, runs one forward, samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from shared.attention import AttentionMetadata
@@ -8,6 +10,19 @@ from shared.config import CacheConfig, ModelConfig
 from shared.model import load_model
 from shared.sampler import sample
 from shared.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one forward produced.
+
+    sampled_token_ids: request id -> the tokens sampled for it this step, for each request whose last scheduled
+        token was computed (one token today; several once speculative decoding accepts drafts).
+    non_finite_request_ids: requests whose logits held NaN or inf; they get no token and are failed alone.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    non_finite_request_ids: set[str] = field(default_factory=set)
 
 
 class ModelRunner:
@@ -27,11 +42,11 @@ class ModelRunner:
             dtype=cache_config.dtype, device=self.device,
         )  # fmt: skip
 
-    def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int | None]:
-        """Compute the scheduled tokens; return a sampled token for each request whose last token was computed.
-
-        A request whose logits are not finite gets None instead of a token (the engine fails it, not the batch).
-        """
+    def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
+        """Compute the scheduled tokens (writing their KV into the pool) and sample the next token of each
+        request whose last token was computed. Nothing scheduled: nothing runs."""
+        if not out.scheduled_requests:
+            return ModelRunnerOutput()
         block_size = self.cache_config.block_size
         input_ids, positions, slots, query_start_loc, context_lens, tables = [], [], [], [0], [], []
         logits_indices, sampled_requests = [], []
@@ -65,8 +80,14 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices, dtype=torch.int64, device=device),
         )
+        result = ModelRunnerOutput()
         if not sampled_requests:
-            return {}
+            return result
         finite = torch.isfinite(logits).all(-1).tolist()
         token_ids = sample(torch.nan_to_num(logits), sampled_requests)
-        return {r.request_id: t if ok else None for r, t, ok in zip(sampled_requests, token_ids, finite)}
+        for request, token_id, ok in zip(sampled_requests, token_ids, finite):
+            if ok:
+                result.sampled_token_ids[request.request_id] = [token_id]
+            else:
+                result.non_finite_request_ids.add(request.request_id)
+        return result

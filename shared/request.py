@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shared.errors import InvalidRequestError
+
 
 class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # decode tier: blocks reserved, prompt KV still arriving from prefill
@@ -22,10 +24,11 @@ class FinishReason(enum.Enum):
 class SamplingParams:
     """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
 
-    Raises ValueError (mapped to INVALID_ARGUMENT) on out-of-range values.
+    These defaults are the server's (the public proto documents them; a test checks that it agrees).
+    Raises InvalidRequestError (INVALID_ARGUMENT) on out-of-range values.
     """
 
-    max_tokens: int = 64
+    max_tokens: int = 256
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -35,13 +38,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be positive, got {self.max_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

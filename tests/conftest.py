@@ -9,7 +9,7 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 @pytest.fixture(scope="session")
 def model_dir():
     """The converted default model (converted once into the user cache if missing)."""
-    from shared.model_files import prepare_model
+    from tools.prepare_model import prepare_model
 
     return prepare_model()
 

@@ -6,11 +6,13 @@ the tail that could still begin a stop string is held back, so a stop string nev
 """
 from __future__ import annotations
 
+from shared.errors import InvalidRequestError
+
 
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty")
         self.tokenizer = tokenizer
         self.stop = stop
         self.token_ids: list[int] = []

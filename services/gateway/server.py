@@ -5,24 +5,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 import uuid
 
 import grpc
-import torch
-from grpc_health.v1 import health_pb2
-from transformers import AutoTokenizer
 
+from services.channels import ChannelPool
+from services.convert import sampling_params_from_proto
+from services.flags import add_gateway_args
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import RoundRobinRouter
-from services.runtime import (
-    FINISH_TO_PROTO, ChannelPool, UpstreamError, add_quantization_arg, make_server, sampling_params_from_proto,
-)  # fmt: skip
+from services.grpc_errors import upstream_error
+from services.server import Server, new_instance_id
 from shared.config import ModelConfig
-from shared.model_files import default_model_dir
-from shared.registry import Registry
-from shared.request import FinishReason
+from shared.errors import DeadlineError, InvalidRequestError, UpstreamError
+from shared.registry import InstanceInfo
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,19 +37,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.channels = ChannelPool()
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        """Prompt text or chat turns -> token ids. ValueError on empty or oversized input or an unknown role."""
+        """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
+        role."""
         kind = request.WhichOneof("input")
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or all(not m["content"] for m in messages):
-                raise ValueError("prompt is empty: chat has no message with content")
+                raise InvalidRequestError("prompt is empty: chat has no message with content")
             for m in messages:
                 if m["role"] not in ROLES:
-                    raise ValueError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
+                    raise InvalidRequestError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
             self._check_chars(sum(len(m["content"]) for m in messages))
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         if kind != "prompt" or not request.prompt:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty")
         self._check_chars(len(request.prompt))
         return self.tokenizer(request.prompt, add_special_tokens=False).input_ids
 
@@ -60,51 +58,46 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # Cheap bound before tokenizing: no real prompt needs more than 64 characters per token of context.
         limit = 64 * self.model_config.max_model_len
         if num_chars > limit:
-            raise ValueError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
+            raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
         max_len = self.model_config.max_model_len
         if len(prompt_ids) >= max_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len} tokens")
-        params = sampling_params_from_proto(request.sampling_params, self.default_max_tokens)
-        text = TextStream(self.tokenizer, tuple(request.sampling_params.stop))
+            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len} tokens")
+        p = request.sampling_params
+        params = sampling_params_from_proto(p, **({} if p.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}))
+        text = TextStream(self.tokenizer, tuple(p.stop))
         proto_params = common_pb2.SamplingParams()
-        proto_params.CopyFrom(request.sampling_params)
+        proto_params.CopyFrom(p)
         proto_params.max_tokens = min(params.max_tokens, max_len - len(prompt_ids))
         request_id = request.request_id or uuid.uuid4().hex
-        decode_call, first_token_id, prefill, decode = await self._start(request_id, prompt_ids, proto_params)
+        decode_call, prefill_reply, prefill, decode = await self._start(request_id, prompt_ids, proto_params, context)
         try:
             ttft_ms = (time.perf_counter() - t0) * 1000
-            tokens = [first_token_id]
+            tokens = [prefill_reply.first_token_id]
             yield gateway_pb2.GenerateResponse(request_id=request_id, text=text.push(tokens), token_ids=tokens)
             finish_reason = None
             while finish_reason is None and not text.stopped:
-                try:
-                    reply = await decode_call.read()
-                except grpc.aio.AioRpcError as e:
-                    raise UpstreamError(e.code(), f"decode {decode.address}: {e.details()}") from None
-                if reply is grpc.aio.EOF:
-                    raise RuntimeError(f"decode {decode.address} ended the stream without a finish reason")
-                if reply.error:
-                    raise RuntimeError(f"decode {decode.address} failed: {reply.error}")
+                reply = await self._read(decode_call, decode)
                 if reply.HasField("finish_reason"):
                     finish_reason = reply.finish_reason
                 delta = text.push(list(reply.token_ids))
                 if reply.token_ids:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=reply.token_ids)
             if text.stopped:
-                finish_reason = FINISH_TO_PROTO[FinishReason.STOP]
+                finish_reason = common_pb2.FINISH_REASON_STOP
         except BaseException as e:
             log.info("request %s ended early (%s)", request_id, type(e).__name__)
             raise
         finally:
             decode_call.cancel()  # no-op when finished; otherwise aborts on the decode and frees its blocks
         e2e_ms = (time.perf_counter() - t0) * 1000
-        log.info("request %s: %d prompt + %d completion tokens, %s, TTFT %.0f ms, E2E %.0f ms (prefill %s, decode %s)",
-                 request_id, len(prompt_ids), len(text.token_ids), common_pb2.FinishReason.Name(finish_reason),
-                 ttft_ms, e2e_ms, prefill.instance_id, decode.instance_id)  # fmt: skip
+        log.info("request %s: %d prompt + %d completion tokens, %s, TTFT %.0f ms (prefill %.0f ms on %s), "
+                 "E2E %.0f ms (decode %s)", request_id, len(prompt_ids), len(text.token_ids),
+                 common_pb2.FinishReason.Name(finish_reason), ttft_ms, prefill_reply.prefill_ms,
+                 prefill.instance_id, e2e_ms, decode.instance_id)  # fmt: skip
         yield gateway_pb2.GenerateResponse(
             request_id=request_id,
             text=text.finish(),
@@ -113,65 +106,85 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
 
-    async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams):
-        """Reserve on a decode, then prefill on a prefill naming that decode; returns (decode stream, first token,
-        prefill, decode). An instance that is unreachable (dead but still in the registry until its TTL) or
-        full is skipped and the request is placed again, up to MAX_ATTEMPTS times."""
+    @staticmethod
+    async def _read(decode_call, decode: InstanceInfo) -> decode_pb2.DecodeResponse:
+        """The decode's next message; UpstreamError if the call failed, ended early or the decode failed it."""
+        try:
+            reply = await decode_call.read()
+        except grpc.aio.AioRpcError as e:
+            raise upstream_error(e, "decode", decode.instance_id, "decoding") from None
+        if reply is grpc.aio.EOF:
+            raise UpstreamError("INTERNAL", f"decode {decode.instance_id} ended the stream without a finish reason")
+        if reply.error:
+            raise UpstreamError("INTERNAL", f"decode {decode.instance_id}: {reply.error}")
+        return reply
+
+    async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams, context):
+        """Reserve on a decode, then prefill on a prefill naming that decode; returns (decode stream, prefill
+        reply, prefill, decode). An instance that is unreachable (dead but still in the registry until its TTL)
+        or full is skipped and the request is placed again, up to MAX_ATTEMPTS times. The client's deadline,
+        if it set one, bounds both calls."""
         skipped: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            timeout = context.time_remaining()
+            if timeout is not None and timeout <= 0:
+                raise DeadlineError("the request's deadline passed before it was placed")
             decode = await self.router.pick("decode", len(prompt_ids) + params.max_tokens, skipped)
             prefill = await self.router.pick("prefill", 0, skipped)
             decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
-                decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params)
+                decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params),
+                timeout=timeout,
             )
-            failed = decode
+            failed, doing = decode, "reserving KV blocks"
             try:
                 reply = await decode_call.read()
                 if reply is grpc.aio.EOF or not reply.reserved:
-                    raise RuntimeError(f"decode {decode.address} did not reserve the request")
-                failed = prefill
+                    raise UpstreamError("INTERNAL", f"decode {decode.instance_id} did not reserve the request")
+                failed, doing = prefill, "prefilling"
                 prefill_reply = await prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address)).Prefill(
-                    prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                               sampling_params=params, decode_address=decode.address)
+                    prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                                               decode_address=decode.address, decode_instance_id=decode.instance_id),
+                    timeout=timeout,
                 )  # fmt: skip
-                return decode_call, prefill_reply.first_token_id, prefill, decode
+                return decode_call, prefill_reply, prefill, decode
             except grpc.aio.AioRpcError as e:
                 decode_call.cancel()
-                retry = e.code() in RETRY_CODES and attempt < MAX_ATTEMPTS
-                log.warning("request %s: %s %s failed with %s%s", request_id, failed.tier, failed.address,
-                            e.code().name, ", placing it again" if retry else "")  # fmt: skip
-                if not retry:
-                    raise UpstreamError(e.code(), f"{failed.tier} {failed.address}: {e.details()}") from None
+                error = upstream_error(e, failed.tier, failed.instance_id, doing)
+                if e.code() not in RETRY_CODES or attempt == MAX_ATTEMPTS:
+                    raise error from None
+                log.warning("request %s: placing it again", request_id)
                 skipped.add(failed.instance_id)
             except BaseException:
                 decode_call.cancel()
                 raise
 
 
-async def main_async(args) -> None:
+async def serve(args) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from shared.model_files import default_model_dir
+    from shared.registry import Registry
+
     torch.set_num_threads(1)
     model_dir = args.model or default_model_dir()
-    model_config = ModelConfig.from_dir(model_dir, args.quantization)
+    model_config = ModelConfig.from_dir(model_dir, args.quantization, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     router = RoundRobinRouter(Registry(args.redis_url), model_config.model_id)
-    server, port, health_servicer = make_server(args.port, args.host)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(model_config, tokenizer, router, args.default_max_tokens), server
-    )
+    server = Server("gateway", new_instance_id("gateway"), args.host, args.port)
+    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"gateway serving on {args.host}:{port}", flush=True)
-    await server.wait_for_termination()
+    print(f"gateway {server.instance_id} serving on {args.host}:{server.port}", flush=True)
+    await server.serve_until_signal()
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description="Public gRPC API of the tandem cluster",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    parser.add_argument("--model", default=os.environ.get("TANDEM_MODEL"))
-    add_quantization_arg(parser)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"))
-    parser.add_argument("--default-max-tokens", type=int, default=256)
+    add_gateway_args(parser)
+    args = parser.parse_args(argv)
+    if not args.redis_url:
+        parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
-    asyncio.run(main_async(parser.parse_args(argv)))
+    asyncio.run(serve(args))

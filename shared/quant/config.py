@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.quant.layers import INT4_GROUP_SIZES
+from kernels.int4_format import INT4_GROUP_SIZES
 
 INT8_GROUP_SIZES = (32, 64)  # must divide every K of the model (576 and 1536 here)
 

@@ -1,7 +1,8 @@
 """Weight-only quantized linear layers: INT8 (symmetric, per output channel or per group) and INT4 (asymmetric,
 per group along K).
 
-Storage (the canonical layout every loader in this package converts into; kernels/quant_gemm.py reads it):
+Storage (the canonical layout every loader in this package converts into; kernels/quant_gemm.py reads it; the
+INT4 packing lives in kernels/int4_format.py, which both sides import):
 
 - WeightOnlyInt8Linear: qweight int8 [N, K]; scales float [N] (per channel, group_size None) or
   [N, K // G] (per group, used for GGUF Q8_0); w = qweight * scale.
@@ -13,10 +14,10 @@ NOTE: a group_size that does not divide K (576 / 128 on SmolLM2) is handled by p
 the last group holds only K % G real columns, and the padded columns are multiplied by zero-padded inputs, so
 they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G]; dequantize() returns [N, K].
 
-Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.attention.use_triton
+Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.device.use_triton
 decides, as for attention); CPU dequantizes and calls a float matmul. On the AVX2 development machine that
 beats torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) at every M measured (1 to 256);
-see shared/quant/bench_cpu.py.
+see benchmarks/quant_cpu_ops.py.
 """
 from __future__ import annotations
 
@@ -24,35 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.attention import use_triton
-
-INT4_GROUP_SIZES = (32, 64, 128)
-
-
-def padded_in_features(in_features: int, group_size: int) -> int:
-    """K rounded up to a multiple of group_size."""
-    return -(-in_features // group_size) * group_size
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] integers in [0, 15] (K even) -> [N, K // 2] uint8, low nibble = even k, high nibble = odd k.
-
-    ValueError on another shape or on values outside [0, 15]."""
-    if q.dim() != 2 or q.shape[1] % 2 != 0:
-        raise ValueError(f"q must be [N, K] with K even, got shape {tuple(q.shape)}")
-    not_integral = q.is_floating_point() and not torch.equal(q, q.round())
-    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15 or not_integral):
-        raise ValueError("q must hold integers in [0, 15]")
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K // 2] uint8 -> [N, K] uint8 in [0, 15] (inverse of pack_int4)."""
-    if packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise ValueError(f"packed must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-
+from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
+from shared.device import use_triton
+from shared.quant.rtn import quantize_int4, quantize_int8
 
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (qweight * scales).T (+ bias); int8 weights, activations stay in float.
@@ -77,8 +52,6 @@ class WeightOnlyInt8Linear(nn.Module):
     @classmethod
     def from_float(cls, linear: nn.Linear) -> WeightOnlyInt8Linear:
         """Round-to-nearest, symmetric per output channel: scale = max|w_n| / 127."""
-        from shared.quant.rtn import quantize_int8
-
         qweight, scales = quantize_int8(linear.weight.detach())
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     dtype=linear.weight.dtype)
@@ -142,8 +115,6 @@ class WeightOnlyInt4Linear(nn.Module):
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128) -> WeightOnlyInt4Linear:
         """Round-to-nearest with each group's [min, max] mapped onto [0, 15] (float zero point)."""
-        from shared.quant.rtn import quantize_int4
-
         q, scales, zeros = quantize_int4(linear.weight.detach(), group_size)
         layer = cls(linear.in_features, linear.out_features, group_size, bias=linear.bias is not None,
                     dtype=linear.weight.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.quant.layers import pack_int4, padded_in_features
+from kernels.int4_format import pack_int4, padded_in_features
 
 INT4_MAX = 15
 INT8_MAX = 127
@@ -40,7 +40,7 @@ def int8_scales(w: torch.Tensor) -> torch.Tensor:
 
 
 def int4_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group scale and float zero point of w [N, K]: ([N, K_pad // G], [N, K_pad // G]), K_pad as in layers.
+    """Per-group scale and float zero point of w [N, K]: ([N, K_pad // G], [N, K_pad // G]), K_pad as in int4_format.
 
     scale = (max - min) / 15, zero = -min / scale, so min -> q = 0 and max -> q = 15 exactly. A constant group
     c gets scale |c| (or 1 for c = 0) and zero -sign(c), so q = 0 reproduces c.

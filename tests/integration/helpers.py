@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.client import generate
-from tandem.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, prefill_pb2_grpc
+from tandem.v1 import common_pb2, common_pb2_grpc, gateway_pb2
 
 
 def greedy_request(kind: str, text: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -20,17 +20,17 @@ def generate_all(address: str, requests: list[gateway_pb2.GenerateRequest]):
         return list(pool.map(lambda r: generate(address, r, timeout=600), requests))
 
 
-def load(address: str, tier: str) -> common_pb2.InstanceLoad:
-    stub_cls = prefill_pb2_grpc.PrefillStub if tier == "prefill" else decode_pb2_grpc.DecodeStub
+def load(address: str) -> common_pb2.InstanceLoad:
+    """Instance.GetLoad of an engine instance (either tier)."""
     with grpc.insecure_channel(address) as channel:
-        return stub_cls(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+        return common_pb2_grpc.InstanceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=10)
 
 
 def wait_all_blocks_free(cluster, timeout_s: float = 30) -> dict[str, common_pb2.InstanceLoad]:
     """Poll every engine instance until its pool is entirely free; return the last loads seen."""
     deadline = time.monotonic() + timeout_s
     while True:
-        loads = {name: load(addr, name.rstrip("0123456789")) for name, addr in cluster.addresses.items()}
+        loads = {name: load(addr) for name, addr in cluster.addresses.items()}
         if all(l.num_free_blocks == l.num_blocks for l in loads.values()) or time.monotonic() > deadline:
             return loads
         time.sleep(0.2)

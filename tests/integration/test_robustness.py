@@ -62,7 +62,7 @@ def test_repeated_kv_completion_is_refused_and_decode_stays_healthy(cluster):
         replies = list(call)  # the stray repeat must not have failed the live request
         assert replies[-1].HasField("finish_reason") and not any(r.error for r in replies)
     wait_all_blocks_free(cluster)
-    assert load(cluster.addresses["decode0"], "decode").num_waiting == 0
+    assert load(cluster.addresses["decode0"]).num_waiting == 0
     ok = generate_all(cluster.gateway_address, [greedy_request("chat", "What is the capital of France?", 8)])[0]
     assert "Paris" in ok.text
 

@@ -14,7 +14,7 @@ from tests.prompts import PROMPTS
 
 def test_continuous_batching_8_requests(cluster, hf_references):
     decode_addr = cluster.addresses["decode0"]
-    start_free = load(decode_addr, "decode").num_free_blocks
+    start_free = load(decode_addr).num_free_blocks
     cases = [(PROMPTS[i % len(PROMPTS)], 4 + 6 * i) for i in range(8)]  # max_tokens 4, 10, ..., 46
     outs = generate_all(cluster.gateway_address, [greedy_request(kind, text, n) for (_, kind, text), n in cases])
     for ((name, _, _), n), out in zip(cases, outs):
@@ -56,7 +56,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_tiers(cluster):
         for msg in call:
             received += len(msg.token_ids)
             if received >= 3:
-                held = load(cluster.addresses["decode0"], "decode")
+                held = load(cluster.addresses["decode0"])
                 assert held.num_free_blocks < held.num_blocks, "the request should hold decode blocks mid-stream"
                 call.cancel()
                 break

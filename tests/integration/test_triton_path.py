@@ -4,7 +4,8 @@ interpreter. It must give the same greedy tokens as the torch path for fp32, INT
 padded group (576 / 128). The interpreter is slow (INT4 runs at about 1 s per linear), so the model is the default
 one cut to its first decoder layer (real weights and shapes) and the run is three steps: a 24-token chunk, a mixed
 step (the rest of that prompt over its cached prefix, plus a whole 3-token prompt), then a decode step of both.
-Runs in a subprocess: TRITON_INTERPRET is read when triton is first imported."""
+Each path runs in its own subprocess: TRITON_INTERPRET is read when triton is first imported, and
+TANDEM_TRITON_ON_CPU when shared.device is."""
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 NUM_LAYERS = 1
 
 SCRIPT = r"""
-import collections, os, sys, torch
+import collections, json, sys, torch
 torch.set_num_threads(1)
 import kernels.kv_cache_write, kernels.paged_attention, kernels.prefill_attention, kernels.quant_gemm
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -51,31 +52,17 @@ count_calls(kernels.prefill_attention, "paged_prefill_attention")
 count_calls(kernels.quant_gemm, "w8a16_gemm")
 count_calls(kernels.quant_gemm, "w4a16_gemm")
 
-
-def greedy_tokens(triton_on_cpu):
-    os.environ["TANDEM_TRITON_ON_CPU"] = triton_on_cpu
-    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(24, 4))
-    outs = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
-        outs[str(i)] = []
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            assert o.error is None, o.error
-            outs[o.request_id] += o.new_token_ids
-    assert engine.num_free_blocks == 64
-    return outs
-
-
-torch_path = greedy_tokens("0")
-assert not calls, calls
-triton_path = greedy_tokens("1")
-print(config.weight_format, torch_path, triton_path, dict(calls))
-assert torch_path == triton_path
-gemm = {"fp32": None, "int8": "w8a16_gemm", "int4-g128-rtn": "w4a16_gemm"}[config.weight_format]
-expected = {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"} | ({gemm} if gemm else set())
-assert set(calls) == expected, calls
-print("ok")
+engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(24, 4))
+tokens = {}
+for i, ids in enumerate(prompts):
+    engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+    tokens[str(i)] = []
+while engine.has_unfinished_requests():
+    for o in engine.step():
+        assert o.error is None, o.error
+        tokens[o.request_id] += o.new_token_ids
+print(json.dumps({"weight_format": config.weight_format, "tokens": tokens, "calls": dict(calls),
+                  "num_free_blocks": engine.num_free_blocks}))
 """
 
 
@@ -97,19 +84,38 @@ def cut_model_dir(model_dir, tmp_path_factory):
     return out
 
 
-def run_script(*args):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+def run_engine(triton_on_cpu: str, *args) -> dict:
+    """Greedy tokens, kernel calls and free blocks of one engine run in a fresh process with
+    TANDEM_TRITON_ON_CPU=triton_on_cpu (shared.device reads it once, at import)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", TANDEM_TRITON_ON_CPU=triton_on_cpu, PYTHONPATH=str(REPO),
+               OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compare_paths(*args):
+    """The torch path and the Triton path (interpreted) of the same run must give the same greedy tokens."""
+    torch_path = run_engine("0", *args)
+    assert not torch_path["calls"], torch_path["calls"]
+    assert torch_path["num_free_blocks"] == 64
+    triton_path = run_engine("1", *args)
+    calls = triton_path["calls"]
+    print(triton_path["weight_format"], torch_path["tokens"], triton_path["tokens"], calls)
+    assert triton_path["num_free_blocks"] == 64
+    assert torch_path["tokens"] == triton_path["tokens"]
+    gemm = {"fp32": None, "int8": "w8a16_gemm", "int4-g128-rtn": "w4a16_gemm"}[triton_path["weight_format"]]
+    expected = {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"} | ({gemm} if gemm else set())
+    assert set(calls) == expected, calls
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int4-g128"])
 def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
     if fmt == "fp32":
-        return run_script(cut_model_dir)
+        return compare_paths(cut_model_dir)
     quantized = tmp_path / fmt
     bits = ["--bits", "8"] if fmt == "int8" else ["--bits", "4", "--group-size", "128"]
     subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", *bits,
                     "--model", str(cut_model_dir), "--out", str(quantized)], check=True, timeout=300)
-    run_script(cut_model_dir, quantized)
+    compare_paths(cut_model_dir, quantized)

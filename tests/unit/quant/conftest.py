@@ -41,8 +41,8 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def eval_reference(model_dir):
-    """(windows [B, T] token ids of data/quant_eval.txt, fp32 log-probs per window)."""
-    from shared.quant.evaluation import EVAL_TEXT, eval_windows, load_hf_model, reference_logprobs, text_token_ids
+    """(windows [B, T] token ids of tools/data/quant_eval.txt, fp32 log-probs per window)."""
+    from tools.evaluation import EVAL_TEXT, eval_windows, load_hf_model, reference_logprobs, text_token_ids
 
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), EVAL_SEQ_LEN, EVAL_POSITIONS)
     return windows, reference_logprobs(load_hf_model(model_dir), windows)
@@ -50,6 +50,6 @@ def eval_reference(model_dir):
 
 @pytest.fixture(scope="session")
 def calib_ids(model_dir):
-    from shared.quant.evaluation import CALIBRATION_TEXT, text_token_ids
+    from tools.evaluation import CALIBRATION_TEXT, text_token_ids
 
     return text_token_ids(model_dir, CALIBRATION_TEXT)[:1024]

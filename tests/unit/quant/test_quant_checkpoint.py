@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kernels.int4_format import unpack_int4
 from shared.quant import apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
 from shared.quant.checkpoint import load_quantized_state, save_quantized
 from shared.quant.config import QuantConfig
 from shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
-from shared.quant.layers import unpack_int4
 from shared.quant.modules import quantizable_linears
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from shared.quant import QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
-from shared.quant.cli import _parse_method, add_eval_args, add_quantize_args, run_eval, run_quantize
+from tools.eval_quant import _parse_method, add_eval_args, run_eval
+from tools.quantize import add_quantize_args, run_quantize
 
 
 @pytest.mark.parametrize("config,name", [

@@ -3,8 +3,9 @@ for group sizes that do not divide K, RTN error bounds, and torch's packed CPU o
 import pytest
 import torch
 
-from shared.quant.bench_cpu import int4pack_linear, to_int4pack_cpu
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear, pack_int4, unpack_int4
+from benchmarks.quant_cpu_ops import int4pack_linear, to_int4pack_cpu
+from kernels.int4_format import pack_int4, unpack_int4
+from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 from shared.quant.rtn import fake_quantize, int4_params, quantize_int4
 
 

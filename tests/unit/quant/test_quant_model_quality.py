@@ -1,4 +1,4 @@
-"""Quality on the real default model (SmolLM2-135M) against its fp32 weights, on data/quant_eval.txt.
+"""Quality on the real default model (SmolLM2-135M) against its fp32 weights, on tools/data/quant_eval.txt.
 
 NOTE: the fp32 model is the dequantized Q4_1 GGUF, so its weights already sit on a 16-level grid per block of
 32: RTN INT4 g32 reproduces them exactly, the native GGUF load must agree to float rounding, and g128 (which
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.quant import apply_quantization, apply_quantized_state, quantize_model
-from shared.quant.evaluation import compare_to_reference, load_hf_model
+from tools.evaluation import compare_to_reference, load_hf_model
 
 
 def evaluate(model_dir, eval_reference, method, bits, group_size, calib_ids=None, **options):

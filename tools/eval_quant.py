@@ -1,79 +1,32 @@
-"""Command-line entry points, wired by the main CLI as
+"""`tandem eval-quant`: KL / top-1 / weight bytes of each quantized format against the float model.
 
-    tandem quantize --method rtn|gptq|awq --bits 4|8 [--group-size G] --out DIR [--model DIR]
     tandem eval-quant [--json] [--methods fp32,rtn8,rtn4,gptq4,awq4,gguf] [--checkpoint DIR ...]
 
-eval-quant prints, for each format, KL(fp32 || quant) of next-token distributions averaged over the positions of
-data/quant_eval.txt (at least 2,000 by default), top-1 agreement and weight bytes; with --json:
+Prints, for each format, KL(fp32 || quant) of next-token distributions averaged over the positions of
+tools/data/quant_eval.txt (at least 2,000 by default), top-1 agreement and weight bytes; with --json:
 {"results": [{"method", "bits", "group_size", "kl", "top1", "weight_bytes", ...}, ...]}.
-Bad arguments raise ValueError.
+Standalone: python -m tools.eval_quant ... (the tandem CLI wires the same functions). Bad arguments raise
+ValueError.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 
-
+from shared.model_files import packaged_gguf_path
 from shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config,
-                          quantize_model, save_quantized, weight_bytes)
-from shared.quant.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, compare_to_reference, eval_windows,
-                                     load_hf_model, reference_logprobs, text_token_ids)
+                          quantize_model, weight_bytes)
 from shared.quant.modules import quantizable_linears
+from tools.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, compare_to_reference, eval_windows, load_hf_model,
+                              reference_logprobs, text_token_ids)
+from tools.prepare_model import float_model_dir
 
 DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn8g32,rtn4,gptq4,awq4,gguf"
 MIN_REPORT_POSITIONS = 2000
-
-
-def _model_dir(arg: str | None) -> Path:
-    from shared.model_files import prepare_model
-
-    if arg is not None and not arg.strip():
-        raise ValueError("--model must name a model directory (omit it for the packaged model)")
-    return Path(arg) if arg is not None else prepare_model()
-
-
-def add_quantize_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", choices=("rtn", "gptq", "awq"), required=True)
-    parser.add_argument("--bits", type=int, choices=(4, 8), required=True)
-    parser.add_argument("--group-size", type=int, default=None,
-                        help="input channels per scale: INT4 32, 64 or 128 (default 128); INT8 per channel "
-                             "(default) or, with rtn, 32 or 64")
-    parser.add_argument("--out", required=True, help="output checkpoint directory (new or empty)")
-    parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
-    parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT), help="calibration text for gptq/awq")
-    parser.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
-
-
-def run_quantize(args: argparse.Namespace) -> int:
-    """Quantize --model with --method and write a tandem checkpoint to --out; returns the exit code (0)."""
-    group_size = args.group_size if args.group_size is not None or args.bits == 8 else 128
-    config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never overwrite a model (or its source)
-        raise ValueError(f"--out {out} already exists and is not an empty directory; choose a new path")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)  # unwritable paths fail now, not after the calibration
-    try:
-        model_dir = _model_dir(args.model)
-        start = time.perf_counter()
-        model = load_hf_model(model_dir)
-        calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" else None
-        options = {"act_order": True} if args.act_order and args.method == "gptq" else {}
-        state = quantize_model(model, args.method, args.bits, group_size, calib, **options)
-        save_quantized(out, state, config, model_dir)
-    except BaseException:
-        if created:  # leave nothing half-written behind
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    apply_quantized_state(model, state)
-    print(f"wrote {out} ({config.weight_format}, {weight_bytes(model) / 2**20:.1f} MiB of weights) "
-          f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return 0
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
@@ -105,14 +58,12 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--gguf must be a .gguf file, got {args.gguf}")
     gguf = None
     if any(m == "gguf" for m, _, _ in specs):
-        from shared.model_files import packaged_gguf_path
-
         gguf = args.gguf or str(packaged_gguf_path())
     sources = args.checkpoint + ([gguf] if gguf else [])
     for source in sources:  # config.json only: fail before loading anything
         if detect_quant_config(source).bits is None:
             raise ValueError(f"{source} is a float checkpoint, not a quantized one")
-    model_dir = _model_dir(args.model)
+    model_dir = float_model_dir(args.model)
     # Every checkpoint is loaded (each tensor checked, as the engine would) before minutes of evaluation.
     loaded = {source: _load_checkpoint(model_dir, source) for source in sources}
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), args.seq_len, args.max_positions)
@@ -191,13 +142,10 @@ def _print(results: list[dict], as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone use: python -m shared.quant.cli quantize|eval-quant ... (the tandem CLI wires the same)."""
-    parser = argparse.ArgumentParser(prog="python -m shared.quant.cli")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_quantize_args(commands.add_parser("quantize", help="write a quantized checkpoint"))
-    add_eval_args(commands.add_parser("eval-quant", help="KL / top-1 / bytes of each format vs fp32"))
-    args = parser.parse_args(argv)
-    return run_quantize(args) if args.command == "quantize" else run_eval(args)
+    parser = argparse.ArgumentParser(prog="python -m tools.eval_quant",
+                                     description="KL / top-1 / bytes of each format vs fp32")
+    add_eval_args(parser)
+    return run_eval(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

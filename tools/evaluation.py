@@ -1,5 +1,5 @@
 """Quantization quality against the float model: KL(fp32 || quant) of next-token distributions and top-1
-agreement, averaged over every position of fixed-length windows of text shipped in the repo (data/).
+agreement, averaged over every position of fixed-length windows of text shipped with the package (tools/data/).
 
     KL = mean over positions t of sum_v p(v | x_<=t) (log p(v | x_<=t) - log q(v | x_<=t))
     top1 = mean over positions of [argmax p == argmax q]
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data (pyproject.toml), installed with tools/
 EVAL_TEXT = DATA_DIR / "quant_eval.txt"
 CALIBRATION_TEXT = DATA_DIR / "quant_calibration.txt"
 

@@ -1,0 +1,87 @@
+"""The process main of an engine service (prefill, decode): flags -> engine on its thread -> gRPC server,
+registered in Redis with a heartbeat until SIGTERM/SIGINT. Also serves Instance.GetLoad for both tiers."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Callable
+
+from services.convert import stats_to_proto
+from services.flags import add_engine_service_args
+from services.server import Server, new_instance_id
+from shared.async_engine import AsyncEngine
+from shared.config import EngineArgs
+from shared.registry import InstanceInfo, Registry
+from tandem.v1 import common_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class InstanceServicer(common_pb2_grpc.InstanceServicer):
+    """What any engine instance answers about itself."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    async def GetLoad(self, request, context):
+        return stats_to_proto(await self.engine.stats())
+
+
+def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine], None],
+                export_kv: bool = False, argv=None) -> None:
+    """Parse the engine flags, load the engine, add_servicer(server, async_engine), serve until SIGTERM/SIGINT.
+
+    Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
+    find would look healthy and never get a request."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{tier}", description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_engine_service_args(parser, tier)
+    args = parser.parse_args(argv)
+    if not args.redis_url and not args.standalone:
+        parser.error("no registry: pass --redis-url (or set REDIS_URL), or --standalone to serve unregistered")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tier} %(levelname)s %(message)s")
+    asyncio.run(_serve(args, tier, add_servicer, export_kv))
+
+
+async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
+    import torch
+
+    from shared.engine import LLMEngine
+    from shared.model_files import default_model_dir
+
+    engine_args = EngineArgs.from_namespace(args)
+    torch.set_num_threads(engine_args.threads)
+    model_config, cache_config, scheduler_config = engine_args.create_configs(tier, default_model_dir())
+    engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv)
+    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
+    instance_id = new_instance_id(tier)
+    server = Server(tier, instance_id, args.host, args.port)
+    add_servicer(server, async_engine)
+    common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
+    info = InstanceInfo(instance_id, tier, f"{args.advertise_host}:{server.port}", model_config.model_id,
+                        cache_config.block_size, cache_config.num_blocks)  # fmt: skip
+    registry = Registry(args.redis_url) if args.redis_url else None
+
+    async def current_info() -> InstanceInfo:
+        stats = await async_engine.stats()
+        info.num_free_blocks, info.num_running, info.num_waiting = (
+            stats.num_free_blocks, stats.num_running, stats.num_waiting)  # fmt: skip
+        return info
+
+    await server.start()
+    heartbeat = asyncio.create_task(registry.heartbeat(current_info)) if registry else None
+
+    async def leave_registry() -> None:
+        if heartbeat:
+            heartbeat.cancel()
+            try:
+                await registry.remove(info)
+            except Exception as e:  # Redis may already be gone at shutdown
+                log.warning("could not deregister: %s", e)
+
+    print(f"{tier} {instance_id} serving on {info.address}" + ("" if registry else " (standalone)"), flush=True)
+    try:
+        await server.serve_until_signal(on_stop=leave_registry)
+    finally:
+        async_engine.stop()

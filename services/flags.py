@@ -1,0 +1,96 @@
+"""Command-line flags, built from one source: EngineArgs' fields for engine settings (shared/config.py), and
+the table below for where a service listens. Environment defaults come from shared/envs.py.
+
+Imports neither torch nor the engine, so the `tandem` CLI can build its parser quickly.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import fields
+
+from shared import envs
+from shared.config import TIER_DEFAULTS, EngineArgs
+from shared.request import SamplingParams
+
+
+def _path(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a checkpoint (a directory or a file), not be empty")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = ("model", "engine"),
+                    tier: str | None = None) -> None:
+    """One flag per EngineArgs field in groups ("model": what the gateway needs to name the model too;
+    "engine": the rest). --block-size for block_size; type, help, choices and default from the field; a field
+    with an environment variable defaults to it; a field whose default depends on the tier takes tier's (with
+    tier None, as for `tandem up`, it is left out of the namespace unless given)."""
+    for f in fields(EngineArgs):
+        meta = f.metadata
+        if meta["group"] not in groups:
+            continue
+        default = f.default
+        help_ = meta["help"]
+        if meta["env"]:
+            default = default if getattr(envs, meta["env"]) is None else getattr(envs, meta["env"])
+            help_ += f" (${meta['env']})"
+        if f.name in TIER_DEFAULTS["decode"]:
+            per_tier = ", ".join(f"{t} {values[f.name]}" for t, values in TIER_DEFAULTS.items())
+            default = TIER_DEFAULTS[tier][f.name] if tier else argparse.SUPPRESS
+            help_ += "" if tier else f" (default: {per_tier})"
+        kind = _path if meta["type"] is str and not meta["choices"] else meta["type"]
+        parser.add_argument(_flag(f.name), type=kind, choices=meta["choices"], help=help_, default=default)
+
+
+def engine_argv(engine_args: EngineArgs, groups: tuple[str, ...] = ("model", "engine")) -> list[str]:
+    """The flags that give a service these settings (fields in groups that are not None): what `tandem up`
+    passes to the processes it starts."""
+    argv = []
+    for f in fields(EngineArgs):
+        value = getattr(engine_args, f.name)
+        if f.metadata["group"] in groups and value is not None:
+            argv += [_flag(f.name), str(value)]
+    return argv
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def add_listen_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Where a service listens: --host, --port (0 picks a free one)."""
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind")
+    parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+
+
+def add_registry_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=envs.REDIS_URL,
+                        help="Redis holding the instance registry ($REDIS_URL); required unless --standalone")
+
+
+def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
+    """Every flag of an engine service (tier "prefill" or "decode")."""
+    add_engine_args(parser, tier=tier)
+    add_listen_args(parser, default_port=0)
+    add_registry_args(parser)
+    parser.add_argument("--advertise-host", default=envs.TANDEM_ADVERTISE_HOST or _own_address(),
+                        help="host or IP other services use to reach this one ($TANDEM_ADVERTISE_HOST; "
+                             "default: this host's IP)")  # fmt: skip
+    parser.add_argument("--standalone", action="store_true",
+                        help="serve without a registry (nothing can route to this instance but direct calls)")
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser, groups=("model",))
+    add_listen_args(parser, default_port=50051)
+    add_registry_args(parser)
+    parser.add_argument("--default-max-tokens", type=int, default=SamplingParams.max_tokens,
+                        help="max_tokens of a request that does not set it")
+
+
+def _own_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

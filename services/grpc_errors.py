@@ -1,0 +1,105 @@
+"""The one table from the project's error types (shared/errors.py) to gRPC status codes, and the server
+interceptor that applies it to every service.
+
+Anything not in the table is a bug: the client gets INTERNAL with a generic message naming the tier and the
+instance id (where to look), and the traceback goes to this process's log. A gRPC error from a peer that was not
+turned into an UpstreamError is such a bug too: its details may carry internal addresses.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
+                           TandemError, UnknownRequestError, UpstreamError)
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES: dict[type[TandemError], grpc.StatusCode] = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownRequestError: grpc.StatusCode.NOT_FOUND,
+    NoCapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NoInstanceError: grpc.StatusCode.UNAVAILABLE,
+    DeadlineError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RequestFailedError: grpc.StatusCode.INTERNAL,
+    # UpstreamError: the code the peer answered with (its .status)
+}
+# Codes whose details a peer's own interceptor wrote (public by construction); other codes (UNAVAILABLE,
+# UNKNOWN, CANCELLED) can come from the transport, whose details name addresses.
+_PEER_DETAILS_ARE_PUBLIC = {*STATUS_CODES.values(), grpc.StatusCode.INTERNAL} - {grpc.StatusCode.UNAVAILABLE}
+
+
+def status_for(error: Exception, tier: str, instance_id: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and public message for an exception raised while serving a call."""
+    if isinstance(error, UpstreamError):
+        return grpc.StatusCode[error.status], str(error)
+    for error_type, code in STATUS_CODES.items():
+        if isinstance(error, error_type):
+            return code, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error in {tier} {instance_id}; its log has the details"
+
+
+def upstream_error(error: grpc.aio.AioRpcError, tier: str, instance_id: str, doing: str) -> UpstreamError:
+    """A failed call to a peer as an UpstreamError with the peer's code, naming it by tier and instance id.
+    The peer's details are passed on only where its own interceptor wrote them; the rest go to the log."""
+    code = error.code()
+    log.warning("%s %s failed while %s: %s %s", tier, instance_id, doing, code.name, error.details())
+    if code in _PEER_DETAILS_ARE_PUBLIC:
+        return UpstreamError(code.name, f"{tier} {instance_id}: {error.details()}")
+    return UpstreamError(code.name, f"{tier} {instance_id} failed while {doing} ({code.name})")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Applies status_for to every handler of a server: unary and streaming responses alike."""
+
+    def __init__(self, tier: str, instance_id: str):
+        self.tier = tier
+        self.instance_id = instance_id
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+    async def _abort(self, context, error: Exception):
+        code, message = status_for(error, self.tier, self.instance_id)
+        if code == grpc.StatusCode.INTERNAL and not isinstance(error, UpstreamError):
+            log.error("unhandled error", exc_info=error)
+        await context.abort(code, message)
+
+    def _wrap_unary(self, fn):
+        async def wrapper(request, context):
+            try:
+                return await fn(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await self._abort(context, e)
+
+        return wrapper
+
+    def _wrap_stream(self, fn):
+        async def wrapper(request, context):
+            try:
+                async for item in fn(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await self._abort(context, e)
+
+        return wrapper

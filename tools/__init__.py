@@ -1,0 +1,1 @@
+"""Command-line tools around the engine: model preparation, quantization and its evaluation (not served code)."""
