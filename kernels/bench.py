@@ -50,7 +50,8 @@ def _paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, device):
     return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device), tables
 
 
-def _decode_case(num_seqs, context_len, num_q_heads, num_kv_heads, head_dim, dtype, device) -> Case:
+def _decode_case(num_seqs, context_len, heads: tuple[int, int, int], dtype, device) -> Case:
+    num_q_heads, num_kv_heads, head_dim = heads
     lens = [context_len] * num_seqs
     k, v, tables = _paged_kv(lens, 16, num_kv_heads, head_dim, dtype, device)
     q = torch.randn(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device)
@@ -62,7 +63,8 @@ def _decode_case(num_seqs, context_len, num_q_heads, num_kv_heads, head_dim, dty
                 kv_bytes + 2 * q.numel() * q.element_size(), 4 * num_seqs * num_q_heads * context_len * head_dim)
 
 
-def _prefill_case(num_seqs, query_len, context_len, num_q_heads, num_kv_heads, head_dim, dtype, device) -> Case:
+def _prefill_case(num_seqs, query_len, context_len, heads: tuple[int, int, int], dtype, device) -> Case:
+    num_q_heads, num_kv_heads, head_dim = heads
     k, v, tables = _paged_kv([context_len] * num_seqs, 16, num_kv_heads, head_dim, dtype, device)
     q = torch.randn(num_seqs * query_len, num_q_heads, head_dim, dtype=dtype, device=device)
     starts = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device) * query_len
@@ -126,13 +128,14 @@ def make_cases(device: str = "cuda", small: bool = False) -> list[Case]:
     small=True shrinks every shape (a smoke run on CPU under TRITON_INTERPRET=1)."""
     dt = torch.bfloat16 if not small else torch.float32
     s = 16 if small else 1  # shape divisor
+    llama8b, smollm = (32, 8, 128), (9, 3, 64)  # (query heads, KV heads, head dim)
     return [
         _write_case(4096 // s, 8, 128, dt, device),
-        _decode_case(64 // s, 4096 // s, 32, 8, 128, dt, device),
-        _decode_case(4 // min(s, 4), 8192 // s, 32, 8, 128, dt, device),  # few sequences: context splits
-        _decode_case(32 // s, 1024 // s, 9, 3, 64, dt, device),
-        _prefill_case(4 // min(s, 4), 2048 // s, 2048 // s, 32, 8, 128, dt, device),
-        _prefill_case(4 // min(s, 4), 512 // s, 4096 // s, 32, 8, 128, dt, device),
+        _decode_case(64 // s, 4096 // s, llama8b, dt, device),
+        _decode_case(4 // min(s, 4), 8192 // s, llama8b, dt, device),  # few sequences: context splits
+        _decode_case(32 // s, 1024 // s, smollm, dt, device),
+        _prefill_case(4 // min(s, 4), 2048 // s, 2048 // s, llama8b, dt, device),
+        _prefill_case(4 // min(s, 4), 512 // s, 4096 // s, llama8b, dt, device),
         _w8_case(1, 4096 // s, 4096 // s, dt, device),
         _w8_case(2048 // s, 4096 // s, 4096 // s, dt, device),
         _w4_case(1, 4096 // s, 4096 // s, 128, dt, device),

@@ -9,11 +9,10 @@ import grpc
 
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
+
+def finish_name(reason: int) -> str:
+    """FINISH_REASON_STOP -> "stop" (the names vLLM and the OpenAI API use)."""
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def make_request(
@@ -82,7 +81,7 @@ def generate(address: str, request: gateway_pb2.GenerateRequest, on_text=None, t
         if msg.text and on_text:
             on_text(msg.text)
         if msg.HasField("finish_reason"):
-            out.finish_reason = FINISH_NAMES.get(msg.finish_reason)
+            out.finish_reason = finish_name(msg.finish_reason)
             out.prompt_tokens, out.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
             out.ttft_ms, out.e2e_ms = msg.timings.ttft_ms, msg.timings.e2e_ms
     return out

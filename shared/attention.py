@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.device import use_triton
+from shared.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     for i, ctx in enumerate(meta.context_lens):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         n = end - start
-        num_blocks = -(-ctx // block_size)
+        num_blocks = cdiv(ctx, block_size)
         block_ids = meta.block_tables[i, :num_blocks]
         k = key_cache[block_ids].flatten(0, 1)[:ctx]  # [ctx, num_kv_heads, head_dim]
         v = value_cache[block_ids].flatten(0, 1)[:ctx]
@@ -80,7 +81,7 @@ def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata
     """One query token per request: gather every context into a padded batch and attend in one call."""
     block_size = key_cache.shape[1]
     max_ctx = max(meta.context_lens)
-    block_tables = meta.block_tables[:, : -(-max_ctx // block_size)]  # [num_seqs, num_blocks]
+    block_tables = meta.block_tables[:, : cdiv(max_ctx, block_size)]  # [num_seqs, num_blocks]
     k = key_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [num_seqs, kv_heads, max_ctx, dim]
     v = value_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
     mask = torch.arange(max_ctx) < meta.context_lens_t.unsqueeze(1)  # [num_seqs, max_ctx]
@@ -93,11 +94,10 @@ def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, sc
     if meta.is_decode_only:
         from kernels.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(
-            query, key_cache, value_cache, meta.block_tables, meta.context_lens_t, scale
-        )
+        return paged_decode_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
+                                      context_lens=meta.context_lens_t, scale=scale)
     from kernels.prefill_attention import paged_prefill_attention
 
-    return paged_prefill_attention(
-        query, key_cache, value_cache, meta.block_tables, meta.query_start_loc_t, meta.context_lens_t, scale
-    )
+    return paged_prefill_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
+                                   query_start_loc=meta.query_start_loc_t, context_lens=meta.context_lens_t,
+                                   scale=scale)

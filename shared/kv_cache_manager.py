@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from shared.request import Request
+from shared.utils import cdiv
 
 
 class BlockPool:
@@ -53,7 +54,7 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the block table to hold num_computed_tokens + num_new_tokens. False (nothing taken) if full."""

@@ -6,14 +6,12 @@ with load_state_dict and quantized linears can replace nn.Linear by name. Numeri
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from shared.config import ModelConfig, torch_dtype
+from shared.model_files import read_safetensors
 
 
 class RMSNorm(nn.Module):
@@ -136,33 +134,31 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     """Build the model in config.dtype from config.path's safetensors files, or with config.quantization from
     that quantized checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight
     must be present (ValueError otherwise)."""
-    dtype = torch_dtype(config.dtype)
     if config.quantization is not None:
         from shared.quant import apply_quantization
 
         with torch.device(device):
             model = LlamaForCausalLM(config)
         apply_quantization(model, config.quantization)  # a complete checkpoint: it fills every tensor
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        return model.to(dtype).eval()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    state = _read_state(config, device)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        state = _read_state(config, device)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(torch_dtype(config.dtype)).eval()
+    # NOTE: built after the cast: RoPE frequencies stay fp32 in every dtype (as in HF), since bf16 ones would
+    # shift every position's angle.
     model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
-    return model.to(dtype).eval()
+    return model
 
 
 def _read_state(config: ModelConfig, device="cpu") -> dict[str, torch.Tensor]:
-    state = {}
-    for path in sorted(Path(config.path).glob("*.safetensors")):
-        state.update(load_file(str(path), device=str(device)))
+    state = {name: tensor.to(device) for name, tensor in read_safetensors(config.path).items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

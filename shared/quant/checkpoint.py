@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.model_files import read_safetensors
 from shared.quant.config import QuantConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -41,25 +41,6 @@ def save_quantized(out_dir: str | Path, state: dict[str, torch.Tensor], config: 
         if (source_dir / name).exists():
             shutil.copy2(source_dir / name, out_dir / name)
     return out_dir
-
-
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every *.safetensors file in model_dir, on CPU."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no .safetensors file")
-    state = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                shard = {key: f.get_tensor(key) for key in f.keys()}
-        except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
-            raise ValueError(f"{path} cannot be read (truncated or corrupt?): {e}") from e
-        repeated = shard.keys() & state.keys()
-        if repeated:  # e.g. a stale shard left beside a new one: which copy is meant is unknowable
-            raise ValueError(f"{path} repeats {len(repeated)} tensors of another shard, e.g. {min(repeated)}")
-        state.update(shard)
-    return state
 
 
 def read_quant_config(model_dir: Path) -> dict | None:

@@ -100,3 +100,18 @@ def test_reservation_refusals_leave_nothing_behind(model_config):
     with pytest.raises(ValueError, match="vocabulary"):
         engine.finish_kv_import("a", model_config.vocab_size)
     assert engine.abort_request("a") and engine.num_free_blocks == 4
+
+
+def test_weight_dtype_is_chosen_and_named_in_the_model_id(model_dir, model_config, hf_references):
+    from shared.config import ModelConfig
+
+    config = ModelConfig.from_dir(model_dir, dtype="bfloat16")
+    assert config.weight_format == "bf16" and config.model_id != model_config.model_id
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(256, 8))
+    assert {p.dtype for p in engine.model_runner.model.parameters()} == {torch.bfloat16}
+    ids, expected = hf_references["capital"]
+    request = Request("r", ids, greedy(4))
+    engine.add_request(request)
+    outs = run_to_end(engine, [request])
+    assert len(outs["r"]) == 4 and outs["r"][0] == expected[0]  # bf16 rounding may change later tokens
+    assert engine.num_free_blocks == 64
