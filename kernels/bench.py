@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import triton
 
 from kernels.int4_format import pack_int4
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
@@ -38,7 +39,7 @@ class Case:
 
 
 def _paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, device):
-    blocks = [-(-n // block_size) for n in context_lens]
+    blocks = [triton.cdiv(n, block_size) for n in context_lens]
     total = sum(blocks)
     ids = torch.randperm(total, device=device).int()
     tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32, device=device)

@@ -6,6 +6,7 @@ needs when it runs, and quantize / eval-quant build their flags only when they a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import signal
@@ -133,7 +134,8 @@ def cmd_up(args) -> int:
         _check_port_free(port)
     engine_args = EngineArgs.from_namespace(args)
     model = engine_args.model or str(prepare_model())
-    engine_flags = engine_argv(engine_args)  # --model goes to every process separately
+    engine_args = dataclasses.replace(engine_args, model=None)  # LocalCluster gives --model to every process
+    engine_flags = engine_argv(engine_args)
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
     cluster = LocalCluster(model=model, gateway_port=port or free_port(), num_prefill=args.prefill,
                            num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,

@@ -80,7 +80,11 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
             except Exception as e:  # Redis may already be gone at shutdown
                 log.warning("could not deregister: %s", e)
 
-    print(f"{tier} {instance_id} serving on {info.address}" + ("" if registry else " (standalone)"), flush=True)
+    print(f"{tier} {instance_id} serving {model_config.model_id} on {info.address}"
+          f"{'' if registry else ' (standalone)'}: {cache_config.num_blocks} KV blocks of {cache_config.block_size} "
+          f"tokens ({cache_config.kv_dtype}), {scheduler_config.max_num_batched_tokens} tokens and "
+          f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} threads, {engine_args.device}",
+          flush=True)  # fmt: skip
     try:
         await server.serve_until_signal(on_stop=leave_registry)
     finally:

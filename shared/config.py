@@ -1,4 +1,8 @@
-"""Configuration records: the model's architecture, the KV cache and the scheduler's budgets."""
+"""Configuration records: the model's architecture, the KV cache, the scheduler's budgets, and EngineArgs: every
+engine setting with its default, the one source the command-line flags are built from.
+
+Imports neither torch nor the engine (torch only inside torch_dtype), so the client CLI can build its flags fast.
+"""
 from __future__ import annotations
 
 import json
@@ -14,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "float32"  # weights, activations and KV unless a flag says otherwise
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -57,7 +62,7 @@ class ModelConfig:
     digest: str
     weight_format: str = "fp32"
     quantization: str | None = None  # quantized checkpoint (dir or .gguf) whose linears replace the float ones
-    dtype: str = "float32"  # weights and activations (the float ones; quantized codes keep their own type)
+    dtype: str = DEFAULT_DTYPE  # weights and activations (the float ones; quantized codes keep their own type)
 
     @property
     def model_id(self) -> str:
@@ -68,7 +73,7 @@ class ModelConfig:
         return f"{self.name}:{self.digest}:{self.weight_format}"
 
     @classmethod
-    def from_dir(cls, path: str | Path, quantization: str | None = None, dtype: str = "float32") -> ModelConfig:
+    def from_dir(cls, path: str | Path, quantization: str | None = None, dtype: str = DEFAULT_DTYPE) -> ModelConfig:
         """Read config.json (+ generation_config.json for extra EOS ids). ValueError if not Llama-like.
 
         quantization: a quantized checkpoint (tandem / HF AWQ / HF GPTQ dir, a .gguf file, or "gguf" for the
@@ -116,7 +121,7 @@ class ModelConfig:
         # The same weights run with another architecture config (rope_theta, eps, ...) are another model.
         digest = xxhash.xxh3_64_hexdigest(f"{fingerprint(weights)}|{sorted(arch.items())}".encode())[:12]
         weight_format = detect_quant_config(quantization).weight_format
-        if check_dtype(dtype) != "float32":
+        if check_dtype(dtype) != "float32":  # fp32 weights keep the format's bare name
             weight_format = _SHORT_DTYPE[dtype] if quantization is None else f"{weight_format}-{_SHORT_DTYPE[dtype]}"
         return cls(path=str(path), name=weights.stem if weights.suffix == ".gguf" else weights.name, digest=digest,
                    weight_format=weight_format, quantization=quantization, dtype=dtype, **arch)
@@ -134,7 +139,7 @@ class CacheConfig:
 
     block_size: int
     num_blocks: int
-    kv_dtype: str = "float32"
+    kv_dtype: str = DEFAULT_DTYPE
 
     def __post_init__(self):
         if self.block_size <= 0 or self.num_blocks <= 0:
@@ -189,12 +194,12 @@ class EngineArgs:
         None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
         "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers "
         "must agree)", str, env="TANDEM_QUANTIZATION", group="model")
-    dtype: str = _setting("float32", "float type of weights and activations (part of the model id)",
+    dtype: str = _setting(DEFAULT_DTYPE, "float type of weights and activations (part of the model id)",
                           choices=DTYPES, group="model")
     device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
     block_size: int = _setting(16, "tokens per KV block")
     num_blocks: int | None = _setting(None, "KV blocks in the pool", int)
-    kv_dtype: str = _setting("float32", "KV cache element type", choices=DTYPES)
+    kv_dtype: str = _setting(DEFAULT_DTYPE, "KV cache element type", choices=DTYPES)
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
     threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")

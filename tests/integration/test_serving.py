@@ -78,3 +78,17 @@ def test_cli_generate_json(cluster, hf_references):
     assert "Paris" in result["text"]
     assert result["usage"] == {"prompt_tokens": len(hf_references["capital"][0]), "completion_tokens": len(result["token_ids"])}
     assert result["timings"]["ttft_ms"] > 0 and result["timings"]["e2e_ms"] >= result["timings"]["ttft_ms"]
+
+
+def test_tandem_up_passes_engine_flags_to_every_engine(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "services", "up", "--num-blocks", "96", "--kv-dtype", "bfloat16", "--max-num-seqs",
+         "5", "--prefill-chunk", "48", "--log-dir", str(tmp_path), "--prompt", "Hi", "--max-tokens", "3",
+         "--temperature", "0"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    decode, prefill = (tmp_path / "decode0.log").read_text(), (tmp_path / "prefill0.log").read_text()
+    assert "96 KV blocks of 16 tokens (bfloat16), 256 tokens and 5 requests per step" in decode, decode
+    assert "96 KV blocks of 16 tokens (bfloat16), 48 tokens and 5 requests per step" in prefill, prefill
