@@ -171,10 +171,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_prepare_model)
 
+    up_text = ("Every engine flag is passed to each prefill and decode process (python -m services.decode --help); "
+               "--prefill-chunk to the prefills only.")
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
-                       formatter_class=defaults,
-                       description="Every engine flag is passed to each prefill and decode process (see "
-                                   "python -m services.decode --help); --prefill-chunk to the prefills only.")  # fmt: skip
+                       formatter_class=defaults, description=up_text)
     add_engine_args(p)
     p.add_argument("--port", type=int, default=None,
                    help="gateway port on 127.0.0.1 (default 50051; 0 = any free port, the default with --prompt)")

@@ -64,10 +64,12 @@ def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, 
         if got != expected:
             raise InvalidRequestError(f"KV transfer refused: {field} is {got!r}, this decode instance has {expected!r}")
     if not 0 <= msg.layer_start < msg.layer_end <= model_config.num_hidden_layers:
-        raise InvalidRequestError(f"KV transfer refused: layer range [{msg.layer_start}, {msg.layer_end}) is out of bounds")
+        raise InvalidRequestError(
+            f"KV transfer refused: layer range [{msg.layer_start}, {msg.layer_end}) is out of bounds")
     shape = (msg.layer_end - msg.layer_start, 2, msg.num_blocks, msg.block_size, msg.num_kv_heads, msg.head_dim)
     expected_bytes = torch.Size(shape).numel() * cache_config.dtype.itemsize
     if len(msg.data) != expected_bytes:
-        raise InvalidRequestError(f"KV transfer refused: {len(msg.data)} bytes for shape {shape}, expected {expected_bytes}")
+        raise InvalidRequestError(
+            f"KV transfer refused: {len(msg.data)} bytes for shape {shape}, expected {expected_bytes}")
     data = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(cache_config.dtype).view(shape)
     return KVBlocks(msg.first_block_index, data, msg.layer_start)

@@ -85,7 +85,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt is empty")
         max_len = self.model_config.max_model_len
         if request.num_prompt_tokens >= max_len:
-            raise InvalidRequestError(f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
         if any(not 0 <= t < self.model_config.vocab_size for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)

@@ -26,7 +26,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):
         if not request.request_id:
             raise InvalidRequestError("request_id is required")
-        req = Request(request.request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.sampling_params))
+        params = sampling_params_from_proto(request.sampling_params)
+        req = Request(request.request_id, list(request.prompt_token_ids), params)
         stream = await self.engine.reserve(req)
         finished = False
         try:

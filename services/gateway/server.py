@@ -67,7 +67,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if len(prompt_ids) >= max_len:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len} tokens")
         p = request.sampling_params
-        params = sampling_params_from_proto(p, **({} if p.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}))
+        defaults = {} if p.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
+        params = sampling_params_from_proto(p, **defaults)
         text = TextStream(self.tokenizer, tuple(p.stop))
         proto_params = common_pb2.SamplingParams()
         proto_params.CopyFrom(p)
@@ -142,8 +143,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise UpstreamError("INTERNAL", f"decode {decode.instance_id} did not reserve the request")
                 failed, doing = prefill, "prefilling"
                 prefill_reply = await prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address)).Prefill(
-                    prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                                               decode_address=decode.address, decode_instance_id=decode.instance_id),
+                    prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                               sampling_params=params, decode_address=decode.address,
+                                               decode_instance_id=decode.instance_id),
                     timeout=timeout,
                 )  # fmt: skip
                 return decode_call, prefill_reply, prefill, decode
@@ -180,8 +182,9 @@ async def serve(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway", description="Public gRPC API of the tandem cluster",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m services.gateway",
+                                     description="Public gRPC API of the tandem cluster",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_gateway_args(parser)
     args = parser.parse_args(argv)
     if not args.redis_url:

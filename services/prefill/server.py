@@ -66,7 +66,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise e
         self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
         transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id, num_blocks_sent))
-        return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=(time.perf_counter() - start) * 1000)
+        prefill_ms = (time.perf_counter() - start) * 1000
+        return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms)
 
     def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int) -> None:
         self._transfers.discard(task)

@@ -19,7 +19,7 @@ CASES = [
     (NoInstanceError("no live decode instance"), grpc.StatusCode.UNAVAILABLE, "no live decode instance"),
     (DeadlineError("deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"),
     (RequestFailedError("non-finite logits"), grpc.StatusCode.INTERNAL, "non-finite logits"),
-    (UpstreamError("RESOURCE_EXHAUSTED", "decode decode-1: full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "decode-1: full"),
+    (UpstreamError("RESOURCE_EXHAUSTED", "decode decode-1: full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "1: full"),
 ]
 # Built-ins a bug raises: never blamed on the client, never shown.
 BUGS = [ValueError("bad value at 10.0.0.7:5000"), KeyError("slot"), MemoryError(), RuntimeError("boom"),
