@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from services.flags import add_engine_args, engine_argv
+from services.flags import HelpFormatter, add_engine_args, engine_argv, port_number, positive_int
 from shared import envs
 from shared.config import EngineArgs
 
@@ -142,7 +142,8 @@ def cmd_up(args) -> int:
                            gateway_args=engine_argv(engine_args, groups=("model",)), log_dir=args.log_dir)  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
-    with cluster:
+    try:
+        cluster.start()
         print(f"gateway listening on {cluster.gateway_address}", flush=True)
         if args.prompt is not None:
             print(f"> {args.prompt}", file=sys.stderr)
@@ -152,19 +153,24 @@ def cmd_up(args) -> int:
             return 0
         print(f"serving; Ctrl-C to stop. Try: {sys.argv[0]} generate --gateway {cluster.gateway_address} "
               '"What is the capital of France?"', file=sys.stderr)  # fmt: skip
-        try:
-            while True:
-                cluster.check_alive()
-                time.sleep(1)
-        except KeyboardInterrupt:
-            print("\nstopping", file=sys.stderr)
-    return 0
+        while True:
+            cluster.check_alive()
+            time.sleep(1)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: while starting, serving or answering --prompt
+        print("\nstopping", file=sys.stderr)
+        return 130 if args.prompt is not None else 0
+    finally:
+        # NOTE: a second Ctrl-C/SIGTERM must not cut the stop short: the children run in their own sessions,
+        # so whatever is not stopped here would be orphaned.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cluster.stop()
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving: gateway, prefill, decode")
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = HelpFormatter
 
     p = sub.add_parser("prepare-model", help="convert the packaged SmolLM2 GGUF to an HF directory (once)")
     p.add_argument("--out", default=None, help="target directory (default: $TANDEM_CACHE/models/...)")
@@ -176,11 +182,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
                        formatter_class=defaults, description=up_text)
     add_engine_args(p)
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=port_number, default=None,
                    help="gateway port on 127.0.0.1 (default 50051; 0 = any free port, the default with --prompt)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--prefill-chunk", type=int, default=None,
+    p.add_argument("--prefill", type=positive_int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=positive_int, default=1, help="decode instances")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="the prefills' --max-num-batched-tokens (default: theirs, 512)")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")

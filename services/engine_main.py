@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from typing import Callable
 
 from services.convert import stats_to_proto
-from services.flags import add_engine_service_args
+from services.flags import HelpFormatter, add_engine_service_args
 from services.server import Server, new_instance_id
 from shared.async_engine import AsyncEngine
 from shared.config import EngineArgs
@@ -35,13 +36,16 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
     find would look healthy and never get a request."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{tier}", description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                                     formatter_class=HelpFormatter)  # fmt: skip
     add_engine_service_args(parser, tier)
     args = parser.parse_args(argv)
     if not args.redis_url and not args.standalone:
         parser.error("no registry: pass --redis-url (or set REDIS_URL), or --standalone to serve unregistered")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tier} %(levelname)s %(message)s")
-    asyncio.run(_serve(args, tier, add_servicer, export_kv))
+    try:
+        asyncio.run(_serve(args, tier, add_servicer, export_kv))
+    except (ValueError, OSError) as e:  # a model or setting that cannot be served: one line, no traceback
+        sys.exit(f"error: {e}")
 
 
 async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
@@ -51,6 +55,8 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     from shared.model_files import default_model_dir
 
     engine_args = EngineArgs.from_namespace(args)
+    if engine_args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is usable here (torch {torch.__version__})")
     torch.set_num_threads(engine_args.threads)
     model_config, cache_config, scheduler_config = engine_args.create_configs(tier, default_model_dir())
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv)

@@ -14,6 +14,29 @@ from shared.config import TIER_DEFAULTS, EngineArgs
 from shared.request import SamplingParams
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none (None, False): those say in their help what happens."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def port_number(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0-65535 (0: any free port), got {value}")
+    return number
+
+
 def _path(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("must name a checkpoint (a directory or a file), not be empty")
@@ -39,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
             per_tier = ", ".join(f"{t} {values[f.name]}" for t, values in TIER_DEFAULTS.items())
             default = TIER_DEFAULTS[tier][f.name] if tier else argparse.SUPPRESS
             help_ += "" if tier else f" (default: {per_tier})"
-        kind = _path if meta["type"] is str and not meta["choices"] else meta["type"]
+        kind = {str: _path, int: positive_int}.get(meta["type"], meta["type"]) if not meta["choices"] else str
         parser.add_argument(_flag(f.name), type=kind, choices=meta["choices"], help=help_, default=default)
 
 
@@ -61,22 +84,22 @@ def _flag(name: str) -> str:
 def add_listen_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Where a service listens: --host, --port (0 picks a free one)."""
     parser.add_argument("--host", default="0.0.0.0", help="address to bind")
-    parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    parser.add_argument("--port", type=port_number, default=default_port, help="0 picks a free port")
 
 
-def add_registry_args(parser: argparse.ArgumentParser) -> None:
+def add_registry_args(parser: argparse.ArgumentParser, required_unless: str = "") -> None:
     parser.add_argument("--redis-url", default=envs.REDIS_URL,
-                        help="Redis holding the instance registry ($REDIS_URL); required unless --standalone")
+                        help=f"Redis holding the instance registry ($REDIS_URL); required{required_unless}")
 
 
 def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
     """Every flag of an engine service (tier "prefill" or "decode")."""
     add_engine_args(parser, tier=tier)
     add_listen_args(parser, default_port=0)
-    add_registry_args(parser)
+    add_registry_args(parser, required_unless=" unless --standalone")
     parser.add_argument("--advertise-host", default=envs.TANDEM_ADVERTISE_HOST or _own_address(),
-                        help="host or IP other services use to reach this one ($TANDEM_ADVERTISE_HOST; "
-                             "default: this host's IP)")  # fmt: skip
+                        help="host or IP other services use to reach this one ($TANDEM_ADVERTISE_HOST, else this "
+                             "host's IP)")  # fmt: skip
     parser.add_argument("--standalone", action="store_true",
                         help="serve without a registry (nothing can route to this instance but direct calls)")
 

@@ -25,9 +25,11 @@ STATUS_CODES: dict[type[TandemError], grpc.StatusCode] = {
     RequestFailedError: grpc.StatusCode.INTERNAL,
     # UpstreamError: the code the peer answered with (its .status)
 }
-# Codes whose details a peer's own interceptor wrote (public by construction); other codes (UNAVAILABLE,
-# UNKNOWN, CANCELLED) can come from the transport, whose details name addresses.
+# Codes whose details a peer's own interceptor wrote (public by construction); UNAVAILABLE can come from the
+# transport, whose details name addresses. Any other code (UNIMPLEMENTED, UNKNOWN, CANCELLED: not a peer of
+# ours answering, or the call broke) is passed on as UNAVAILABLE.
 _PEER_DETAILS_ARE_PUBLIC = {*STATUS_CODES.values(), grpc.StatusCode.INTERNAL} - {grpc.StatusCode.UNAVAILABLE}
+_PEER_CODES = _PEER_DETAILS_ARE_PUBLIC | {grpc.StatusCode.UNAVAILABLE}
 
 
 def status_for(error: Exception, tier: str, instance_id: str) -> tuple[grpc.StatusCode, str]:
@@ -47,7 +49,8 @@ def upstream_error(error: grpc.aio.AioRpcError, tier: str, instance_id: str, doi
     log.warning("%s %s failed while %s: %s %s", tier, instance_id, doing, code.name, error.details())
     if code in _PEER_DETAILS_ARE_PUBLIC:
         return UpstreamError(code.name, f"{tier} {instance_id}: {error.details()}")
-    return UpstreamError(code.name, f"{tier} {instance_id} failed while {doing} ({code.name})")
+    status = code.name if code in _PEER_CODES else "UNAVAILABLE"
+    return UpstreamError(status, f"{tier} {instance_id} failed while {doing} ({code.name})")
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

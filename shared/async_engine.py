@@ -4,10 +4,15 @@ Each method puts a typed command on one queue; the engine thread runs the queued
 dispatches them in one place (_execute), so the engine needs no locks and callers can reach nothing else of it
 (as mini-sglang's scheduler takes typed messages). Each request's outputs arrive on its own asyncio.Queue; a
 None marks the end.
+
+NOTE: a request id can be reused once its request is aborted, while outputs the engine made for the old one are
+still on their way to the event loop. So each admission gets a serial number, the engine thread tags every output
+with the serial of the admission it belongs to, and a stream takes only outputs with its own serial.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -26,6 +31,7 @@ log = logging.getLogger(__name__)
 class AddRequest:
     request: Request
     reserve: bool  # decode tier: hold blocks for KV from a prefill instead of computing the prompt
+    serial: int  # this admission's number (see the module's NOTE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +70,9 @@ class AsyncEngine:
         self._engine = engine
         self._loop = loop
         self._commands: queue.SimpleQueue[tuple[Command, asyncio.Future | None] | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (admission serial, queue)
+        self._serials = itertools.count()
+        self._engine_serials: dict[str, int] = {}  # engine thread: request id -> serial of the admitted request
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -80,11 +88,11 @@ class AsyncEngine:
     # -- the interface (event-loop thread) -----------------------------------------------------------------
     async def add_request(self, request: Request) -> asyncio.Queue:
         """Queue a request to compute from its first token; return the queue its RequestOutputs arrive on."""
-        return await self._admit(AddRequest(request, reserve=False))
+        return await self._admit(request, reserve=False)
 
     async def reserve(self, request: Request) -> asyncio.Queue:
         """Decode tier: hold blocks for the prompt's KV (LLMEngine.reserve); return the output queue."""
-        return await self._admit(AddRequest(request, reserve=True))
+        return await self._admit(request, reserve=True)
 
     async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
         """Write received KV blocks into the request's reserved blocks (LLMEngine.import_kv)."""
@@ -115,16 +123,17 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout=5)
 
-    async def _admit(self, command: AddRequest) -> asyncio.Queue:
+    async def _admit(self, request: Request, reserve: bool) -> asyncio.Queue:
         """InvalidRequestError if the id is in use here. If admission fails or the caller is cancelled meanwhile,
         the request is aborted, so nothing stays behind."""
-        request_id = command.request.request_id
+        request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        serial = next(self._serials)
+        self._streams[request_id] = (serial, stream)
         try:
-            await self._call(command)
+            await self._call(AddRequest(request, reserve, serial))
         except BaseException:
             self.abort(request_id)
             raise
@@ -140,10 +149,9 @@ class AsyncEngine:
         """Run one command on the engine; the one place that touches it on behalf of callers."""
         engine = self._engine
         match command:
-            case AddRequest(request, reserve=True):
-                engine.reserve(request)
-            case AddRequest(request, reserve=False):
-                engine.add_request(request)
+            case AddRequest(request, reserve, serial):
+                (engine.reserve if reserve else engine.add_request)(request)
+                self._engine_serials[request.request_id] = serial
             case ImportKV(request_id, kv):
                 engine.import_kv(request_id, kv)
             case FinishKVImport(request_id, first_token_id):
@@ -152,6 +160,7 @@ class AsyncEngine:
                 self._publish([engine.fail_kv_import(request_id, error)])
             case Abort(request_id):
                 engine.abort_request(request_id)
+                self._engine_serials.pop(request_id, None)
             case GetStats():
                 return engine.stats()
             case _:
@@ -202,17 +211,25 @@ class AsyncEngine:
         return outputs
 
     def _publish(self, outputs: list[RequestOutput | None]) -> None:
-        outputs = [out for out in outputs if out is not None]
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        """Send outputs to the event loop, each tagged with its admission's serial (engine thread)."""
+        tagged = []
+        for out in outputs:
+            if out is None:
+                continue
+            serial = self._engine_serials.pop if out.finished else self._engine_serials.get
+            tagged.append((serial(out.request_id, None), out))
+        if tagged:
+            self._loop.call_soon_threadsafe(self._deliver, tagged)
 
     # -- event loop ----------------------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their streams (event-loop thread)."""
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+    def _deliver(self, tagged: list[tuple[int | None, RequestOutput]]) -> None:
+        """Hand outputs to their streams (event-loop thread); one made for an earlier admission of the same id is
+        dropped."""
+        for serial, out in tagged:
+            serial_and_stream = self._streams.get(out.request_id)
+            if serial_and_stream is None or serial_and_stream[0] != serial:
                 continue
+            stream = serial_and_stream[1]
             stream.put_nowait(out)
             if out.finished:
                 stream.put_nowait(None)

@@ -39,8 +39,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be positive, got {self.max_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise InvalidRequestError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:

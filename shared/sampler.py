@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import xxhash
 
 from shared.request import Request
 
@@ -35,7 +36,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         probs = row.softmax(-1)
         generator = None
         if params.seed is not None:
-            seed = (params.seed * 1_000_003 + request.num_tokens) % 2**64
+            # NOTE: the CPU generator keeps 32 bits of its seed, so all 64 of (seed, position) are hashed into them.
+            seed = xxhash.xxh32_intdigest(f"{params.seed}:{request.num_tokens}".encode())
             generator = torch.Generator(device=logits.device).manual_seed(seed)
         token_ids[i] = int(torch.multinomial(probs, 1, generator=generator))
     return token_ids

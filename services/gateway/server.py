@@ -12,13 +12,13 @@ import grpc
 
 from services.channels import ChannelPool
 from services.convert import sampling_params_from_proto
-from services.flags import add_gateway_args
+from services.flags import HelpFormatter, add_gateway_args
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import RoundRobinRouter
 from services.grpc_errors import upstream_error
 from services.server import Server, new_instance_id
 from shared.config import ModelConfig
-from shared.errors import DeadlineError, InvalidRequestError, UpstreamError
+from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
 from shared.registry import InstanceInfo
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -126,12 +126,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         or full is skipped and the request is placed again, up to MAX_ATTEMPTS times. The client's deadline,
         if it set one, bounds both calls."""
         skipped: set[str] = set()
+        last_error: UpstreamError | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             timeout = context.time_remaining()
             if timeout is not None and timeout <= 0:
                 raise DeadlineError("the request's deadline passed before it was placed")
-            decode = await self.router.pick("decode", len(prompt_ids) + params.max_tokens, skipped)
-            prefill = await self.router.pick("prefill", 0, skipped)
+            try:
+                decode = await self.router.pick("decode", len(prompt_ids) + params.max_tokens, skipped)
+                prefill = await self.router.pick("prefill", 0, skipped)
+            except NoInstanceError:
+                if last_error is not None:  # every instance left was tried: say why the last one failed
+                    raise last_error from None
+                raise
             decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
                 decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params),
                 timeout=timeout,
@@ -151,9 +157,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return decode_call, prefill_reply, prefill, decode
             except grpc.aio.AioRpcError as e:
                 decode_call.cancel()
-                error = upstream_error(e, failed.tier, failed.instance_id, doing)
+                last_error = upstream_error(e, failed.tier, failed.instance_id, doing)
                 if e.code() not in RETRY_CODES or attempt == MAX_ATTEMPTS:
-                    raise error from None
+                    raise last_error from None
                 log.warning("request %s: placing it again", request_id)
                 skipped.add(failed.instance_id)
             except BaseException:
@@ -184,7 +190,7 @@ async def serve(args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.gateway",
                                      description="Public gRPC API of the tandem cluster",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_gateway_args(parser)
     args = parser.parse_args(argv)
     if not args.redis_url:

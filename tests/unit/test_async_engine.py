@@ -66,3 +66,21 @@ async def scenario():
 
 def test_typed_commands_run_on_the_engine_thread_in_order():
     asyncio.run(scenario())
+
+
+async def reused_id_scenario():
+    engine = AsyncEngine(FakeEngine(), asyncio.get_running_loop())
+    try:
+        await engine.reserve(make_request("a"))  # admission 0
+        engine.abort("a")  # the client cancelled; the engine may still have outputs of it on their way
+        stream = await engine.reserve(make_request("a"))  # admission 1, same id
+        engine._deliver([(0, RequestOutput("a", [99], FinishReason.STOP))])  # made for admission 0: dropped
+        engine._publish([RequestOutput("a", [22])])  # made now: tagged with admission 1
+        assert (await asyncio.wait_for(stream.get(), 5)).new_token_ids == [22]
+        assert stream.empty()
+    finally:
+        engine.stop()
+
+
+def test_outputs_of_an_aborted_request_never_reach_a_new_request_with_its_id():
+    asyncio.run(reused_id_scenario())

@@ -51,6 +51,8 @@ def test_upstream_transport_details_never_reach_the_client():
                                "prefill", "prefill-3", "prefilling")  # fmt: skip
     assert passed_on.status == "INVALID_ARGUMENT"
     assert str(passed_on) == "prefill prefill-3: prompt token ids must be in [0, 5)"
+    not_ours = upstream_error(rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"), "decode", "d-1", "x")
+    assert not_ours.status == "UNAVAILABLE"  # only the table's codes pass through
 
 
 class Raising(gateway_pb2_grpc.GatewayServicer):

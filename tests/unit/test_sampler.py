@@ -38,3 +38,11 @@ def test_sampling_follows_distribution():
     for n in range(2000):
         counts[sample(logits, [make_request(num_prompt_tokens=1 + n % 50, temperature=1.0, seed=n)])[0]] += 1
     assert torch.allclose(counts / 2000, probs, atol=0.04)
+
+
+def test_seeds_differing_in_the_high_bits_draw_differently():
+    logits = torch.zeros(1, 1000)
+    low, high = 5, 5 + 2**32
+    draws = {s: [sample(logits, [make_request(num_prompt_tokens=n, temperature=1.0, seed=s)])[0] for n in range(1, 9)]
+             for s in (low, high)}
+    assert draws[low] != draws[high]
