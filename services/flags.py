@@ -56,7 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
         default = f.default
         help_ = meta["help"]
         if meta["env"]:
-            default = default if getattr(envs, meta["env"]) is None else getattr(envs, meta["env"])
+            from_env = getattr(envs, meta["env"])
+            default = default if from_env is None else from_env
             help_ += f" (${meta['env']})"
         if f.name in TIER_DEFAULTS["decode"]:
             per_tier = ", ".join(f"{t} {values[f.name]}" for t, values in TIER_DEFAULTS.items())
