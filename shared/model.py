@@ -148,7 +148,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):  # (a quantized lm_head has its own)
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(torch_dtype(config.dtype)).eval()
     # NOTE: built after the cast: RoPE frequencies stay fp32 in every dtype (as in HF), since bf16 ones would

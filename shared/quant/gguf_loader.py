@@ -10,7 +10,8 @@ pairs weights 2p and 2p + 1 instead, so the codes are reordered.
 llama.cpp's converter permutes the rows of attn_q / attn_k for its rope layout; they are permuted back as
 transformers' GGUF loader does (rows viewed as [heads, head_dim / 2, 2] -> [heads, 2, head_dim / 2]). Rows carry
 their own codes, scales and zeros, so the permutation is exact. Embeddings and norms are returned as float32
-(token_embd is dequantized with the gguf package); GGUF tensor names are mapped to HF names.
+(token_embd is dequantized with the gguf package; a Q8_0 output projection, or a Q8_0 token_embd it is tied to,
+also stays int8 as lm_head.qweight / lm_head.scales); GGUF tensor names are mapped to HF names.
 """
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ def load_gguf_state(path: str | Path) -> tuple[dict[str, torch.Tensor], QuantCon
             continue  # derived from the config by the model
         else:
             raise ValueError(f"unknown GGUF tensor {tensor.name!r}")
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and qtype == "Q8_0":
+            # NOTE: the output projection keeps its int8 codes (what llama.cpp multiplies with): the same values
+            # as the float copy, read at a quarter of the bytes. A tied one is the embedding's codes.
+            state.update({f"lm_head.{k}": v for k, v in decode_q8_0(np.asarray(tensor.data)).items()})
+            if name == "lm_head.weight":
+                continue
         values = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
         shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
         state[name] = torch.from_numpy(values.reshape(shape).copy())

@@ -15,9 +15,11 @@ the last group holds only K % G real columns, and the padded columns are multipl
 they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G]; dequantize() returns [N, K].
 
 Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.device.use_triton
-decides, as for attention); CPU dequantizes and calls a float matmul. On the AVX2 development machine that
-beats torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) at every M measured (1 to 256);
-see benchmarks/quant_cpu_ops.py.
+decides, as for attention). CPU with fp32 activations and up to CPU_KERNEL_MAX_M rows calls the AVX2/AVX-512
+kernel in kernels/cpu_qgemm.py, which reads the codes once and dequantizes in registers (decode batches: 2-3x
+faster than fp32 at M = 1, see `python -m benchmarks.quant`); otherwise (prefill chunks, other dtypes, shapes the
+kernel does not take) it dequantizes and calls a float matmul, which beats torch's packed CPU ops
+(_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) on this machine (benchmarks/quant_cpu_ops.py).
 """
 from __future__ import annotations
 
@@ -25,9 +27,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_qgemm
 from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
 from shared.device import use_triton
 from shared.quant.rtn import quantize_int4, quantize_int8
+
+# Rows (tokens) up to which the CPU kernel beats dequantize + float matmul here (measured M = 1..128).
+CPU_KERNEL_MAX_M = 128
+
+
+def _cpu_kernel_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
+    """x as [M, K] fp32 when the CPU kernel takes it (else None)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_qgemm.supports(in_features, group_size):
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.shape[0] <= CPU_KERNEL_MAX_M and cpu_qgemm.available() else None
 
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (qweight * scales).T (+ bias); int8 weights, activations stay in float.
@@ -79,6 +93,11 @@ class WeightOnlyInt8Linear(nn.Module):
 
             y = w8a16_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
+        elif self.scales.dtype == torch.float32 and (
+                x2 := _cpu_kernel_rows(x, self.in_features, self.group_size or self.in_features)) is not None:
+            scales = self.scales.view(self.out_features, -1)  # per channel: one group of K
+            y = cpu_qgemm.int8_gemm(x2.contiguous(), self.qweight, scales, self.group_size or self.in_features)
+            y = y.view(*x.shape[:-1], self.out_features)
         elif self.group_size is None:  # the per-channel scale commutes with the matmul
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         else:
@@ -124,6 +143,7 @@ class WeightOnlyInt4Linear(nn.Module):
     def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        bias: torch.Tensor | None = None):
         """Copy canonical tensors in: qweight uint8 [N, K_pad // 2], scales/zeros [N, K_pad // G]."""
+        self._cpu_weights = None
         _copy_checked(self, "qweight", qweight)
         _copy_checked(self, "scales", scales)
         _copy_checked(self, "zeros", zeros)
@@ -143,6 +163,12 @@ class WeightOnlyInt4Linear(nn.Module):
         w.sub_(self.zeros.to(dtype)[..., None]).mul_(self.scales.to(dtype)[..., None])
         return w.view(n, -1)[:, : self.in_features]
 
+    def _cpu_kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes in the CPU kernel's order, zeros * scales), made on first use and kept (derived, not saved)."""
+        if getattr(self, "_cpu_weights", None) is None:
+            self._cpu_weights = (cpu_qgemm.repack_int4(self.qweight), (self.zeros * self.scales).contiguous())
+        return self._cpu_weights
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             from kernels.quant_gemm import w4a16_gemm
@@ -151,6 +177,13 @@ class WeightOnlyInt4Linear(nn.Module):
             if self.padded_in_features != self.in_features:
                 x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
             y = w4a16_gemm(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.scales.dtype == torch.float32 and (
+                x2 := _cpu_kernel_rows(x, self.padded_in_features, self.group_size)) is not None:
+            if self.padded_in_features != self.in_features:
+                x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+            codes, zero_scales = self._cpu_kernel_weights()
+            y = cpu_qgemm.int4_gemm(x2.contiguous(), codes, self.scales, zero_scales, self.group_size)
             y = y.view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.dequantize(x.dtype))

@@ -2,7 +2,7 @@
 
 Works on any nn.Module tree that keeps HF names: ``...layers.{i}.self_attn.{q,k,v,o}_proj`` and
 ``...layers.{i}.mlp.{gate,up,down}_proj`` (HF LlamaForCausalLM and the engine's model). Embeddings, norms and
-the (tied) lm_head stay in float. Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>``
+the (tied) lm_head stay in float, except an lm_head a checkpoint quantizes (GGUF Q8_0: lm_head.qweight). Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>``
 followed by ``.qweight`` / ``.scales`` / ``.zeros``; every other key is a float tensor copied by name.
 """
 from __future__ import annotations
@@ -102,6 +102,11 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
             raise ValueError(f"{name}: {e}") from e
         _set_module(model, name, layer)
     quant_keys = {f"{name}.{t}" for name in linears for t in QUANT_TENSOR_NAMES}
+    if "lm_head.qweight" in state and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        # A quantized output projection (GGUF Q8_0): it no longer shares the embedding's float tensor.
+        tensors = {t: state[f"lm_head.{t}"] for t in QUANT_TENSOR_NAMES if f"lm_head.{t}" in state}
+        model.lm_head = make_quant_layer(model.lm_head, tensors)
+        quant_keys |= {f"lm_head.{t}" for t in tensors}
     targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     with torch.no_grad():
         for key, value in state.items():
