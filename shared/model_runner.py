@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into model inputs, runs one forward, samples."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -10,6 +11,8 @@ from shared.config import CacheConfig, ModelConfig
 from shared.model import load_model
 from shared.sampler import sample
 from shared.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -33,14 +36,35 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu", model=None):
         self.model_config = model_config
-        self.cache_config = cache_config
         self.device = torch.device(device)
         self.model = model if model is not None else load_model(model_config, self.device)
+        if cache_config.num_blocks is None:
+            cache_config = replace(cache_config, num_blocks=self.num_blocks_for_memory(cache_config),
+                                   memory_utilization=None)
+        self.cache_config = cache_config  # num_blocks resolved
         self.kv_caches = torch.zeros(
             model_config.num_hidden_layers, 2, cache_config.num_blocks, cache_config.block_size,
             model_config.num_key_value_heads, model_config.head_dim,
             dtype=cache_config.dtype, device=self.device,
         )  # fmt: skip
+
+    def num_blocks_for_memory(self, cache_config: CacheConfig) -> int:
+        """KV blocks that fit in cache_config.memory_utilization of the device memory free now (after the weights):
+        torch.cuda.mem_get_info on CUDA, the OS's available RAM on CPU. ValueError if not even one block fits."""
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        block_bytes = cache_config.block_bytes(self.model_config)
+        num_blocks = int(free * cache_config.memory_utilization) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"memory_utilization {cache_config.memory_utilization} of {free} free bytes holds no "
+                             f"KV block ({block_bytes} bytes)")
+        log.info("KV pool: %d blocks (%.2f GB), %.0f%% of %.2f GB free after the weights", num_blocks,
+                 num_blocks * block_bytes / 1e9, 100 * cache_config.memory_utilization, free / 1e9)
+        return num_blocks
 
     def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
         """Compute the scheduled tokens (writing their KV into the pool) and sample the next token of each

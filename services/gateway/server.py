@@ -17,7 +17,7 @@ from services.gateway.detokenizer import TextStream
 from services.gateway.router import RoundRobinRouter
 from services.grpc_errors import upstream_error
 from services.server import Server, new_instance_id
-from shared.config import ModelConfig
+from shared.config import EngineArgs, ModelConfig
 from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
 from shared.registry import InstanceInfo
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -176,7 +176,7 @@ async def serve(args) -> None:
 
     torch.set_num_threads(1)
     model_dir = args.model or default_model_dir()
-    model_config = ModelConfig.from_dir(model_dir, args.quantization, args.dtype)
+    model_config = EngineArgs.from_namespace(args).create_model_config(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     router = RoundRobinRouter(Registry(args.redis_url), model_config.model_id)
     server = Server("gateway", new_instance_id("gateway"), args.host, args.port)

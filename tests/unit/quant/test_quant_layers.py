@@ -87,7 +87,7 @@ def test_int8_grouped_matches_reference():
     layer.load_quantized(q, scales)
     ref_w = q.float() * scales.repeat_interleave(32, 1)
     x = torch.randn(3, 64)
-    assert torch.allclose(layer(x), x @ ref_w.T, atol=1e-5)
+    assert torch.allclose(layer(x), x @ ref_w.T, atol=1e-4, rtol=1e-5)  # the CPU kernel sums in another order
 
 
 def test_bad_group_size_and_shapes_raise_value_error():
