@@ -25,6 +25,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
     query_start_loc_t: torch.Tensor  # [num_seqs + 1] int32
     context_lens_t: torch.Tensor  # [num_seqs] int32
+    # CPU decode: (block_tables cut to the longest context, key mask [num_seqs, 1, 1, max_ctx]), made by the first
+    # layer and reused by the others
+    cpu_decode_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -79,14 +82,16 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
 
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query token per request: gather every context into a padded batch and attend in one call."""
-    block_size = key_cache.shape[1]
     max_ctx = max(meta.context_lens)
-    block_tables = meta.block_tables[:, : cdiv(max_ctx, block_size)]  # [num_seqs, num_blocks]
+    if meta.cpu_decode_layout is None:
+        block_tables = meta.block_tables[:, : cdiv(max_ctx, key_cache.shape[1])]  # [num_seqs, num_blocks]
+        mask = torch.arange(max_ctx) < meta.context_lens_t.unsqueeze(1)  # [num_seqs, max_ctx]
+        meta.cpu_decode_layout = block_tables, mask[:, None, None, :]
+    block_tables, mask = meta.cpu_decode_layout
     k = key_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [num_seqs, kv_heads, max_ctx, dim]
     v = value_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
-    mask = torch.arange(max_ctx) < meta.context_lens_t.unsqueeze(1)  # [num_seqs, max_ctx]
     q = query.unsqueeze(2)  # [num_seqs, q_heads, 1, dim]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
 

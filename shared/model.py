@@ -12,6 +12,7 @@ from torch import nn
 from shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from shared.config import ModelConfig, torch_dtype
 from shared.model_files import read_safetensors
+from shared.quant.layers import concat_linears
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, the same formula
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,13 +63,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj (the checkpoint's names) by one qkv_proj: one matmul reads all three weights."""
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [num_tokens, hidden]; kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (this layer)."""
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]  # RoPE on query and key heads at once
+        qk = (qk * cos + rotate_half(qk) * sin).to(x.dtype)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         write_kv_cache(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = paged_attention(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.to(x.dtype).flatten(1))
@@ -79,8 +87,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj: one matmul reads both weights."""
+        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -133,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:
     """Build the model in config.dtype from config.path's safetensors files, or with config.quantization from
     that quantized checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight
-    must be present (ValueError otherwise)."""
+    must be present (ValueError otherwise). The loaded model runs fused projections (qkv_proj, gate_up_proj)."""
     if config.quantization is not None:
         from shared.quant import apply_quantization
 
@@ -154,6 +168,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     # NOTE: built after the cast: RoPE frequencies stay fp32 in every dtype (as in HF), since bf16 ones would
     # shift every position's angle.
     model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    for layer in model.model.layers:  # after loading, which uses the checkpoint's per-projection names
+        layer.self_attn.fuse_projections()
+        layer.mlp.fuse_projections()
     return model
 
 

@@ -1,15 +1,16 @@
 // Weight-only quantized GEMM for x86-64 CPUs with AVX2 + FMA or AVX-512 (fp32 activations and accumulators).
 //
-// Computes, for every activation row m and output row n,
-//     y[m, n] = sum_g scales[n, g] * sum_{k in group g} q[n, k] * x[m, k]  -  sum_g zs[n, g] * X[m, g]
-// where q are the integer codes (int8, or int4 in [0, 15]), and for int4 zs = zeros * scales and X = x summed
-// per group: (q - z) * s = q * s - z * s, so the zero point costs one FMA per group instead of one per weight.
+// y[m, n] = sum_k x[m, k] * w[n, k] with w = q * s (int8, symmetric) or (q - z) * s (int4, asymmetric), one scale
+// s (and zero z) per row and group of G columns.
 //
 // Why: on CPU a decode step is bound by the weight bytes it reads. Dequantizing a whole weight to fp32 before a
 // float matmul reads the codes, writes 4x as many fp32 bytes and reads them back, so it loses to fp32. Here the
-// codes are widened to fp32 in registers next to the FMA (the method of llama.cpp's ggml and gpt-fast) and each
-// code byte is read once per block of MR activation rows. Per-group partial sums take the scale out of the
-// inner loop: one FMA per group instead of one multiply per weight.
+// codes are widened to fp32 in registers next to the FMA (the method of llama.cpp's ggml and gpt-fast), so each
+// code byte is read once per call:
+// - M == 1: per-group partial sums of q * x take the scale out of the inner loop (one FMA per group), and the
+//   zero point is sum_g z s X_g with X_g the group's sum of x, since (q - z) * s = q * s - z * s.
+// - M > 1: a tile of 4 rows is dequantized once into an L1-resident buffer and multiplied with up to 6 (AVX2: 3)
+//   rows of x at a time held in registers.
 //
 // Layouts: int8 qweight [N, K] (shared/quant/layers.py); int4 codes uint8 [N, K / 2] in this kernel's own
 // order, made once per layer by kernels/cpu_qgemm.py repack_int4: in each 32-column chunk, byte j holds k = j
@@ -19,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -31,8 +33,8 @@ inline V vzero() { return _mm512_setzero_ps(); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline V vbroadcast_value(float v) { return _mm512_set1_ps(v); }
 inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
-inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 #else
 using V = __m256;
@@ -41,7 +43,7 @@ inline V vzero() { return _mm256_setzero_ps(); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vbroadcast_value(float v) { return _mm256_set1_ps(v); }
 inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline float hsum(V v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -89,57 +91,64 @@ struct Int4Codes {
   }
 };
 
-// y[m0 + i, n0 + j] for i < MR, j < NR. NR * MR * 2 accumulators + the codes + 1 scale fit the registers.
-template <int NR, int MR, typename Codes>
-inline void block(const Codes& codes, const float* scales, int64_t num_groups, int64_t chunks_per_group,
-                  const float* x, int64_t K, float* y, int64_t N, int64_t n0) {
-  V acc[NR][MR];
-  for (int j = 0; j < NR; ++j)
-    for (int i = 0; i < MR; ++i) acc[j][i] = vzero();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    V part[NR][MR];
-    for (int j = 0; j < NR; ++j)
-      for (int i = 0; i < MR; ++i) part[j][i] = vzero();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+// A quantized weight as the loops see it: codes, one scale per (row, group), and for int4 zs = zeros * scales.
+template <typename Codes>
+struct Weight {
+  Codes codes;
+  const float* scales;  // [N, num_groups]
+  const float* zs;      // [N, num_groups] or nullptr (int8: no zero point)
+  int64_t num_groups, chunks_per_group;
+  inline int64_t group_of_chunk(int64_t c) const { return c / chunks_per_group; }
+};
+
+// M == 1 (and the N % 4 tail): y[n0 + j] for j < NR, reading each code once. Per-group partial sums take the scale
+// out of the inner loop; the zero point is one scalar FMA per group with X[g] = sum of x over the group.
+template <int NR, typename Codes>
+inline void gemv_block(const Weight<Codes>& w, const float* x, const float* x_group_sums, float* y, int64_t n0) {
+  V acc[NR];
+  float zero_terms[NR] = {};
+  for (int j = 0; j < NR; ++j) acc[j] = vzero();
+  for (int64_t g = 0; g < w.num_groups; ++g) {
+    V part[NR];
+    for (int j = 0; j < NR; ++j) part[j] = vzero();
+    for (int64_t c = g * w.chunks_per_group; c < (g + 1) * w.chunks_per_group; ++c) {
       for (int j = 0; j < NR; ++j) {
-        V w[VPC];
-        codes.load(n0 + j, c, w);
-        for (int v = 0; v < VPC; ++v)
-          for (int i = 0; i < MR; ++i) part[j][i] = vfmadd(w[v], vload(x + i * K + 32 * c + LANES * v), part[j][i]);
+        V codes[VPC];
+        w.codes.load(n0 + j, c, codes);
+        for (int v = 0; v < VPC; ++v) part[j] = vfmadd(codes[v], vload(x + 32 * c + LANES * v), part[j]);
       }
     }
     for (int j = 0; j < NR; ++j) {
-      const V s = vbroadcast(scales + (n0 + j) * num_groups + g);
-      for (int i = 0; i < MR; ++i) acc[j][i] = vfmadd(part[j][i], s, acc[j][i]);
+      const int64_t sg = (n0 + j) * w.num_groups + g;
+      acc[j] = vfmadd(part[j], vbroadcast(w.scales + sg), acc[j]);
+      if (w.zs != nullptr) zero_terms[j] += w.zs[sg] * x_group_sums[g];
     }
   }
-  for (int j = 0; j < NR; ++j)
-    for (int i = 0; i < MR; ++i) y[i * N + n0 + j] = hsum(acc[j][i]);
+  for (int j = 0; j < NR; ++j) y[n0 + j] = hsum(acc[j]) - zero_terms[j];
 }
 
-// Larger M: dequantize NT output rows once into an L1-resident buffer (codes * scale), then multiply it with MT
-// activation rows at a time held in accumulators: each weight is widened once per call instead of once per block.
+// M > 1: dequantize NT output rows once into an L1-resident buffer ((q - z) * s), then multiply it with MT
+// activation rows at a time held in accumulators: each weight is widened once per call, not once per row.
 constexpr int NT = 4;
 constexpr int MT = LANES == 16 ? 6 : 3;  // NT * MT accumulators + 1 input vector fit the 32 (16) registers
 
 template <typename Codes>
-inline void dequant_rows(const Codes& codes, const float* scales, int64_t num_groups, int64_t chunks_per_group,
-                         int64_t K, int64_t n0, float* buf) {
-  for (int j = 0; j < NT; ++j) {
+inline void dequant_rows(const Weight<Codes>& w, int rows, int64_t K, int64_t n0, float* buf) {
+  for (int j = 0; j < rows; ++j) {
     for (int64_t c = 0; c < K / 32; ++c) {
-      V w[VPC];
-      codes.load(n0 + j, c, w);
-      const V s = vbroadcast(scales + (n0 + j) * num_groups + c / chunks_per_group);
-      for (int v = 0; v < VPC; ++v) {
-        V d = vmul(w[v], s);
-        store(buf + j * K + 32 * c + LANES * v, d);
-      }
+      V codes[VPC];
+      w.codes.load(n0 + j, c, codes);
+      const int64_t sg = (n0 + j) * w.num_groups + w.group_of_chunk(c);
+      const V s = vbroadcast(w.scales + sg);
+      const V minus_zs = vbroadcast_value(w.zs != nullptr ? -w.zs[sg] : 0.0f);
+      for (int v = 0; v < VPC; ++v) store(buf + j * K + 32 * c + LANES * v, vfmadd(codes[v], s, minus_zs));
     }
   }
+  for (int j = rows; j < NT; ++j) std::fill(buf + j * K, buf + (j + 1) * K, 0.0f);  // the N % NT tail
 }
 
 template <int ROWS>
-inline void micro_kernel(const float* buf, const float* x, int64_t K, float* y, int64_t N, int64_t n0) {
+inline void micro_kernel(const float* buf, int rows, const float* x, int64_t K, float* y, int64_t N, int64_t n0) {
   V acc[NT][ROWS];
   for (int j = 0; j < NT; ++j)
     for (int i = 0; i < ROWS; ++i) acc[j][i] = vzero();
@@ -149,48 +158,51 @@ inline void micro_kernel(const float* buf, const float* x, int64_t K, float* y, 
       for (int j = 0; j < NT; ++j) acc[j][i] = vfmadd(vload(buf + j * K + k), xv, acc[j][i]);
     }
   }
-  for (int j = 0; j < NT; ++j)
+  for (int j = 0; j < rows; ++j)
     for (int i = 0; i < ROWS; ++i) y[i * N + n0 + j] = hsum(acc[j][i]);
 }
 
 template <int ROWS>
-inline void tail_rows(const float* buf, const float* x, int64_t rows, int64_t K, float* y, int64_t N, int64_t n0) {
+inline void tail_rows(const float* buf, int rows, const float* x, int64_t m_left, int64_t K, float* y, int64_t N,
+                      int64_t n0) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return micro_kernel<ROWS>(buf, x, K, y, N, n0);
-    tail_rows<ROWS - 1>(buf, x, rows, K, y, N, n0);
+    if (m_left == ROWS) return micro_kernel<ROWS>(buf, rows, x, K, y, N, n0);
+    tail_rows<ROWS - 1>(buf, rows, x, m_left, K, y, N, n0);
   }
 }
 
 template <typename Codes>
-torch::Tensor grouped_gemm(const torch::Tensor& x, const Codes& codes, const torch::Tensor& scales, int64_t N,
-                           int64_t group_size, const float* zs = nullptr) {
+torch::Tensor grouped_gemm(const torch::Tensor& x, const Weight<Codes>& w, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ng = K / group_size, cpg = group_size / 32;
-  const int64_t num_tiles = N / NT;
+  std::vector<float> x_group_sums;  // [num_groups] of the one row, for the M == 1 zero-point term
+  if (M == 1 && w.zs != nullptr) {
+    const int64_t group_size = K / w.num_groups;
+    x_group_sums.assign(w.num_groups, 0.0f);
+    for (int64_t k = 0; k < K; ++k) x_group_sums[k / group_size] += xp[k];
+  }
+  const int64_t num_tiles = (N + NT - 1) / NT;
   at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(M >= 2 ? NT * K : 0);
+    std::vector<float> buf(M > 1 ? NT * K : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = NT * t;
+      const int rows = static_cast<int>(std::min<int64_t>(NT, N - n0));
       if (M == 1) {
-        block<4, 1>(codes, sp, ng, cpg, xp, K, yp, N, n0);
-      } else {
-        dequant_rows(codes, sp, ng, cpg, K, n0, buf.data());
-        int64_t m = 0;
-        for (; m + MT <= M; m += MT) micro_kernel<MT>(buf.data(), xp + m * K, K, yp + m * N, N, n0);
-        tail_rows<MT - 1>(buf.data(), xp + m * K, M - m, K, yp + m * N, N, n0);
+        if (rows == NT) {
+          gemv_block<NT>(w, xp, x_group_sums.data(), yp, n0);
+        } else {
+          for (int j = 0; j < rows; ++j) gemv_block<1>(w, xp, x_group_sums.data(), yp, n0 + j);
+        }
+        continue;
       }
+      dequant_rows(w, rows, K, n0, buf.data());
+      int64_t m = 0;
+      for (; m + MT <= M; m += MT) micro_kernel<MT>(buf.data(), rows, xp + m * K, K, yp + m * N, N, n0);
+      tail_rows<MT - 1>(buf.data(), rows, xp + m * K, M - m, K, yp + m * N, N, n0);
     }
   });
-  for (int64_t n = NT * num_tiles; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) block<1, 1>(codes, sp, ng, cpg, xp + m * K, K, yp + m * N, N, n);
-  if (zs != nullptr) {  // y -= X @ zs.T, X [M, ng] the per-group sums of x
-    auto group_sums = x.view({M, ng, group_size}).sum(-1);
-    y.sub_(torch::mm(group_sums, torch::from_blob(const_cast<float*>(zs), {N, ng}, x.options()).t()));
-  }
   return y;
 }
 
@@ -212,7 +224,9 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   check_common(x, scales, N, group_size);
   TORCH_CHECK(qweight.scalar_type() == torch::kChar && qweight.is_contiguous() && qweight.size(1) == K,
               "qweight must be contiguous int8 [N, K]");
-  return grouped_gemm(x, Int8Codes{qweight.data_ptr<int8_t>(), K}, scales, N, group_size);
+  Weight<Int8Codes> w{{qweight.data_ptr<int8_t>(), K}, scales.data_ptr<float>(), nullptr, K / group_size,
+                      group_size / 32};
+  return grouped_gemm(x, w, N);
 }
 
 // x fp32 [M, K]; codes uint8 [N, K / 2] (repack_int4 order); scales, zero_scales (zeros * scales) fp32
@@ -225,8 +239,9 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
               "qweight must be contiguous uint8 [N, K / 2]");
   TORCH_CHECK(zero_scales.sizes() == scales.sizes() && zero_scales.scalar_type() == torch::kFloat &&
                   zero_scales.is_contiguous(), "zero_scales must be contiguous float32, shaped like scales");
-  return grouped_gemm(x, Int4Codes{qweight.data_ptr<uint8_t>(), K}, scales, N, group_size,
-                      zero_scales.data_ptr<float>());
+  Weight<Int4Codes> w{{qweight.data_ptr<uint8_t>(), K}, scales.data_ptr<float>(), zero_scales.data_ptr<float>(),
+                      K / group_size, group_size / 32};
+  return grouped_gemm(x, w, N);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

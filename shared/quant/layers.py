@@ -193,6 +193,45 @@ class WeightOnlyInt4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
+def concat_linears(layers: list[nn.Module]) -> nn.Module:
+    """One layer whose output is the layers' outputs concatenated on the last dim (fused QKV, fused gate/up):
+    their weights (codes, scales, zeros, biases) stacked along N. The layers must be of one type with one
+    in_features, dtype and group size (ValueError otherwise); nn.Linear, WeightOnlyInt8Linear and
+    WeightOnlyInt4Linear are supported. Each output element is the same dot product as before the fusion."""
+    first = layers[0]
+    kind = type(first)
+    if any(type(layer) is not kind for layer in layers) or kind not in (nn.Linear, WeightOnlyInt8Linear,
+                                                                         WeightOnlyInt4Linear):
+        raise ValueError(f"cannot fuse {[type(layer).__name__ for layer in layers]}")
+    if len({(layer.in_features, getattr(layer, "group_size", None)) for layer in layers}) != 1:
+        raise ValueError("fused layers need one in_features and group size")
+    has_bias = [layer.bias is not None for layer in layers]
+    if any(has_bias) != all(has_bias):
+        raise ValueError("fused layers must all have a bias or none")
+    out_features = sum(layer.out_features for layer in layers)
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(layer, name).detach() for layer in layers])
+
+    if kind is nn.Linear:
+        weight = cat("weight")
+        fused = nn.Linear(first.in_features, out_features, bias=all(has_bias), device=weight.device,
+                          dtype=weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(weight)
+            if fused.bias is not None:
+                fused.bias.copy_(cat("bias"))
+        return fused
+    bias = cat("bias") if all(has_bias) else None
+    if kind is WeightOnlyInt8Linear:
+        fused = WeightOnlyInt8Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
+                                     dtype=first.scales.dtype)
+        return fused.to(first.qweight.device).load_quantized(cat("qweight"), cat("scales"), bias)
+    fused = WeightOnlyInt4Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
+                                 dtype=first.scales.dtype)
+    return fused.to(first.qweight.device).load_quantized(cat("qweight"), cat("scales"), cat("zeros"), bias)
+
+
 def _copy_checked(module: nn.Module, name: str, value: torch.Tensor) -> None:
     buf = getattr(module, name)
     if buf is None or tuple(buf.shape) != tuple(value.shape):
