@@ -25,8 +25,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
     query_start_loc_t: torch.Tensor  # [num_seqs + 1] int32
     context_lens_t: torch.Tensor  # [num_seqs] int32
-    # CPU decode: (block_tables cut to the longest context, key mask [num_seqs, 1, 1, max_ctx]), made by the first
-    # layer and reused by the others
+    # CPU decode: (block ids [num_seqs * blocks of the longest context] int64, key mask [num_seqs, 1, 1, max_ctx]),
+    # made by the first layer and reused by the others
     cpu_decode_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -83,16 +83,22 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query token per request: gather every context into a padded batch and attend in one call."""
     max_ctx = max(meta.context_lens)
+    num_seqs, block_size, num_kv_heads, head_dim = query.shape[0], *key_cache.shape[1:]
     if meta.cpu_decode_layout is None:
-        block_tables = meta.block_tables[:, : cdiv(max_ctx, key_cache.shape[1])]  # [num_seqs, num_blocks]
+        block_ids = meta.block_tables[:, : cdiv(max_ctx, block_size)].flatten().long()  # index_select: 2x [] here
         mask = torch.arange(max_ctx) < meta.context_lens_t.unsqueeze(1)  # [num_seqs, max_ctx]
-        meta.cpu_decode_layout = block_tables, mask[:, None, None, :]
-    block_tables, mask = meta.cpu_decode_layout
-    k = key_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [num_seqs, kv_heads, max_ctx, dim]
-    v = value_cache[block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
-    q = query.unsqueeze(2)  # [num_seqs, q_heads, 1, dim]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+        meta.cpu_decode_layout = block_ids, mask[:, None, None, :]
+    block_ids, mask = meta.cpu_decode_layout
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, kv_heads, max_ctx, dim]
+        return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_ctx].transpose(1, 2)
+
+    k, v = gather(key_cache), gather(value_cache)
+    # NOTE: the query heads sharing a KV head are that head's query rows (GQA as plain attention over
+    # [num_seqs, kv_heads, group, dim]; about 25% faster than enable_gqa here). Heads are grouped consecutively.
+    q = query.view(num_seqs, num_kv_heads, -1, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.view(num_seqs, -1, head_dim)
 
 
 def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

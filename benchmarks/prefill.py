@@ -1,0 +1,93 @@
+"""Prefill throughput against the fp32 matmul ceiling of this CPU, measured in the same run.
+
+    python -m benchmarks.prefill [--threads 1] [--chunk 512] [--prompt-len 2048]
+
+The ceiling: the model's own linear shapes ([chunk, K] x [K, N] for every projection and the LM head rows that
+are sampled) run as bare F.linear calls, in FLOP/s. The engine: one prompt prefilled in chunks of --chunk tokens
+by LLMEngine (the prefill tier's loop), in tokens/s and in FLOP/s of those linears plus causal attention
+(QK^T and PV). The ratio says how much of the ceiling the engine reaches; the rest is norms, RoPE, KV writes,
+attention running below the GEMM rate, and Python.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.engine import LLMEngine
+from shared.request import Request, SamplingParams
+from tools.prepare_model import prepare_model
+
+
+def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of every linear one token goes through, LM head excluded (fused QKV and gate/up as the engine runs
+    them)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    per_layer = [(qkv, hidden), (hidden, config.num_attention_heads * config.head_dim), (2 * inter, hidden),
+                 (hidden, inter)]
+    return per_layer * config.num_hidden_layers
+
+
+def matmul_ceiling(config: ModelConfig, chunk: int, repeats: int = 3) -> float:
+    """FLOP/s of bare fp32 F.linear over the model's shapes at M = chunk (best of repeats)."""
+    shapes = linear_shapes(config)
+    weights = {shape: torch.randn(shape) for shape in set(shapes)}
+    x = {k: torch.randn(chunk, k) for _, k in shapes}
+    flops = sum(2 * chunk * n * k for n, k in shapes)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for n, k in shapes:
+            F.linear(x[k], weights[(n, k)])
+        best = min(best, time.perf_counter() - t)
+    return flops / best
+
+
+def engine_prefill(config: ModelConfig, chunk: int, prompt_len: int) -> float:
+    """Seconds the engine takes to prefill one prompt of prompt_len tokens in chunks (after a warm-up)."""
+    block_size = 16
+    engine = LLMEngine(config, CacheConfig(block_size, prompt_len // block_size + 8), SchedulerConfig(chunk, 4))
+    prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for request_id in ("warm-up", "measured"):
+        engine.add_request(Request(request_id, prompt, params))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        elapsed = time.perf_counter() - t
+    return elapsed
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (the prefill tier's default)")
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--quantization", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = ModelConfig.from_dir(prepare_model(), args.quantization)
+    ceiling = matmul_ceiling(config, args.chunk)
+    seconds = engine_prefill(config, args.chunk, args.prompt_len)
+    linear_flops = args.prompt_len * sum(2 * n * k for n, k in linear_shapes(config))
+    # causal attention: QK^T and PV over about half the context on average, per layer and query head
+    attention_flops = (2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+                       * args.prompt_len * args.prompt_len / 2)
+    print(json.dumps({
+        "threads": args.threads, "chunk": args.chunk, "prompt_len": args.prompt_len,
+        "weight_format": config.weight_format,
+        "matmul_ceiling_gflops": round(ceiling / 1e9, 1),
+        "engine_prefill_tokens_per_s": round(args.prompt_len / seconds, 1),
+        "engine_gflops": round((linear_flops + attention_flops) / seconds / 1e9, 1),
+        "attention_share_of_flops": round(attention_flops / (linear_flops + attention_flops), 2),
+        "fraction_of_ceiling": round((linear_flops + attention_flops) / seconds / ceiling, 2),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

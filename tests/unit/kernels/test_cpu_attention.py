@@ -1,0 +1,46 @@
+"""The engine's CPU attention (shared/attention.py: torch ops, no Triton) against the kernels' pure-torch
+references: decode-only batches (the grouped-query reshape) and mixed chunked-prefill batches."""
+import pytest
+import torch
+
+from kernels.paged_attention import paged_decode_attention_ref
+from kernels.prefill_attention import paged_prefill_attention_ref
+from shared.attention import AttentionMetadata, paged_attention
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM = 64, 4, 3, 9, 16
+
+
+def make_batch(query_lens: list[int], context_lens: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    width = max(-(-n // BLOCK_SIZE) for n in context_lens)
+    # distinct, shuffled block ids per sequence, padded with 0 as the model runner does
+    ids = torch.randperm(NUM_BLOCKS, generator=gen)[: width * len(context_lens)].view(len(context_lens), width)
+    for i, n in enumerate(context_lens):
+        ids[i, -(-n // BLOCK_SIZE):] = 0
+    query = torch.randn(sum(query_lens), Q_HEADS, HEAD_DIM, generator=gen)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64), query_start_loc=starts,
+        context_lens=context_lens, block_tables=ids.to(torch.int32),
+        query_start_loc_t=torch.tensor(starts, dtype=torch.int32),
+        context_lens_t=torch.tensor(context_lens, dtype=torch.int32))
+    return query, key_cache, value_cache, meta
+
+
+@pytest.mark.parametrize("context_lens", [[1], [5, 17, 9], [32, 1, 30, 8, 13]])
+def test_cpu_decode_attention_matches_reference(context_lens):
+    query, k, v, meta = make_batch([1] * len(context_lens), context_lens)
+    expected = paged_decode_attention_ref(query, k, v, meta.block_tables, meta.context_lens_t, 0.25)
+    torch.testing.assert_close(paged_attention(query, k, v, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [([7], [7]), ([3, 1, 6], [10, 9, 6]), ([1, 4], [1, 20])])
+def test_cpu_mixed_attention_matches_reference(query_lens, context_lens):
+    query, k, v, meta = make_batch(query_lens, context_lens, seed=1)
+    expected = paged_prefill_attention_ref(query, k, v, meta.block_tables, meta.query_start_loc_t,
+                                           meta.context_lens_t, 0.25)
+    torch.testing.assert_close(paged_attention(query, k, v, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
