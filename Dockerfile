@@ -15,6 +15,8 @@ ARG PIP_EXTRA_INDEX_URL=""
 ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
 # Same set-up as on a developer machine: venv, deps, generated stubs, converted model (baked into the image).
 ENV TANDEM_CACHE=/models
+# The CPU quantized GEMM is compiled at build time: for AVX2 + FMA, so the image runs on any x86-64-v3 machine.
+ENV TANDEM_CPU_ARCH=x86-64-v3
 RUN make model PYTHON=python3 VENV=/venv
 ENV PATH=/venv/bin:$PATH PYTHONUNBUFFERED=1
 EXPOSE 50051

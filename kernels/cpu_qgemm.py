@@ -8,14 +8,17 @@ for small M (decode batches); for large M (prefill chunks) a float GEMM on the d
 the caller picks (shared/quant/layers.py).
 
 The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
-cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); `python -m kernels.cpu_qgemm` builds it ahead of
-time (`make setup` does). Without AVX2/FMA or a compiler, available() is False and callers use the references.
+cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
+AVX-512 where the CPU has it; an image built for other machines sets x86-64-v3, i.e. AVX2 + FMA);
+`python -m kernels.cpu_qgemm` builds it ahead of time (`make setup` does). Without AVX2/FMA or a compiler,
+available() is False and callers use the references.
 Torch only: nothing here imports triton or shared/.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -33,8 +36,10 @@ def _extension():
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name="tandem_cpu_qgemm", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"],
-                    verbose=False)
+        # NOTE: read here, not through shared.envs (kernels import nothing from shared); listed there.
+        arch = os.environ.get("TANDEM_CPU_ARCH") or "native"
+        return load(name=f"tandem_cpu_qgemm_{arch.replace('-', '_')}", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", f"-march={arch}"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: serve with the torch path
         log.warning("CPU quantized GEMM disabled: building %s failed: %s", _SOURCE.name, e)
         return None
