@@ -1,7 +1,7 @@
-"""The `tandem` command: prepare-model, up (a local cluster), generate, chat, quantize, eval-quant.
+"""The `tandem` command: prepare-model, up (a local cluster), generate, chat, quantize, eval-quant, bench.
 
 The client side (generate, chat) imports neither torch, redis nor the engine: each command imports what it
-needs when it runs, and quantize / eval-quant build their flags only when they are the command given.
+needs when it runs, and quantize / eval-quant / bench build their flags only when they are the command given.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ TOOLS = {
                  "tools.quantize", "add_quantize_args", "run_quantize"),
     "eval-quant": ("KL / top-1 of quantized formats against fp32 on shipped text",
                    "tools.eval_quant", "add_eval_args", "run_eval"),
+    "bench": ("serving benchmark: TTFT / TPOT / ITL / throughput of the cluster and other backends",
+              "benchmarks.bench.cli", "add_bench_args", "run_bench"),
 }
 
 

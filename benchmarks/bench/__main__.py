@@ -1,0 +1,3 @@
+from benchmarks.bench.cli import main
+
+main()
