@@ -44,8 +44,9 @@ serve: model
 test: model
 	$(BIN)/python -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
+# Serving benchmark (about 15 minutes); llama-server joins when $$LLAMA_SERVER is set or it is on PATH.
 bench: model
-	$(BIN)/python -m benchmarks.serving
+	$(BIN)/tandem bench --workload decode-heavy --num-prompts 32 --concurrency 1,8,32 --json bench.json --plot bench-plots
 
 clean:
 	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py proto/tandem/v1/*_pb2.pyi

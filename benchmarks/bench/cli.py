@@ -10,7 +10,6 @@ same load level.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import shlex
 import sys

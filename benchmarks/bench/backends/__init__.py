@@ -1,7 +1,7 @@
 """The backends `tandem bench` compares, by name, and how each is built from the command line's settings."""
 from __future__ import annotations
 
-from benchmarks.bench.backends.base import Backend, RequestResult
+from benchmarks.bench.backends.base import Backend
 
 BACKENDS = ("cluster", "colocated", "hf-static", "llama-server")
 DEFAULT_BACKENDS = ("cluster", "colocated", "hf-static")  # + llama-server when its binary is found
@@ -36,6 +36,3 @@ def create_backend(name: str, args, model_dir: str, max_in_flight: int, max_requ
         return LlamaServerBackend(find_llama_server(args.llama_server), str(packaged_gguf_path()), threads,
                                   slots, ctx_per_slot, max_in_flight, args.log_dir, args.request_timeout)  # fmt: skip
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
-
-
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "RequestResult", "create_backend"]
