@@ -175,6 +175,7 @@ template <typename Codes>
 torch::Tensor grouped_gemm(const torch::Tensor& x, const Weight<Codes>& w, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;  // (a prefill step that samples nothing)
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<float> x_group_sums;  // [num_groups] of the one row, for the M == 1 zero-point term
