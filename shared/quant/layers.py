@@ -16,8 +16,8 @@ they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G
 
 Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.device.use_triton
 decides, as for attention). CPU with fp32 activations and up to CPU_KERNEL_MAX_M rows calls the AVX2/AVX-512
-kernel in kernels/cpu_qgemm.py, which reads the codes once and dequantizes in registers (decode batches: 2-3x
-faster than fp32 at M = 1, see `python -m benchmarks.quant`); otherwise (prefill chunks, other dtypes, shapes the
+kernel in kernels/cpu_qgemm.py, which reads the codes once and dequantizes in registers (at M = 1 on
+[1536, 576]: int8 2.6x and int4 1.7x faster than fp32; docs/performance.md); otherwise (prefill chunks, other dtypes, shapes the
 kernel does not take) it dequantizes and calls a float matmul, which beats torch's packed CPU ops
 (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) on this machine (benchmarks/quant_cpu_ops.py).
 """
