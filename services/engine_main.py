@@ -11,7 +11,7 @@ from typing import Callable
 from services.convert import stats_to_proto
 from services.flags import HelpFormatter, add_engine_service_args
 from services.server import Server, new_instance_id
-from shared.async_engine import AsyncEngine
+from shared.async_engine import AsyncEngine, build_engine
 from shared.config import EngineArgs
 from shared.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc
@@ -51,18 +51,13 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
 async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     import torch
 
-    from shared.engine import LLMEngine
     from shared.model_files import default_model_dir
 
     engine_args = EngineArgs.from_namespace(args)
     if engine_args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: no CUDA device is usable here (torch {torch.__version__})")
-    model_config, cache_config, scheduler_config = engine_args.create_configs(tier, default_model_dir())
-    # NOTE: built with one torch thread, stepped on AsyncEngine's thread with engine_args.threads: built with
-    # several here, its steps there ran about 2x slower at 2 threads (measured 69-71 vs 38-43 ms per decode step).
-    torch.set_num_threads(1)
-    engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv)
-    torch.set_num_threads(engine_args.threads)
+    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv)
+    model_config, scheduler_config = engine.model_config, engine.scheduler.config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
     instance_id = new_instance_id(tier)

@@ -32,19 +32,9 @@ class ColocatedBackend:
         self._ids = itertools.count()
 
     async def start(self) -> None:
-        import torch
+        from shared.async_engine import AsyncEngine, build_engine
 
-        from shared.async_engine import AsyncEngine
-        from shared.engine import LLMEngine
-
-        # NOTE: the engine is built on this thread and stepped on AsyncEngine's. Built with several torch threads
-        # here, its steps there ran about 2x slower (2 threads, 2 cores: 59-68 ms instead of 31-38 ms per decode
-        # step at batch 1), as if this thread's OpenMP pool competed with the engine thread's. Built with one
-        # thread, then stepped with all of them, it runs as fast as on a single thread.
-        torch.set_num_threads(1)
-        model_config, cache_config, scheduler_config = self.engine_args.create_configs("decode", self.model_dir)
-        engine = LLMEngine(model_config, cache_config, scheduler_config, self.engine_args.device)
-        torch.set_num_threads(self.engine_args.threads)  # the engine thread, started next, takes this count
+        engine = build_engine(self.engine_args, "decode", self.model_dir)
         self.engine = AsyncEngine(engine, asyncio.get_running_loop())
 
     async def generate(self, request: BenchRequest) -> RequestResult:
