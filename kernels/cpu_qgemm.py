@@ -7,47 +7,19 @@ the activations in registers, so each call reads the int8/int4 bytes once: a dec
 for small M (decode batches); for large M (prefill chunks) a float GEMM on the dequantized weight is faster, and
 the caller picks (shared/quant/layers.py).
 
-The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
-cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
-AVX-512 where the CPU has it; an image built for other machines sets x86-64-v3, i.e. AVX2 + FMA);
-`python -m kernels.cpu_qgemm` builds it ahead of time (`make setup` does). Without AVX2/FMA or a compiler,
-available() is False and callers use the references.
+Built and loaded by kernels/cpu_ext.py (with the other CPU kernels).
 Torch only: nothing here imports triton or shared/.
 """
 from __future__ import annotations
 
-import functools
-import logging
-import os
-from pathlib import Path
-
 import torch
 
-_SOURCE = Path(__file__).parent / "cpu" / "qgemm.cpp"
-log = logging.getLogger(__name__)
-
-
-@functools.cache
-def _extension():
-    """The compiled module, or None when this CPU or machine cannot build or run it (the reason is logged)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.warning("CPU quantized GEMM disabled: this CPU has no AVX2")
-        return None
-    from torch.utils.cpp_extension import load
-
-    try:
-        # NOTE: read here, not through shared.envs (kernels import nothing from shared); listed there.
-        arch = os.environ.get("TANDEM_CPU_ARCH") or "native"
-        return load(name=f"tandem_cpu_qgemm_{arch.replace('-', '_')}", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", f"-march={arch}"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, a read-only cache: serve with the torch path
-        log.warning("CPU quantized GEMM disabled: building %s failed: %s", _SOURCE.name, e)
-        return None
+from kernels import cpu_ext
 
 
 def available() -> bool:
-    """True when the AVX2 kernel is built (building it on first call) and this CPU can run it."""
-    return _extension() is not None
+    """True when the C++ kernels are built (building them on first call) and this CPU can run them."""
+    return cpu_ext.available()
 
 
 def supports(in_features: int, group_size: int) -> bool:
@@ -86,7 +58,7 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
     _check(x, qweight, scales, group_size, x.shape[1])
     if qweight.dtype != torch.int8:
         raise ValueError(f"qweight must be int8, got {qweight.dtype}")
-    ext = _extension()
+    ext = cpu_ext.extension()
     if ext is None:
         raise RuntimeError("the CPU quantized GEMM is not available on this machine")
     return ext.int8_gemm(x.contiguous(), qweight.contiguous(), scales.contiguous(), group_size)
@@ -100,7 +72,7 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero_s
     _check(x, codes, scales, group_size, x.shape[1] // 2)
     if codes.dtype != torch.uint8 or zero_scales.shape != scales.shape or zero_scales.dtype != torch.float32:
         raise ValueError("codes must be uint8 and zero_scales float32 shaped like scales")
-    ext = _extension()
+    ext = cpu_ext.extension()
     if ext is None:
         raise RuntimeError("the CPU quantized GEMM is not available on this machine")
     return ext.int4_gemm(x.contiguous(), codes.contiguous(), scales.contiguous(), zero_scales.contiguous(),
@@ -123,8 +95,3 @@ def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     q = unpack_int4(qweight).float().view(n, -1, group_size)
     w = ((q - zeros[..., None]) * scales[..., None]).view(n, -1)
     return x @ w.T
-
-
-if __name__ == "__main__":  # build ahead of time: `python -m kernels.cpu_qgemm`
-    logging.basicConfig(level=logging.INFO)
-    print("CPU quantized GEMM:", "built" if available() else "not available (see the warning above)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_attention
 from shared.device import use_triton
 from shared.utils import cdiv
 
@@ -50,7 +51,8 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
 
     query [num_tokens, num_q_heads, head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads,
     head_dim] (already holding this step's K/V); returns [num_tokens, num_q_heads, head_dim].
-    CUDA: Triton kernels (decode and extend). CPU: per-request gather + scaled_dot_product_attention.
+    CUDA: Triton kernels (decode and extend). CPU: decode batches in the C++ kernel (fp32) or one padded
+    scaled_dot_product_attention; mixed batches per-request gather + scaled_dot_product_attention.
     """
     if use_triton(query):
         return _attention_triton(query, key_cache, value_cache, meta, scale)
@@ -81,7 +83,11 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
 
 
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query token per request: gather every context into a padded batch and attend in one call."""
+    """One query token per request. fp32: the C++ kernel, which reads K/V in place through the block table;
+    otherwise gather every context into a padded batch and attend in one call."""
+    if cpu_attention.supports(query, key_cache):
+        return cpu_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
+                                                    meta.context_lens_t, scale)
     max_ctx = max(meta.context_lens)
     num_seqs, block_size, num_kv_heads, head_dim = query.shape[0], *key_cache.shape[1:]
     if meta.cpu_decode_layout is None:

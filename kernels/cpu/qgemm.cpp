@@ -16,48 +16,25 @@
 // order, made once per layer by kernels/cpu_qgemm.py repack_int4: in each 32-column chunk, byte j holds k = j
 // (low nibble) and k = j + 16 (high nibble), so both nibble halves meet contiguous x; scales fp32 [N, K / G].
 // K % 32 == 0 and G % 32 == 0 (checked in Python and here).
-#include <immintrin.h>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "simd.h"
 
 #include <algorithm>
 #include <vector>
 
 namespace {
+using namespace tandem_simd;
 
-// One SIMD vector of floats: 16 lanes with AVX-512 (when the compiler targets it: -march=native), else 8 (AVX2).
-#ifdef __AVX512F__
-using V = __m512;
-constexpr int LANES = 16;
-inline V vzero() { return _mm512_setzero_ps(); }
-inline V vload(const float* p) { return _mm512_loadu_ps(p); }
-inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-inline V vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline V vbroadcast_value(float v) { return _mm512_set1_ps(v); }
-inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
-inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-#else
-using V = __m256;
-constexpr int LANES = 8;
-inline V vzero() { return _mm256_setzero_ps(); }
-inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline V vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline V vbroadcast_value(float v) { return _mm256_set1_ps(v); }
-inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-inline float hsum(V v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 constexpr int VPC = 32 / LANES;  // vectors per 32-column chunk
+constexpr int64_t PREFETCH_ROWS = 2 * 4;  // two tiles ahead: at M = 1 the LM head read 1.5x faster
 
 // 32 codes of row n starting at column 32 * c, widened to VPC vectors of floats in x's order.
 struct Int8Codes {
   const int8_t* q;
   int64_t K;
+  inline const int8_t* row(int64_t n) const { return q + n * K; }
   inline void load(int64_t n, int64_t c, V w[VPC]) const {
     const int8_t* p = q + n * K + 32 * c;
 #ifdef __AVX512F__
@@ -73,6 +50,7 @@ struct Int8Codes {
 struct Int4Codes {
   const uint8_t* q;
   int64_t K;  // unpacked K
+  inline const uint8_t* row(int64_t n) const { return q + n * (K / 2); }
   inline void load(int64_t n, int64_t c, V w[VPC]) const {
     __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + 16 * c));
 #ifdef __AVX512F__
@@ -99,6 +77,22 @@ struct Weight {
   const float* zs;      // [N, num_groups] or nullptr (int8: no zero point)
   int64_t num_groups, chunks_per_group;
   inline int64_t group_of_chunk(int64_t c) const { return c / chunks_per_group; }
+  int64_t N;
+  // Ask for rows [n, n + rows) (codes and scales) ahead of use: each tile's rows are short streams.
+  inline void prefetch_rows(int64_t n, int rows) const {
+    if (n + rows > N) return;
+    const char* c0 = reinterpret_cast<const char*>(codes.row(n));
+    const char* c1 = reinterpret_cast<const char*>(codes.row(n + rows));
+    for (const char* p = c0; p < c1; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    const char* s0 = reinterpret_cast<const char*>(scales + n * num_groups);
+    const char* s1 = reinterpret_cast<const char*>(scales + (n + rows) * num_groups);
+    for (const char* p = s0; p < s1; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    if (zs != nullptr) {
+      const char* z0 = reinterpret_cast<const char*>(zs + n * num_groups);
+      const char* z1 = reinterpret_cast<const char*>(zs + (n + rows) * num_groups);
+      for (const char* p = z0; p < z1; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+  }
 };
 
 // M == 1 (and the N % 4 tail): y[n0 + j] for j < NR, reading each code once. Per-group partial sums take the scale
@@ -107,6 +101,7 @@ template <int NR, typename Codes>
 inline void gemv_block(const Weight<Codes>& w, const float* x, const float* x_group_sums, float* y, int64_t n0) {
   V acc[NR];
   float zero_terms[NR] = {};
+  w.prefetch_rows(n0 + PREFETCH_ROWS, NR);
   for (int j = 0; j < NR; ++j) acc[j] = vzero();
   for (int64_t g = 0; g < w.num_groups; ++g) {
     V part[NR];
@@ -226,7 +221,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   TORCH_CHECK(qweight.scalar_type() == torch::kChar && qweight.is_contiguous() && qweight.size(1) == K,
               "qweight must be contiguous int8 [N, K]");
   Weight<Int8Codes> w{{qweight.data_ptr<int8_t>(), K}, scales.data_ptr<float>(), nullptr, K / group_size,
-                      group_size / 32};
+                      group_size / 32, N};
   return grouped_gemm(x, w, N);
 }
 
@@ -241,11 +236,6 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   TORCH_CHECK(zero_scales.sizes() == scales.sizes() && zero_scales.scalar_type() == torch::kFloat &&
                   zero_scales.is_contiguous(), "zero_scales must be contiguous float32, shaped like scales");
   Weight<Int4Codes> w{{qweight.data_ptr<uint8_t>(), K}, scales.data_ptr<float>(), zero_scales.data_ptr<float>(),
-                      K / group_size, group_size / 32};
+                      K / group_size, group_size / 32, N};
   return grouped_gemm(x, w, N);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
-  m.def("int4_gemm", &int4_gemm, "y = x @ ((int4 codes - zeros) * scales).T");
 }

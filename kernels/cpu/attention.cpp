@@ -1,0 +1,110 @@
+// Decode attention over the paged KV cache on x86-64 CPUs (fp32; AVX2 + FMA or AVX-512): one query token per
+// sequence attends to its whole context, read in place through the block table.
+//
+// Why: the torch path gathers every sequence's K and V blocks into padded copies before attending
+// (shared/attention.py), which at batch 8-32 writes and rereads megabytes per layer; here each K and V row is
+// read once, where it lies. Softmax is exact two-pass fp32 (scores, max, e^(s - max), sum), as the reference
+// kernels/paged_attention.py paged_decode_attention_ref computes it; e^x is Cephes' polynomial (simd.h).
+//
+// Layouts (those of shared/attention.py): query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+// block_tables int32 [S, max_blocks]; context_lens int32 [S]; Hq % Hkv == 0 (the query heads of KV head h are
+// h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as in HF's repeat_kv); D % LANES == 0.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+using namespace tandem_simd;
+
+constexpr int MAX_DV = 256 / LANES;  // head_dim up to 256
+
+// out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h.
+void attend_one(const float* q, int64_t group, const float* key_cache, const float* value_cache,
+                const int32_t* block_table, int64_t ctx, int64_t block_size, int64_t num_kv_heads, int64_t h,
+                int64_t D, float scale, float* out, std::vector<float>& scores) {
+  const int64_t dv = D / LANES;
+  const int64_t padded = (ctx + LANES - 1) / LANES * LANES;
+  scores.resize(group * padded);
+  auto row = [&](const float* cache, int64_t t) {
+    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
+    return cache + (slot * num_kv_heads + h) * D;
+  };
+  for (int64_t r = 0; r < group; ++r) {
+    V qv[MAX_DV];
+    for (int64_t d = 0; d < dv; ++d) qv[d] = vload(q + r * D + d * LANES);
+    float* s = scores.data() + r * padded;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) {
+      const float* k = row(key_cache, t);
+      V acc = vmul(qv[0], vload(k));
+      for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], vload(k + d * LANES), acc);
+      s[t] = hsum(acc) * scale;
+      m = std::max(m, s[t]);
+    }
+    std::fill(s + ctx, s + padded, m);  // (their e^0 are computed but never summed or used)
+    const V mv = vbroadcast_value(m);
+    for (int64_t t = 0; t < padded; t += LANES) store(s + t, vexp(vsub(vload(s + t), mv)));
+    float sum = 0.0f;
+    for (int64_t t = 0; t < ctx; ++t) sum += s[t];
+    const float inv = 1.0f / sum;
+    V acc[MAX_DV];
+    for (int64_t d = 0; d < dv; ++d) acc[d] = vzero();
+    for (int64_t t = 0; t < ctx; ++t) {
+      const float* v = row(value_cache, t);
+      const V p = vbroadcast_value(s[t]);
+      for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, vload(v + d * LANES), acc[d]);
+    }
+    const V iv = vbroadcast_value(inv);
+    for (int64_t d = 0; d < dv; ++d) store(out + r * D + d * LANES, vmul(acc[d], iv));
+  }
+}
+
+}  // namespace
+
+// query fp32 [S, Hq, D]; key_cache, value_cache fp32 [num_blocks, block_size, Hkv, D]; block_tables int32
+// [S, max_blocks]; context_lens int32 [S] -> out fp32 [S, Hq, D] (zeros for a context of 0 tokens).
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "query must be [S, Hq, D] and the caches [num_blocks, block_size, Hkv, D]");
+  for (const auto* t : {&query, &key_cache, &value_cache})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "query and caches must be contiguous fp32");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && context_lens.scalar_type() == torch::kInt &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "block_tables and context_lens must be contiguous int32");
+  const int64_t S = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D && D % LANES == 0 && D <= MAX_DV * LANES, "head_dim must match, be a multiple "
+              "of the SIMD width and at most 256");
+  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && context_lens.numel() == S,
+              "block_tables [S, max_blocks] and context_lens [S] must match query");
+  const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  for (int64_t i = 0; i < S; ++i)
+    TORCH_CHECK(ctx_lens[i] >= 0 && (ctx_lens[i] + block_size - 1) / block_size <= max_blocks,
+                "context_lens exceed the block table");
+  auto out = torch::zeros_like(query);
+  const int64_t group = Hq / Hkv;
+  const float* qp = query.data_ptr<float>();
+  const float* kp = key_cache.data_ptr<float>();
+  const float* vp = value_cache.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / Hkv, h = i % Hkv;
+      if (ctx_lens[s] == 0) continue;
+      const int64_t offset = (s * Hq + h * group) * D;
+      attend_one(qp + offset, group, kp, vp, bt + s * max_blocks, ctx_lens[s], block_size, Hkv, h, D,
+                 static_cast<float>(scale), op + offset, scores);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,31 @@
+"""Paged decode attention on x86-64 CPUs: the C++ kernel in kernels/cpu/attention.cpp (built by kernels/cpu_ext.py)
+and the argument checks around it. The reference is kernels/paged_attention.py paged_decode_attention_ref.
+Torch only: nothing here imports triton or shared/.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_ext
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """True when the kernel takes these tensors: fp32 on the CPU, head_dim a multiple of 16 up to 256, built."""
+    head_dim = query.shape[-1]
+    return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+            and head_dim % 16 == 0 and head_dim <= 256 and cpu_ext.available())  # fmt: skip
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """out [S, Hq, D] fp32: each sequence's one query row per head attends to its context_lens[s] cached tokens.
+
+    query fp32 [S, Hq, D]; key_cache, value_cache fp32 [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0, query heads
+    grouped consecutively per KV head); block_tables int32 [S, max_blocks]; context_lens int32 [S]. Exact softmax
+    (two-pass, fp32). RuntimeError on bad shapes or dtypes, or when the kernel is not built (check supports())."""
+    ext = cpu_ext.extension()
+    if ext is None:
+        raise RuntimeError("the CPU attention kernel is not available on this machine")
+    return ext.paged_decode_attention(query.contiguous(), key_cache.contiguous(), value_cache.contiguous(),
+                                      block_tables.to(torch.int32).contiguous(),
+                                      context_lens.to(torch.int32).contiguous(), scale)

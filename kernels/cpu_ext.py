@@ -1,0 +1,52 @@
+"""Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized GEMM, paged decode attention) as one torch
+extension; kernels/cpu_qgemm.py and kernels/cpu_attention.py wrap them.
+
+The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
+cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
+AVX-512 where the CPU has it; an image built for other machines sets x86-64-v3, i.e. AVX2 + FMA);
+`python -m kernels.cpu_ext` builds it ahead of time (`make setup` does). Without AVX2/FMA or a compiler,
+available() is False and callers use torch ops.
+Torch only: nothing here imports triton or shared/.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "attention.cpp", "module.cpp")]
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None when this CPU or machine cannot build or run it (the reason is logged)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("CPU kernels disabled: this CPU has no AVX2")
+        return None
+    from torch.utils.cpp_extension import load
+
+    try:
+        # NOTE: read here, not through shared.envs (kernels import nothing from shared); listed there.
+        arch = os.environ.get("TANDEM_CPU_ARCH") or "native"
+        # the header is not a source ninja tracks: its digest in the name rebuilds when it changes
+        digest = hashlib.sha256((Path(__file__).parent / "cpu" / "simd.h").read_bytes()).hexdigest()[:8]
+        return load(name=f"tandem_cpu_kernels_{arch.replace('-', '_')}_{digest}", sources=[str(s) for s in SOURCES],
+                    extra_cflags=["-O3", f"-march={arch}"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, a read-only cache: serve with the torch path
+        log.warning("CPU kernels disabled: building %s failed: %s", ", ".join(s.name for s in SOURCES), e)
+        return None
+
+
+def available() -> bool:
+    """True when the kernels are built (building them on first call) and this CPU can run them."""
+    return extension() is not None
+
+
+if __name__ == "__main__":  # build ahead of time: `python -m kernels.cpu_ext`
+    logging.basicConfig(level=logging.INFO)
+    print("CPU kernels:", "built" if available() else "not available (see the warning above)")
