@@ -193,6 +193,7 @@ torch::Tensor grouped_gemm(const torch::Tensor& x, const Weight<Codes>& w, int64
         }
         continue;
       }
+      w.prefetch_rows(n0 + PREFETCH_ROWS, NT);
       dequant_rows(w, rows, K, n0, buf.data());
       int64_t m = 0;
       for (; m + MT <= M; m += MT) micro_kernel<MT>(buf.data(), rows, xp + m * K, K, yp + m * N, N, n0);
