@@ -51,7 +51,7 @@ def matmul_ceiling(config: ModelConfig, chunk: int, repeats: int = 3) -> float:
 def engine_prefill(config: ModelConfig, chunk: int, prompt_len: int) -> float:
     """Seconds the engine takes to prefill one prompt of prompt_len tokens in chunks (after a warm-up)."""
     block_size = 16
-    engine = LLMEngine(config, CacheConfig(block_size, prompt_len // block_size + 8), SchedulerConfig(chunk, 4))
+    engine = LLMEngine(config, CacheConfig(block_size, prompt_len // block_size + 8, enable_prefix_caching=False), SchedulerConfig(chunk, 4))
     prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for request_id in ("warm-up", "measured"):

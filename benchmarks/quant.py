@@ -25,7 +25,7 @@ from tools.prepare_model import prepare_model
 
 
 def measure(config: ModelConfig, device: str, prompt_len: int, decode_tokens: int) -> dict:
-    engine = LLMEngine(config, CacheConfig(16, 256), SchedulerConfig(prompt_len, 8), device)
+    engine = LLMEngine(config, CacheConfig(16, 256, enable_prefix_caching=False), SchedulerConfig(prompt_len, 8), device)
     prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(Request("warm", prompt[:32], SamplingParams(max_tokens=2, temperature=0.0)))

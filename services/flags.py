@@ -74,6 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
             per_tier = ", ".join(f"{t} {values[f.name]}" for t, values in TIER_DEFAULTS.items())
             default = TIER_DEFAULTS[tier][f.name] if tier else argparse.SUPPRESS
             help_ += "" if tier else f" (default: {per_tier})"
+        if meta["type"] is bool:  # --name / --no-name
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_, default=default)
+            continue
         kind = {str: _path, int: positive_int, float: unit_fraction}.get(meta["type"], meta["type"])
         kind = str if meta["choices"] else kind
         parser.add_argument(_flag(f.name), type=kind, choices=meta["choices"], help=help_, default=default)
@@ -85,7 +88,11 @@ def engine_argv(engine_args: EngineArgs, groups: tuple[str, ...] = ("model", "en
     argv = []
     for f in fields(EngineArgs):
         value = getattr(engine_args, f.name)
-        if f.metadata["group"] in groups and value is not None:
+        if f.metadata["group"] not in groups or value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(f.name) if value else _flag(f"no_{f.name}"))
+        else:
             argv += [_flag(f.name), str(value)]
     return argv
 

@@ -145,6 +145,7 @@ class CacheConfig:
     num_blocks: int | None
     kv_dtype: str = DEFAULT_DTYPE
     memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0 or (self.num_blocks is not None and self.num_blocks <= 0):
@@ -219,6 +220,8 @@ class EngineArgs:
     max_model_len: int | None = _setting(None, "context length in tokens, prompt + output (default: the model's "
                                          "max_position_embeddings; at most that)", int, group="model")
     kv_dtype: str = _setting(DEFAULT_DTYPE, "KV cache element type", choices=DTYPES)
+    enable_prefix_caching: bool = _setting(True, "keep computed blocks by their hash and reuse them for prompts "
+                                           "that share a prefix (docs/prefix-caching.md)")
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
     threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")
@@ -234,7 +237,8 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         budget = budget if budget is not None else tier_defaults["max_num_batched_tokens"]
         model_config = self.create_model_config(model_dir)
-        return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype, self.memory_utilization),
+        return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype, self.memory_utilization,
+                                               self.enable_prefix_caching),
                 SchedulerConfig(budget, self.max_num_seqs))
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:

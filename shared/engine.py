@@ -2,7 +2,9 @@
 
 The same engine serves both tiers. The prefill tier runs requests with max_tokens=1 and exports the KV of the
 blocks each step completes (export_kv); the decode tier reserves blocks for a request, imports its prompt KV,
-then decodes it in the running batch (continuous batching).
+then decodes it in the running batch (continuous batching). With prefix caching (CacheConfig
+enable_prefix_caching) every full computed block is published in the KV cache manager's prefix cache after the
+step that completed it, and take_kv_events() hands the cache's changes out as numbered batches.
 """
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.block_hash import HashContract
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from shared.kv_cache_manager import KVCacheManager
+from shared.kv_events import KVEventBatch
 from shared.model_runner import ModelRunner, ModelRunnerOutput
 from shared.request import FinishReason, Request, RequestStatus
 from shared.scheduler import Scheduler, SchedulerOutput
@@ -56,6 +60,14 @@ class EngineStats:
     num_free_blocks: int
     num_running: int  # in the running batch
     num_waiting: int  # queued, preempted, or (decode) waiting for their prompt's KV
+    num_cached_blocks: int = 0  # blocks in the prefix cache
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_evictions: int = 0  # cached blocks evicted, since start
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
@@ -71,7 +83,12 @@ class LLMEngine:
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
-        self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size)
+        self.hash_contract = HashContract(self.cache_config.block_size, model_config.model_id,
+                                          self.cache_config.kv_dtype)
+        self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size,
+                                               self.hash_contract if self.cache_config.enable_prefix_caching else None)
+        self.kv_event_seq = 0  # of the last KVEventBatch handed out
+        self._num_exported_blocks: dict[str, int] = {}  # prefill tier: leading blocks of a request already sent
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
@@ -104,15 +121,20 @@ class LLMEngine:
         self._admit(request)
         self.scheduler.add_request(request)
 
-    def reserve(self, request: Request) -> None:
-        """Decode tier: hold blocks for the prompt, to be filled by import_kv. InvalidRequestError on bad input,
-        NoCapacityError if the pool has no room now."""
+    def reserve(self, request: Request) -> int:
+        """Decode tier: hold blocks for the prompt, to be filled by import_kv, reusing the longest cached prefix.
+        Returns the prompt tokens already cached here (a multiple of block_size): KV for them need not come.
+        InvalidRequestError on bad input, NoCapacityError if the pool has no room now."""
         self._admit(request)
-        if not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens):
+        computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+        if not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
+                                                    computed_block_ids):
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
         request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_tokens = num_cached
+        return num_cached
 
     def import_kv(self, request_id: str, kv: KVBlocks) -> None:
         """Write received blocks into the pool at the request's reserved block ids. UnknownRequestError for an
@@ -124,10 +146,14 @@ class LLMEngine:
         n = kv.data.shape[2]
         if kv.first_block_index + n > len(block_table):
             raise InvalidRequestError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the prompt")
+        # NOTE: blocks this pool had cached are shared with other requests: never overwritten
+        skip = max(0, request.num_cached_tokens // self.cache_config.block_size - kv.first_block_index)
+        if skip >= n:
+            return
         device = self.model_runner.device
-        ids = torch.tensor(block_table[kv.first_block_index : kv.first_block_index + n], device=device)
+        ids = torch.tensor(block_table[kv.first_block_index + skip : kv.first_block_index + n], device=device)
         layers = self.model_runner.kv_caches[kv.layer_start : kv.layer_start + kv.data.shape[0]]
-        layers.index_copy_(2, ids, kv.data.to(device))
+        layers.index_copy_(2, ids, kv.data[:, :, skip:].to(device))
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """The prompt's KV is complete and the prefill sampled first_token_id: join the running batch.
@@ -140,6 +166,7 @@ class LLMEngine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.cache_full_blocks(request)
         reason = request.append_output_token(first_token_id)
         if reason is not None:
             return self._finish(request, reason, RequestOutput(request_id, []))
@@ -174,6 +201,7 @@ class LLMEngine:
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._num_exported_blocks.pop(request.request_id, None)
         out.finish_reason, out.error = reason, error
         return out
 
@@ -199,8 +227,10 @@ class LLMEngine:
             request_id = request.request_id
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
             out = RequestOutput(request_id, [], kv=kv_blocks.get(request_id))
-            if request_id in model_output.non_finite_request_ids:
+            if request_id in model_output.non_finite_request_ids:  # (its KV is not published)
                 self._finish(request, FinishReason.ABORT, out, error="the model produced non-finite logits")
+            else:
+                self.kv_cache_manager.cache_full_blocks(request)
             for token_id in model_output.sampled_token_ids.get(request_id, ()):
                 out.new_token_ids.append(token_id)
                 reason = request.append_output_token(token_id)
@@ -213,15 +243,18 @@ class LLMEngine:
 
     def export_kv(self, scheduler_output: SchedulerOutput) -> dict[str, KVBlocks]:
         """Prefill tier: copy the blocks this step fills, per request (the partial last block too once the
-        prompt is done). Call after execute_model and before update_from_output, which frees finished requests."""
+        prompt is done), and on a request's first step also its leading blocks found in the prefix cache from
+        request.kv_skip_blocks on (the blocks the receiving decode lacks). Call after execute_model and before
+        update_from_output, which frees finished requests."""
         exported = {}
         for request in scheduler_output.scheduled_requests:
             start = request.num_computed_tokens
             end = start + scheduler_output.num_scheduled_tokens[request.request_id]
             block_size = self.cache_config.block_size
-            first = start // block_size
+            first = self._num_exported_blocks.get(request.request_id, request.kv_skip_blocks)
             last = self.kv_cache_manager.num_blocks_for(end) if end == request.num_tokens else end // block_size
             if last > first:
+                self._num_exported_blocks[request.request_id] = last
                 block_ids = self.kv_cache_manager.get_block_table(request.request_id)[first:last]
                 ids = torch.tensor(block_ids, device=self.model_runner.device)
                 exported[request.request_id] = KVBlocks(first, self.model_runner.kv_caches.index_select(2, ids))
@@ -232,7 +265,16 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.kv_cache_manager.num_free_blocks
 
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The prefix cache's changes since the last call as the next numbered batch, or None if none."""
+        events = self.kv_cache_manager.block_pool.take_events()
+        if not events:
+            return None
+        self.kv_event_seq += 1
+        return KVEventBatch(self.kv_event_seq, tuple(events))
+
     def stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
         return EngineStats(
             model_id=self.model_config.model_id,
             block_size=self.cache_config.block_size,
@@ -240,4 +282,8 @@ class LLMEngine:
             num_free_blocks=self.num_free_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.requests) - len(self.scheduler.running),
+            num_cached_blocks=len(kv.block_pool.cached_blocks),
+            prefix_cache_queries=kv.num_queries,
+            prefix_cache_hits=kv.num_hits,
+            num_evictions=kv.block_pool.num_evictions,
         )

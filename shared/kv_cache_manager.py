@@ -1,53 +1,144 @@
-"""Paged KV cache bookkeeping: a pool of fixed-size blocks and each request's block table.
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks, each request's block table, and the prefix cache.
 
 Follows PagedAttention (Kwon et al. 2023): a request's KV lives in block_size-token blocks anywhere in the pool;
 its block table maps logical block i to a pool block id, and token t sits at
 slot = block_table[t // block_size] * block_size + t % block_size.
+
+Prefix caching (vLLM's automatic prefix caching): once a block is full and computed it gets its block hash
+(shared/block_hash.py) and stays reusable after its requests end: a block whose ref_cnt drops to 0 keeps its hash
+in the free queue, in LRU order, until an allocation needs it (then it is evicted and loses the hash). A new
+request takes its longest run of cached leading blocks whose stored token ids equal its own (a hash collision
+never serves another prompt's KV) and computes only the rest, always at least its last token. Blocks in use
+(ref_cnt > 0) are never in the free queue, so never evicted.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
+from shared.block_hash import BlockHash, HashContract, hash_request_blocks
+from shared.kv_events import BlockRemoved, BlockStored
 from shared.request import Request
 from shared.utils import cdiv
 
 
+@dataclass(slots=True)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set while the block is in the prefix cache
+    token_ids: tuple[int, ...] | None = None  # the tokens whose KV it holds (checked on every hit)
+
+
 class BlockPool:
-    """Free list and reference counts for num_blocks block ids."""
+    """num_blocks blocks: reference counts, the free queue (LRU first) and the prefix cache's hash -> block map.
+
+    Cache changes are recorded as BlockStored / BlockRemoved events, taken with take_events()."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # NOTE: every block with ref_cnt 0 is here (cached or not); the front is evicted first.
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[BlockHash, int] = {}
+        self.num_evictions = 0
+        self._events: list[BlockStored | BlockRemoved] = []
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks an allocation can take now (free ones and cached ones no request uses)."""
+        return len(self.free_block_queue)
+
+    @property
+    def ref_cnt(self) -> list[int]:
+        return [b.ref_cnt for b in self.blocks]
 
     def allocate(self, n: int) -> list[int]:
-        """Take n blocks (ref_cnt 1 each). Raises MemoryError when fewer than n are free; takes none then."""
-        if n > len(self.free_block_ids):
-            raise MemoryError(f"need {n} KV blocks, {len(self.free_block_ids)} free")
-        block_ids = [self.free_block_ids.popleft() for _ in range(n)]
-        for block_id in block_ids:
-            self.ref_cnt[block_id] = 1
+        """Take n blocks (ref_cnt 1 each) from the front of the free queue, evicting cached ones. Raises
+        MemoryError when fewer than n are free; takes none then."""
+        if n > len(self.free_block_queue):
+            raise MemoryError(f"need {n} KV blocks, {len(self.free_block_queue)} free")
+        block_ids = []
+        for _ in range(n):
+            block_id, _ = self.free_block_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            block_ids.append(block_id)
         return block_ids
 
-    def free(self, block_ids: list[int]) -> None:
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference to cached blocks (a prefix hit); blocks nobody used leave the free queue."""
         for block_id in block_ids:
-            assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
-            self.ref_cnt[block_id] -= 1
-            if self.ref_cnt[block_id] == 0:
-                self.free_block_ids.append(block_id)
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_block_queue[block_id]
+            block.ref_cnt += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference per block; a block at 0 joins the back of the free queue (cached ones keep their
+        hash). Pass a request's blocks in reverse order so that its tail is evicted before its prefix."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"double free of block {block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue[block_id] = None
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> int | None:
+        """The block holding exactly these tokens under this hash, or None."""
+        block_id = self.cached_blocks.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Publish a full, computed block under its hash. When another block already holds this hash, that one
+        stays the cached copy and this block stays private (freed as an ordinary block)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached_blocks:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached_blocks[block_hash] = block_id
+        self._events.append(BlockStored((block_hash,)))
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        del self.cached_blocks[block.block_hash]
+        self._events.append(BlockRemoved((block.block_hash,)))
+        block.block_hash = block.token_ids = None
+        self.num_evictions += 1
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """The cache changes since the last call, consecutive stores and removes merged, in order."""
+        merged: list[BlockStored | BlockRemoved] = []
+        for event in self._events:
+            if merged and type(merged[-1]) is type(event):
+                merged[-1] = type(event)(merged[-1].block_hashes + event.block_hashes)
+            else:
+                merged.append(event)
+        self._events = []
+        return merged
 
 
 class KVCacheManager:
-    """Owns every request's block table; allocates slots ahead of each step and frees on finish."""
+    """Owns every request's block table; allocates slots ahead of each step, frees on finish, and (with a hash
+    contract) runs the prefix cache: get_computed_blocks on admission, cache_full_blocks after each step."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, hash_contract: HashContract | None = None):
+        if hash_contract is not None and hash_contract.block_size != block_size:
+            raise ValueError(f"hash contract block size {hash_contract.block_size} != pool block size {block_size}")
         self.block_size = block_size
+        self.hash_contract = hash_contract  # None: prefix caching off
         self.block_pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[BlockHash]] = {}  # full blocks' hashes per request, grown as it runs
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already published
+        self.num_queries = self.num_hits = 0  # prompt tokens looked up / found, for the hit rate
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.hash_contract is not None
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,22 +147,82 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the block table to hold num_computed_tokens + num_new_tokens. False (nothing taken) if full."""
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the request's first num_blocks full blocks (computed once, extended as tokens come)."""
+        hashes = self.block_hashes.get(request.request_id, [])
+        if len(hashes) < num_blocks:
+            tokens = request.token_ids(0, num_blocks * self.block_size)
+            hashes = hash_request_blocks(tokens, self.hash_contract, request.cache_salt, hashes)
+            self.block_hashes[request.request_id] = hashes
+        return hashes[:num_blocks]
+
+    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids(i * self.block_size, (i + 1) * self.block_size))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of cached leading blocks of a request starting from scratch: (block ids, tokens
+        they hold). At most num_tokens - 1 tokens, so the last token is always computed (its logits are
+        needed). ([], 0) with caching off."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = []
+        for i, block_hash in enumerate(self._hashes(request, max_blocks)):
+            block_id = self.block_pool.get_cached_block(block_hash, self._block_tokens(request, i))
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+        """Grow the block table to hold num_computed_tokens + num_new_tokens, first taking computed_block_ids
+        (a prefix hit from get_computed_blocks, on a request with no blocks yet) as its leading blocks. False
+        (nothing taken) if the pool cannot hold it."""
         block_table = self.block_tables.setdefault(request.request_id, [])
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(block_table)
-        if needed <= 0:
-            return True
-        if needed > self.block_pool.num_free_blocks:
+        assert not (computed_block_ids and block_table), "a prefix hit is taken only by a request with no blocks"
+        num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
+        needed = self.num_blocks_for(num_computed + num_new_tokens) - len(block_table) - len(computed_block_ids)
+        # cached blocks nobody uses count as free until touched
+        reusable = sum(self.block_pool.blocks[b].ref_cnt == 0 for b in computed_block_ids)
+        if needed > self.block_pool.num_free_blocks - reusable:
             return False
-        block_table.extend(self.block_pool.allocate(needed))
+        if not block_table and self.enable_caching:  # its first allocation: count the lookup
+            self.num_queries += request.num_tokens
+            self.num_hits += len(computed_block_ids) * self.block_size
+        if computed_block_ids:
+            self.block_pool.touch(list(computed_block_ids))
+            block_table.extend(computed_block_ids)
+            self.num_cached_blocks[request.request_id] = len(computed_block_ids)
+        if needed > 0:
+            block_table.extend(self.block_pool.allocate(needed))
         return True
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's blocks that are full and computed (num_computed_tokens) and not yet cached."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        block_table = self.block_tables.get(rid, ())
+        num_full = min(request.num_computed_tokens // self.block_size, len(block_table))
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        for i, block_hash in enumerate(self._hashes(request, num_full)[start:], start):
+            self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i))
+        self.num_cached_blocks[rid] = num_full
+
     def free(self, request: Request) -> None:
-        """Return the request's blocks to the pool at once (finish, abort or preemption)."""
+        """Return the request's blocks to the pool at once (finish, abort or preemption); cached ones stay
+        reusable until evicted."""
         block_table = self.block_tables.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_hashes.pop(request.request_id, None)
         if block_table:
-            self.block_pool.free(block_table)
+            self.block_pool.free(block_table[::-1])
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (the snapshot the prefix index rebuilds from)."""
+        return list(self.block_pool.cached_blocks)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -29,10 +29,22 @@ class InstanceInfo:
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/prefix_index.py)
+    hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
 
     @property
     def key(self) -> str:
         return f"{KEY_PREFIX}:{self.tier}:{self.instance_id}"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> InstanceInfo | None:
+        """The record in text; unknown keys (a newer writer) are ignored, None (logged) when it is no record."""
+        try:
+            d = json.loads(text)
+            return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        except (ValueError, TypeError) as e:
+            log.warning("registry: skipping a malformed instance record: %s", e)
+            return None
 
 
 class Registry:
@@ -70,7 +82,8 @@ class Registry:
         except (RedisError, OSError) as e:
             log.warning("registry read failed, using the last list seen: %s", e)
             return self._last_seen.get(tier, [])
-        infos = sorted((InstanceInfo(**json.loads(v)) for v in values if v), key=lambda i: i.instance_id)
+        parsed = (InstanceInfo.from_json(v) for v in values if v)
+        infos = sorted((i for i in parsed if i is not None), key=lambda i: i.instance_id)
         if model_id is not None:
             infos = [i for i in infos if i.model_id == model_id]
         self._last_seen[tier] = infos

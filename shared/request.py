@@ -64,6 +64,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     max_model_len: int | None = None
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
+    kv_skip_blocks: int = 0  # prefill tier: leading blocks the receiving decode holds already (not sent)
 
     @property
     def num_prompt_tokens(self) -> int:

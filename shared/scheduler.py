@@ -4,7 +4,8 @@ Each step, every running request and then every waiting one gets
 min(num_tokens - num_computed_tokens, remaining token budget) new tokens. A prompt larger than the budget is
 prefilled in chunks across steps; a decoding request asks for 1 token; prefill and decode share one batch.
 When the pool runs out of blocks, the most recently admitted running request is preempted (its blocks are
-freed and it is recomputed later).
+freed and it is recomputed later). A request admitted from scratch first takes its longest cached prefix
+(KVCacheManager.get_computed_blocks) and is scheduled only for the rest.
 """
 from __future__ import annotations
 
@@ -77,9 +78,15 @@ class Scheduler:
             if out.preempted_requests:
                 break  # no admissions in a step that had to preempt
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            computed_block_ids, num_cached = [], 0
+            if request.num_computed_tokens == 0:
+                computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids):
                 break
+            request.num_computed_tokens += num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

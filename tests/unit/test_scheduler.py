@@ -49,7 +49,7 @@ def test_preempts_newest_running_request_when_blocks_run_out():
     assert out.num_scheduled_tokens == {"a": 1}
     assert out.preempted_requests == [b]
     assert b.num_computed_tokens == 0 and b.status == RequestStatus.WAITING
-    assert s.kv_cache_manager.get_block_table("a") == [0, 1, 2]
+    assert s.kv_cache_manager.get_block_table("a") == [0, 1, 3]  # b freed tail first: its block 3 goes first
 
 
 def test_token_ids_slices_prompt_and_output_alike():
