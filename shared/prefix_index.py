@@ -127,6 +127,8 @@ def _client(redis: aioredis.Redis | str, timeout_s: float) -> tuple[aioredis.Red
 
 
 class _RedisUser:
+    """What both sides share: the client, the contract's namespace, the scripts and the timeout of each call."""
+
     def __init__(self, redis: aioredis.Redis | str, contract: HashContract, timeout_s: float):
         self.redis, self._owns_redis = _client(redis, timeout_s)
         self.ns, self.timeout_s = _namespace(contract), timeout_s
