@@ -40,6 +40,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string, not included in the text (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    p.add_argument("--cache-salt", default=None, help="prefix-cache salt: requests with different salts never share "
+                   "cached KV (e.g. one per tenant)")
 
 
 def _request(args, prompt: str, history=None):
@@ -47,7 +49,7 @@ def _request(args, prompt: str, history=None):
 
     return make_request(prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, history=history,
-                        ignore_eos=args.ignore_eos)  # fmt: skip
+                        ignore_eos=args.ignore_eos, cache_salt=args.cache_salt)  # fmt: skip
 
 
 def _print_text(text: str) -> None:

@@ -26,18 +26,21 @@ def make_request(
     stop: list[str] | None = None,
     history: list[tuple[str, str]] | None = None,
     ignore_eos: bool = False,
+    cache_salt: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """Build a GenerateRequest: raw text, or a chat (history of (role, content) turns + this user prompt)."""
+    """Build a GenerateRequest: raw text, or a chat (history of (role, content) turns + this user prompt);
+    cache_salt: requests with different salts never share prefix-cache blocks."""
     params = common_pb2.SamplingParams(stop=stop or [], ignore_eos=ignore_eos)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed)):  # fmt: skip
         if value is not None:
             setattr(params, name, value)
     if raw:
-        return gateway_pb2.GenerateRequest(prompt=prompt, sampling_params=params)
+        return gateway_pb2.GenerateRequest(prompt=prompt, sampling_params=params, cache_salt=cache_salt)
     turns = [gateway_pb2.ChatMessage(role=r, content=c) for r, c in (history or [])]
     turns.append(gateway_pb2.ChatMessage(role="user", content=prompt))
-    return gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=turns), sampling_params=params)
+    return gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=turns), sampling_params=params,
+                                       cache_salt=cache_salt)
 
 
 def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
@@ -52,6 +55,7 @@ class Completion:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
     itl_ms: list[float] = field(default_factory=list)  # client-side gaps between token messages
@@ -61,7 +65,8 @@ class Completion:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "cached_tokens": self.cached_tokens},
             "timings": {"ttft_ms": round(self.ttft_ms, 2), "e2e_ms": round(self.e2e_ms, 2)},
         }
 
@@ -83,5 +88,6 @@ def generate(address: str, request: gateway_pb2.GenerateRequest, on_text=None, t
         if msg.HasField("finish_reason"):
             out.finish_reason = finish_name(msg.finish_reason)
             out.prompt_tokens, out.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
+            out.cached_tokens = msg.usage.cached_tokens
             out.ttft_ms, out.e2e_ms = msg.timings.ttft_ms, msg.timings.e2e_ms
     return out

@@ -25,4 +25,9 @@ def stats_to_proto(stats: EngineStats) -> common_pb2.InstanceLoad:
         num_free_blocks=stats.num_free_blocks,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
+        num_queued_tokens=stats.num_queued_tokens,
+        num_cached_blocks=stats.num_cached_blocks,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_evictions=stats.num_evictions,
     )

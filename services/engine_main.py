@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import uuid
 from typing import Callable
 
 from services.convert import stats_to_proto
@@ -13,6 +14,7 @@ from services.flags import HelpFormatter, add_engine_service_args
 from services.server import Server, new_instance_id
 from shared.async_engine import AsyncEngine, build_engine
 from shared.config import EngineArgs
+from shared.prefix_index import KVEventPublisher
 from shared.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc
 
@@ -56,7 +58,9 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     engine_args = EngineArgs.from_namespace(args)
     if engine_args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: no CUDA device is usable here (torch {torch.__version__})")
-    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv)
+    registry = Registry(args.redis_url) if args.redis_url else None
+    publish_index = registry is not None and engine_args.enable_prefix_caching
+    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
     model_config, scheduler_config = engine.model_config, engine.scheduler.config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop())
@@ -64,20 +68,37 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     server = Server(tier, instance_id, args.host, args.port)
     add_servicer(server, async_engine)
     common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
+    incarnation = uuid.uuid4().hex[:12]  # this start of the instance: the prefix index trusts only its entries
+    contract = engine.hash_contract if publish_index else None
     info = InstanceInfo(instance_id, tier, f"{args.advertise_host}:{server.port}", model_config.model_id,
-                        cache_config.block_size, cache_config.num_blocks)  # fmt: skip
-    registry = Registry(args.redis_url) if args.redis_url else None
+                        cache_config.block_size, cache_config.num_blocks, incarnation=incarnation,
+                        hash_contract=contract.to_dict() if contract else None)  # fmt: skip
 
     async def current_info() -> InstanceInfo:
         stats = await async_engine.stats()
-        info.num_free_blocks, info.num_running, info.num_waiting = (
-            stats.num_free_blocks, stats.num_running, stats.num_waiting)  # fmt: skip
+        info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
+            stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
         return info
 
     await server.start()
-    heartbeat = asyncio.create_task(registry.heartbeat(current_info)) if registry else None
+    heartbeat = publisher = publishing = None
+    if registry:
+        try:  # registered before its first index entry: the gateway's cleanup drops unregistered incarnations
+            await registry.publish(await current_info())
+        except Exception as e:
+            log.warning("first registration failed (the heartbeat retries): %s", e)
+        heartbeat = asyncio.create_task(registry.heartbeat(current_info))
+    if publish_index:
+        publisher = KVEventPublisher(args.redis_url, instance_id, incarnation, contract, async_engine.kv_snapshot)
+        publishing = asyncio.create_task(publisher.run(async_engine.kv_events))
 
     async def leave_registry() -> None:
+        if publishing:
+            publishing.cancel()
+            try:
+                await publisher.remove_incarnation()
+            except Exception as e:
+                log.warning("could not remove this instance's prefix index entries: %s", e)
         if heartbeat:
             heartbeat.cancel()
             try:
@@ -88,7 +109,8 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     print(f"{tier} {instance_id} serving {model_config.model_id} on {info.address}"
           f"{'' if registry else ' (standalone)'}: {cache_config.num_blocks} KV blocks of {cache_config.block_size} "
           f"tokens ({cache_config.kv_dtype}), {scheduler_config.max_num_batched_tokens} tokens and "
-          f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} threads, {engine_args.device}",
+          f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} threads, {engine_args.device}, "
+          f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}",
           flush=True)  # fmt: skip
     try:
         await server.serve_until_signal(on_stop=leave_registry)

@@ -130,6 +130,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_registry_args(parser)
     parser.add_argument("--default-max-tokens", type=int, default=SamplingParams.max_tokens,
                         help="max_tokens of a request that does not set it")
+    parser.add_argument("--routing", choices=("cache-aware", "round-robin"), default="cache-aware",
+                        help="cache-aware: the cost model of docs/prefix-caching.md; round-robin: ignore the prefix "
+                             "index and queues")  # fmt: skip
+    parser.add_argument("--local-prefill-tokens", type=int, default=64,
+                        help="when the chosen decode lacks at most this many prompt tokens, it computes them itself "
+                             "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
 
 
 def _own_address() -> str:

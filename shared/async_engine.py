@@ -18,9 +18,11 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from shared.block_hash import BlockHash
 from shared.config import CacheConfig, EngineArgs, ModelConfig
 from shared.engine import EngineStats, KVBlocks, LLMEngine, RequestOutput
 from shared.errors import InvalidRequestError
+from shared.kv_events import KVEventBatch
 from shared.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,12 @@ class GetStats:
     pass
 
 
-Command = AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetStats
+@dataclass(frozen=True, slots=True)
+class GetKVSnapshot:
+    pass
+
+
+Command = AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetStats | GetKVSnapshot
 
 
 class AsyncEngine:
@@ -74,6 +81,8 @@ class AsyncEngine:
         self._serials = itertools.count()
         self._engine_serials: dict[str, int] = {}  # engine thread: request id -> serial of the admitted request
         self._stopped = False
+        # the prefix cache's change batches (LLMEngine.take_kv_events), for the prefix index publisher
+        self.kv_events: asyncio.Queue[KVEventBatch] = asyncio.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -109,6 +118,11 @@ class AsyncEngine:
 
     async def stats(self) -> EngineStats:
         return await self._call(GetStats())
+
+    async def kv_snapshot(self) -> tuple[int, list[BlockHash]]:
+        """(seq of the last KV event batch, every block hash the prefix cache holds), taken at one instant: the
+        state a rebuilt prefix index starts from (events not yet handed out go out first, as batch seq)."""
+        return await self._call(GetKVSnapshot())
 
     def abort(self, request_id: str) -> None:
         """Drop the stream and abort on the engine (blocks freed at once); safe if already finished.
@@ -163,6 +177,9 @@ class AsyncEngine:
                 self._engine_serials.pop(request_id, None)
             case GetStats():
                 return engine.stats()
+            case GetKVSnapshot():
+                self._publish_kv_events()
+                return engine.kv_event_seq, engine.kv_cache_manager.cached_block_hashes()
             case _:
                 raise TypeError(f"unknown engine command {command!r}")
         return None
@@ -173,6 +190,7 @@ class AsyncEngine:
                 self._drain_commands(timeout=0.5)
             else:  # a stalled engine (queued work, no room) waits for a command instead of spinning
                 self._drain_commands(timeout=0.01 if self._engine.last_step_num_tokens == 0 else None)
+            self._publish_kv_events()  # (commands change the cache too: a finished KV import publishes blocks)
             if self._stopped or not self._engine.has_unfinished_requests():
                 continue
             try:
@@ -181,6 +199,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self._abort_all("engine step failed")
             self._publish(outputs)
+            self._publish_kv_events()
 
     def _drain_commands(self, timeout: float | None) -> None:
         """Run queued commands; wait up to timeout seconds for the first one (None: do not wait)."""
@@ -210,6 +229,12 @@ class AsyncEngine:
             outputs.append(RequestOutput(request_id, [], FinishReason.ABORT, error))
         return outputs
 
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix cache's changes since the last batch to the event loop (engine thread)."""
+        batch = self._engine.take_kv_events()
+        if batch is not None:
+            self._loop.call_soon_threadsafe(self.kv_events.put_nowait, batch)
+
     def _publish(self, outputs: list[RequestOutput | None]) -> None:
         """Send outputs to the event loop, each tagged with its admission's serial (engine thread)."""
         tagged = []
@@ -236,7 +261,8 @@ class AsyncEngine:
                 self._streams.pop(out.request_id, None)
 
 
-def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: bool = False) -> LLMEngine:
+def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: bool = False,
+                 kv_events: bool = False) -> LLMEngine:
     """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None), built to be stepped on
     AsyncEngine's thread with engine_args.threads torch threads (set here, for that thread to take).
 
@@ -246,7 +272,8 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
 
     model_config, cache_config, scheduler_config = engine_args.create_configs(tier, model_dir)
     torch.set_num_threads(1)
-    engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv)
+    engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
+                       kv_events=kv_events)
     torch.set_num_threads(engine_args.threads)
     return engine
 

@@ -212,14 +212,16 @@ class EngineArgs:
     dtype: str = _setting(DEFAULT_DTYPE, "float type of weights and activations (part of the model id)",
                           choices=DTYPES, group="model")
     device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
-    block_size: int = _setting(16, "tokens per KV block")
+    block_size: int = _setting(16, "tokens per KV block (part of the prefix-cache hash contract: the gateway's "
+                               "must equal the instances')", group="model")
     num_blocks: int | None = _setting(None, "KV blocks in the pool", int)
     memory_utilization: float | None = _setting(
         None, "size the KV pool instead as this fraction (0-1] of the memory free once the weights are loaded "
         "(GPU memory, or available RAM on CPU), like vLLM's --gpu-memory-utilization; excludes --num-blocks", float)
     max_model_len: int | None = _setting(None, "context length in tokens, prompt + output (default: the model's "
                                          "max_position_embeddings; at most that)", int, group="model")
-    kv_dtype: str = _setting(DEFAULT_DTYPE, "KV cache element type", choices=DTYPES)
+    kv_dtype: str = _setting(DEFAULT_DTYPE, "KV cache element type (part of the prefix-cache hash contract)",
+                             choices=DTYPES, group="model")
     enable_prefix_caching: bool = _setting(True, "keep computed blocks by their hash and reuse them for prompts "
                                            "that share a prefix (docs/prefix-caching.md)")
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)

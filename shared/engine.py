@@ -60,6 +60,7 @@ class EngineStats:
     num_free_blocks: int
     num_running: int  # in the running batch
     num_waiting: int  # queued, preempted, or (decode) waiting for their prompt's KV
+    num_queued_tokens: int = 0  # tokens still to compute over every request here (waiting for KV: none)
     num_cached_blocks: int = 0  # blocks in the prefix cache
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found
@@ -79,14 +80,18 @@ class LLMEngine:
         device: str = "cpu",
         export_kv: bool = False,
         model=None,
+        kv_events: bool = False,
     ):
+        """kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the
+        prefix index); off, nothing accumulates."""
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
         self.hash_contract = HashContract(self.cache_config.block_size, model_config.model_id,
                                           self.cache_config.kv_dtype)
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size,
-                                               self.hash_contract if self.cache_config.enable_prefix_caching else None)
+                                               self.hash_contract if self.cache_config.enable_prefix_caching else None,
+                                               record_events=kv_events)
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self._num_exported_blocks: dict[str, int] = {}  # prefill tier: leading blocks of a request already sent
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
@@ -282,6 +287,8 @@ class LLMEngine:
             num_free_blocks=self.num_free_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.requests) - len(self.scheduler.running),
+            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.requests.values()
+                                  if r.status != RequestStatus.WAITING_FOR_KV),
             num_cached_blocks=len(kv.block_pool.cached_blocks),
             prefix_cache_queries=kv.num_queries,
             prefix_cache_hits=kv.num_hits,

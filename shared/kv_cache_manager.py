@@ -33,10 +33,12 @@ class KVCacheBlock:
 class BlockPool:
     """num_blocks blocks: reference counts, the free queue (LRU first) and the prefix cache's hash -> block map.
 
-    Cache changes are recorded as BlockStored / BlockRemoved events, taken with take_events()."""
+    With record_events, cache changes are recorded as BlockStored / BlockRemoved events, taken with
+    take_events()."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, record_events: bool = False):
         self.num_blocks = num_blocks
+        self.record_events = record_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # NOTE: every block with ref_cnt 0 is here (cached or not); the front is evicted first.
         self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -101,11 +103,13 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached_blocks[block_hash] = block_id
-        self._events.append(BlockStored((block_hash,)))
+        if self.record_events:
+            self._events.append(BlockStored((block_hash,)))
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self.cached_blocks[block.block_hash]
-        self._events.append(BlockRemoved((block.block_hash,)))
+        if self.record_events:
+            self._events.append(BlockRemoved((block.block_hash,)))
         block.block_hash = block.token_ids = None
         self.num_evictions += 1
 
@@ -125,12 +129,13 @@ class KVCacheManager:
     """Owns every request's block table; allocates slots ahead of each step, frees on finish, and (with a hash
     contract) runs the prefix cache: get_computed_blocks on admission, cache_full_blocks after each step."""
 
-    def __init__(self, num_blocks: int, block_size: int, hash_contract: HashContract | None = None):
+    def __init__(self, num_blocks: int, block_size: int, hash_contract: HashContract | None = None,
+                 record_events: bool = False):
         if hash_contract is not None and hash_contract.block_size != block_size:
             raise ValueError(f"hash contract block size {hash_contract.block_size} != pool block size {block_size}")
         self.block_size = block_size
         self.hash_contract = hash_contract  # None: prefix caching off
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, record_events)
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[BlockHash]] = {}  # full blocks' hashes per request, grown as it runs
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already published

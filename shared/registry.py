@@ -29,6 +29,7 @@ class InstanceInfo:
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_queued_tokens: int = 0  # tokens still to compute over its requests (the router's queue estimate)
     incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
 

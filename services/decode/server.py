@@ -27,15 +27,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not request.request_id:
             raise InvalidRequestError("request_id is required")
         params = sampling_params_from_proto(request.sampling_params)
-        req = Request(request.request_id, list(request.prompt_token_ids), params)
-        stream = await self.engine.reserve(req)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt)
+        if request.compute_prompt:  # (conditional disaggregation: no prefill; the prompt is computed here)
+            stream = await self.engine.add_request(req)
+        else:
+            stream = await self.engine.reserve(req)
         finished = False
         try:
-            yield decode_pb2.DecodeResponse(reserved=True)
+            # (req.num_cached_tokens was set on the engine thread before reserve returned)
+            yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0)
             while (out := await stream.get()) is not None:
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "")
                 if out.finished:
                     msg.finish_reason = FINISH_TO_PROTO[out.finish_reason]
+                    msg.num_cached_tokens = req.num_cached_tokens or 0
                     finished = True
                 yield msg
         finally:

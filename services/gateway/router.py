@@ -1,28 +1,148 @@
-"""Round-robin routing over the instances registered in Redis for the gateway's model.
+"""Routing: one cost model picks the prefill and the decode for a prompt, from the instances registered in Redis
+and the prefix index (shared/prefix_index.py). docs/prefix-caching.md describes the model.
 
-Cache-aware routing (longest cached prefix traded against queue depth) replaces pick() later; the interface
-stays: pick a prefill and a decode instance for a prompt.
+- Prefill: the fewest tokens to compute before this prompt's first token: the instance's queue
+  (num_queued_tokens) plus the prompt minus its longest cached leading run there.
+- Decode: among instances with room for the request, the highest score: prompt tokens it already holds (not
+  shipped) minus DECODE_LOAD_TOKENS per request it serves or holds.
+- Local prefill (conditional disaggregation): when the part of the prompt the chosen decode lacks is at most
+  local_prefill_tokens, the decode computes it itself and no prefill is called.
+Ties go round-robin. Instances whose hash contract differs from the gateway's are never looked up in the index
+(logged once each). If Redis cannot answer, routing is load-only until it can. routing="round-robin" ignores the
+index and queues (the baseline the benchmark compares against).
 """
 from __future__ import annotations
 
 import itertools
+import logging
+from dataclasses import dataclass, field
 
+from shared.block_hash import HashContract, hash_request_blocks
 from shared.errors import NoInstanceError
+from shared.prefix_index import IndexUnavailableError, PrefixIndex
 from shared.registry import InstanceInfo, Registry
 
+log = logging.getLogger(__name__)
+DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as much as 256 cached prompt tokens
+ROUTING_POLICIES = ("cache-aware", "round-robin")
 
-class RoundRobinRouter:
-    def __init__(self, registry: Registry, model_id: str):
-        self.registry = registry
-        self.model_id = model_id
-        self._counters = {"prefill": itertools.count(), "decode": itertools.count()}
 
-    async def pick(self, tier: str, num_tokens: int = 0, skip: set[str] = frozenset()) -> InstanceInfo:
-        """Next instance of the tier in turn, leaving out instance ids in skip; instances without free blocks
-        for num_tokens are passed over while another has room. NoInstanceError when none is left."""
-        instances = [i for i in await self.registry.list_instances(tier, self.model_id) if i.instance_id not in skip]
-        if not instances:
+@dataclass
+class Route:
+    """Where one request goes, and why."""
+
+    decode: InstanceInfo
+    prefill: InstanceInfo | None  # None: the decode computes the prompt itself
+    prefill_cached_tokens: int = 0  # per the index
+    decode_cached_tokens: int = 0
+    explanation: list[str] = field(default_factory=list)  # each candidate's score, then the winners
+
+    def explain(self) -> str:
+        return "; ".join(self.explanation)
+
+
+class Router:
+    def __init__(self, registry: Registry, model_id: str, contract: HashContract, index: PrefixIndex | None,
+                 policy: str = "cache-aware", local_prefill_tokens: int = 64):
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.registry, self.model_id, self.contract, self.index = registry, model_id, contract, index
+        self.policy = policy
+        self.local_prefill_tokens = local_prefill_tokens
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._mismatch_logged: set[str] = set()
+        self._index_down = False
+
+    async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
+        """Live instances of tier for this model, leaving out skip. NoInstanceError when none is left."""
+        found = [i for i in await self.registry.list_instances(tier, self.model_id) if i.instance_id not in skip]
+        if not found:
             raise NoInstanceError(f"no live {tier} instance is registered for model {self.model_id}")
-        roomy = [i for i in instances if i.num_free_blocks * i.block_size >= num_tokens]
-        candidates = roomy or instances
-        return candidates[next(self._counters[tier]) % len(candidates)]
+        return found
+
+    async def route(self, prompt_ids: list[int], max_total_tokens: int, cache_salt: str | None = None,
+                    skip: set[str] = frozenset()) -> Route:
+        """Pick a decode (with room for max_total_tokens when one has it) and a prefill (or none) for a prompt.
+        NoInstanceError when a tier has no live instance outside skip."""
+        decodes = await self.instances("decode", skip)
+        prefills = await self.instances("prefill", skip)
+        roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens] or decodes
+        if self.policy == "round-robin":
+            return Route(self._turn("decode", roomy), self._turn("prefill", prefills), explanation=["round-robin"])
+        cached = await self._cached_tokens(prompt_ids, cache_salt, prefills + roomy)
+        n = len(prompt_ids)
+
+        def decode_score(d: InstanceInfo) -> int:
+            return cached[d.instance_id] - DECODE_LOAD_TOKENS * (d.num_running + d.num_waiting)
+
+        def prefill_cost(p: InstanceInfo) -> int:
+            return p.num_queued_tokens + n - cached[p.instance_id]
+
+        explanation = [f"decode {d.instance_id}: {cached[d.instance_id]} cached, {d.num_running + d.num_waiting} "
+                       f"requests -> {decode_score(d)}" for d in roomy]
+        decode = self._turn("decode", _best(roomy, decode_score, max))
+        if n - cached[decode.instance_id] <= self.local_prefill_tokens:
+            explanation.append(f"-> decode {decode.instance_id} computes the {n - cached[decode.instance_id]} "
+                               f"uncached tokens itself (<= {self.local_prefill_tokens})")
+            return Route(decode, None, 0, cached[decode.instance_id], explanation)
+        explanation += [f"prefill {p.instance_id}: {p.num_queued_tokens} queued + {n - cached[p.instance_id]} "
+                        f"to compute -> {prefill_cost(p)}" for p in prefills]
+        prefill = self._turn("prefill", _best(prefills, prefill_cost, min))
+        explanation.append(f"-> prefill {prefill.instance_id}, decode {decode.instance_id}")
+        return Route(decode, prefill, cached[prefill.instance_id], cached[decode.instance_id], explanation)
+
+    async def _cached_tokens(self, prompt_ids: list[int], cache_salt: str | None,
+                             candidates: list[InstanceInfo]) -> dict[str, int]:
+        """{instance id: leading prompt tokens it holds}, from one index lookup; 0 for instances whose contract
+        differs and for all while Redis cannot answer."""
+        cached = {c.instance_id: 0 for c in candidates}
+        indexed = {c.instance_id: c.incarnation for c in candidates if self._same_contract(c)}
+        if self.index is None or not indexed:
+            return cached
+        bs = self.contract.block_size
+        hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt)
+        try:
+            blocks = await self.index.longest_prefixes(hashes, indexed)
+        except IndexUnavailableError as e:
+            if not self._index_down:
+                log.warning("prefix index unavailable, routing on load alone until it answers: %s", e)
+            self._index_down = True
+            return cached
+        if self._index_down:
+            log.info("prefix index answers again: cache-aware routing resumed")
+            self._index_down = False
+        cached.update({iid: num_blocks * bs for iid, num_blocks in blocks.items()})
+        return cached
+
+    def _same_contract(self, instance: InstanceInfo) -> bool:
+        if instance.hash_contract is None:
+            return False  # prefix caching off there
+        if instance.hash_contract == self.contract.to_dict():
+            return True
+        if instance.instance_id not in self._mismatch_logged:
+            self._mismatch_logged.add(instance.instance_id)
+            log.warning("instance %s has hash contract %s, the gateway %s: its prefix cache is not used for "
+                        "routing (start both with the same --block-size and --kv-dtype)", instance.instance_id,
+                        instance.hash_contract, self.contract.to_dict())  # fmt: skip
+        return False
+
+    def _turn(self, tier: str, candidates: list[InstanceInfo]) -> InstanceInfo:
+        return candidates[next(self._turns[tier]) % len(candidates)]
+
+    async def cleanup_index(self) -> None:
+        """Drop index entries of incarnations no longer registered (call every few seconds)."""
+        if self.index is None:
+            return
+        live = {}
+        for tier in ("prefill", "decode"):
+            live.update({i.instance_id: i.incarnation for i in await self.registry.list_instances(tier)})
+        try:
+            await self.index.cleanup(live)
+        except IndexUnavailableError:
+            pass  # _cached_tokens reports the outage
+
+
+def _best(candidates: list[InstanceInfo], key, pick) -> list[InstanceInfo]:
+    """The candidates whose key equals the best (pick: min or max) of all."""
+    best = pick(key(c) for c in candidates)
+    return [c for c in candidates if key(c) == best]

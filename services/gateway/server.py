@@ -14,7 +14,7 @@ from services.channels import ChannelPool
 from services.convert import sampling_params_from_proto
 from services.flags import HelpFormatter, add_gateway_args
 from services.gateway.detokenizer import TextStream
-from services.gateway.router import RoundRobinRouter
+from services.gateway.router import Route, Router
 from services.grpc_errors import upstream_error
 from services.server import Server, new_instance_id
 from shared.config import EngineArgs, ModelConfig
@@ -29,7 +29,7 @@ RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, model_config: ModelConfig, tokenizer, router: RoundRobinRouter, default_max_tokens: int):
+    def __init__(self, model_config: ModelConfig, tokenizer, router: Router, default_max_tokens: int):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.router = router
@@ -74,16 +74,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         proto_params.CopyFrom(p)
         proto_params.max_tokens = min(params.max_tokens, max_len - len(prompt_ids))
         request_id = request.request_id or uuid.uuid4().hex
-        decode_call, prefill_reply, prefill, decode = await self._start(request_id, prompt_ids, proto_params, context)
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        decode_call, first, route, prefill_reply = await self._start(request_id, prompt_ids, proto_params, cache_salt,
+                                                                     context)
+        decode = route.decode
+        num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else first.num_cached_tokens
         try:
             ttft_ms = (time.perf_counter() - t0) * 1000
-            tokens = [prefill_reply.first_token_id]
+            tokens = list(first.token_ids)
             yield gateway_pb2.GenerateResponse(request_id=request_id, text=text.push(tokens), token_ids=tokens)
-            finish_reason = None
+            finish_reason = first.finish_reason if first.HasField("finish_reason") else None
             while finish_reason is None and not text.stopped:
                 reply = await self._read(decode_call, decode)
                 if reply.HasField("finish_reason"):
                     finish_reason = reply.finish_reason
+                    if prefill_reply is None:
+                        num_cached_tokens = reply.num_cached_tokens
                 delta = text.push(list(reply.token_ids))
                 if reply.token_ids:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=reply.token_ids)
@@ -95,15 +101,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             decode_call.cancel()  # no-op when finished; otherwise aborts on the decode and frees its blocks
         e2e_ms = (time.perf_counter() - t0) * 1000
-        log.info("request %s: %d prompt + %d completion tokens, %s, TTFT %.0f ms (prefill %.0f ms on %s), "
-                 "E2E %.0f ms (decode %s)", request_id, len(prompt_ids), len(text.token_ids),
-                 common_pb2.FinishReason.Name(finish_reason), ttft_ms, prefill_reply.prefill_ms,
-                 prefill.instance_id, e2e_ms, decode.instance_id)  # fmt: skip
+        where = (f"prefill {prefill_reply.prefill_ms:.0f} ms on {route.prefill.instance_id}, "
+                 f"{prefill_reply.num_blocks_sent} KV blocks sent" if prefill_reply else "prompt computed on the decode")
+        log.info("request %s: %d prompt (%d cached) + %d completion tokens, %s, TTFT %.0f ms (%s), E2E %.0f ms "
+                 "(decode %s)", request_id, len(prompt_ids), num_cached_tokens, len(text.token_ids),
+                 common_pb2.FinishReason.Name(finish_reason), ttft_ms, where, e2e_ms, decode.instance_id)  # fmt: skip
         yield gateway_pb2.GenerateResponse(
             request_id=request_id,
             text=text.finish(),
             finish_reason=finish_reason,
-            usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids)),
+            usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids),
+                                    cached_tokens=num_cached_tokens),
             timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
 
@@ -120,11 +128,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise UpstreamError("INTERNAL", f"decode {decode.instance_id}: {reply.error}")
         return reply
 
-    async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams, context):
-        """Reserve on a decode, then prefill on a prefill naming that decode; returns (decode stream, prefill
-        reply, prefill, decode). An instance that is unreachable (dead but still in the registry until its TTL)
-        or full is skipped and the request is placed again, up to MAX_ATTEMPTS times. The client's deadline,
-        if it set one, bounds both calls."""
+    async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams,
+                     cache_salt: str | None, context):
+        """Route, reserve on the decode, then prefill on the prefill naming that decode (only the blocks the
+        decode lacks are sent), or let the decode compute the prompt itself (Route.prefill None). Returns
+        (decode stream, the message carrying the first token, route, prefill reply or None); the first token
+        comes from the prefill reply or the decode's stream. An instance that is unreachable (dead but still in
+        the registry until its TTL) or full is skipped and the request is placed again, up to MAX_ATTEMPTS
+        times. The client's deadline, if it set one, bounds every call."""
         skipped: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -132,31 +143,42 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if timeout is not None and timeout <= 0:
                 raise DeadlineError("the request's deadline passed before it was placed")
             try:
-                decode = await self.router.pick("decode", len(prompt_ids) + params.max_tokens, skipped)
-                prefill = await self.router.pick("prefill", 0, skipped)
+                route = await self.router.route(prompt_ids, len(prompt_ids) + params.max_tokens, cache_salt, skipped)
             except NoInstanceError:
                 if last_error is not None:  # every instance left was tried: say why the last one failed
                     raise last_error from None
                 raise
+            log.info("request %s routed: %s", request_id, route.explain())
+            decode, prefill = route.decode, route.prefill
             decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
-                decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params),
+                decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                                         cache_salt=cache_salt, compute_prompt=prefill is None),
                 timeout=timeout,
-            )
+            )  # fmt: skip
             failed, doing = decode, "reserving KV blocks"
             try:
                 reply = await decode_call.read()
                 if reply is grpc.aio.EOF or not reply.reserved:
                     raise UpstreamError("INTERNAL", f"decode {decode.instance_id} did not reserve the request")
+                if prefill is None:
+                    doing = "computing the prompt"
+                    first = await self._read(decode_call, decode)
+                    return decode_call, first, route, None
                 failed, doing = prefill, "prefilling"
+                skip_blocks = reply.num_cached_tokens // decode.block_size
                 prefill_reply = await prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address)).Prefill(
                     prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                sampling_params=params, decode_address=decode.address,
-                                               decode_instance_id=decode.instance_id),
+                                               decode_instance_id=decode.instance_id, num_skip_blocks=skip_blocks,
+                                               cache_salt=cache_salt),
                     timeout=timeout,
                 )  # fmt: skip
-                return decode_call, prefill_reply, prefill, decode
-            except grpc.aio.AioRpcError as e:
+                first = decode_pb2.DecodeResponse(token_ids=[prefill_reply.first_token_id])
+                return decode_call, first, route, prefill_reply
+            except (grpc.aio.AioRpcError, UpstreamError) as e:
                 decode_call.cancel()
+                if isinstance(e, UpstreamError):  # (from _read: the decode failed while computing the prompt)
+                    raise
                 last_error = upstream_error(e, failed.tier, failed.instance_id, doing)
                 if e.code() not in RETRY_CODES or attempt == MAX_ATTEMPTS:
                     raise last_error from None
@@ -171,20 +193,38 @@ async def serve(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from shared.block_hash import HashContract
     from shared.model_files import default_model_dir
+    from shared.prefix_index import PrefixIndex
     from shared.registry import Registry
 
     torch.set_num_threads(1)
     model_dir = args.model or default_model_dir()
     model_config = EngineArgs.from_namespace(args).create_model_config(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    router = RoundRobinRouter(Registry(args.redis_url), model_config.model_id)
+    contract = HashContract(args.block_size, model_config.model_id, args.kv_dtype)
+    index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
+    router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
+                    args.local_prefill_tokens)
     server = Server("gateway", new_instance_id("gateway"), args.host, args.port)
     servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
     await server.start()
-    print(f"gateway {server.instance_id} serving on {args.host}:{server.port}", flush=True)
-    await server.serve_until_signal()
+    cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
+    print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
+    try:
+        await server.serve_until_signal()
+    finally:
+        cleanup.cancel()
+
+
+async def _every(interval_s: float, job) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await job()
+        except Exception:
+            log.exception("periodic %s failed", job.__name__)
 
 
 def main(argv=None) -> None:

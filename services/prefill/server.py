@@ -35,7 +35,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         decode_id = request.decode_instance_id or "instance"
         # The prefill samples exactly one token; EOS, stop ids and max_tokens are the decode's decisions.
         params = sampling_params_from_proto(request.sampling_params, max_tokens=1, stop_token_ids=(), ignore_eos=True)
-        req = Request(request.request_id, list(request.prompt_token_ids), params)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt)
+        block_size = self.engine.cache_config.block_size
+        if request.num_skip_blocks > (len(req.prompt_token_ids) - 1) // block_size:
+            raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "
+                                      f"before its last token")  # fmt: skip
+        req.kv_skip_blocks = request.num_skip_blocks
         outbox: asyncio.Queue = asyncio.Queue()
         stream = await self.engine.add_request(req)
         transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(_drain(outbox))
@@ -67,7 +73,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
         transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id, num_blocks_sent))
         prefill_ms = (time.perf_counter() - start) * 1000
-        return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms)
+        return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
+                                           num_cached_tokens=req.num_cached_tokens or 0,
+                                           num_blocks_sent=num_blocks_sent)
 
     def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int) -> None:
         self._transfers.discard(task)

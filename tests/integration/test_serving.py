@@ -67,16 +67,20 @@ def test_cancel_mid_stream_frees_blocks_on_both_tiers(cluster):
 
 
 def test_cli_generate_json(cluster, hf_references):
-    out = subprocess.run(
-        [sys.executable, "-m", "services", "generate", "--json", "--max-tokens", "12", "--temperature", "0",
-         "--gateway", cluster.gateway_address, "What is the capital of France?"],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    result = json.loads(out.stdout)
+    """Sent twice: the second time the prompt's full blocks before its last token come from the prefix cache."""
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "services", "generate", "--json", "--max-tokens", "12", "--temperature", "0",
+             "--gateway", cluster.gateway_address, "What is the capital of France?"],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        result = json.loads(out.stdout)
     assert set(result) == {"text", "token_ids", "finish_reason", "usage", "timings"}
     assert result["token_ids"] == hf_references["capital"][1][:12]
     assert "Paris" in result["text"]
-    assert result["usage"] == {"prompt_tokens": len(hf_references["capital"][0]), "completion_tokens": len(result["token_ids"])}
+    num_prompt = len(hf_references["capital"][0])
+    assert result["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": len(result["token_ids"]),
+                               "cached_tokens": (num_prompt - 1) // 16 * 16}
     assert result["timings"]["ttft_ms"] > 0 and result["timings"]["e2e_ms"] >= result["timings"]["ttft_ms"]
 
 

@@ -43,6 +43,9 @@ class FakeEngine:
     def stats(self):
         return EngineStats("m", 16, 8, 8, 0, len(self.calls))
 
+    def take_kv_events(self):
+        return None
+
 
 async def scenario():
     fake = FakeEngine()

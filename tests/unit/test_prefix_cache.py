@@ -22,7 +22,7 @@ def make_request(request_id, tokens, salt=None):
 
 
 def make_manager(num_blocks=8, contract=CONTRACT):
-    return KVCacheManager(num_blocks, BS, contract)
+    return KVCacheManager(num_blocks, BS, contract, record_events=True)
 
 
 def run_prompt(kv, request):
