@@ -30,4 +30,6 @@ def stats_to_proto(stats: EngineStats) -> common_pb2.InstanceLoad:
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
         num_evictions=stats.num_evictions,
+        num_blocks_exported=stats.num_blocks_exported,
+        num_blocks_imported=stats.num_blocks_imported,
     )

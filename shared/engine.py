@@ -65,6 +65,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found
     num_evictions: int = 0  # cached blocks evicted, since start
+    num_blocks_exported: int = 0  # KV blocks sent (prefill) and written from received KV (decode), since start
+    num_blocks_imported: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -94,6 +96,7 @@ class LLMEngine:
                                                record_events=kv_events)
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self._num_exported_blocks: dict[str, int] = {}  # prefill tier: leading blocks of a request already sent
+        self.num_blocks_exported = self.num_blocks_imported = 0
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
@@ -159,6 +162,8 @@ class LLMEngine:
         ids = torch.tensor(block_table[kv.first_block_index + skip : kv.first_block_index + n], device=device)
         layers = self.model_runner.kv_caches[kv.layer_start : kv.layer_start + kv.data.shape[0]]
         layers.index_copy_(2, ids, kv.data[:, :, skip:].to(device))
+        if kv.layer_start + kv.data.shape[0] == self.model_config.num_hidden_layers:  # count each block once
+            self.num_blocks_imported += n - skip
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """The prompt's KV is complete and the prefill sampled first_token_id: join the running batch.
@@ -260,6 +265,7 @@ class LLMEngine:
             last = self.kv_cache_manager.num_blocks_for(end) if end == request.num_tokens else end // block_size
             if last > first:
                 self._num_exported_blocks[request.request_id] = last
+                self.num_blocks_exported += last - first
                 block_ids = self.kv_cache_manager.get_block_table(request.request_id)[first:last]
                 ids = torch.tensor(block_ids, device=self.model_runner.device)
                 exported[request.request_id] = KVBlocks(first, self.model_runner.kv_caches.index_select(2, ids))
@@ -293,4 +299,6 @@ class LLMEngine:
             prefix_cache_queries=kv.num_queries,
             prefix_cache_hits=kv.num_hits,
             num_evictions=kv.block_pool.num_evictions,
+            num_blocks_exported=self.num_blocks_exported,
+            num_blocks_imported=self.num_blocks_imported,
         )
