@@ -31,8 +31,8 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "TANDEM_ADVERTISE_HOST": (_str("TANDEM_ADVERTISE_HOST"), "host other services use to reach an engine"),
     "TANDEM_THREADS": (lambda: int(os.environ.get("TANDEM_THREADS") or 1), "torch threads per engine process"),
     "TANDEM_GATEWAY": (lambda: os.environ.get("TANDEM_GATEWAY") or "127.0.0.1:50051", "gateway of the client CLI"),
-    "TANDEM_CPU_ARCH": (_str("TANDEM_CPU_ARCH"), "-march of the CPU quantized GEMM build (default native; read by "
-                        "kernels/cpu_qgemm.py)"),
+    "TANDEM_CPU_ARCH": (_str("TANDEM_CPU_ARCH"), "-march of the C++ CPU kernels' build (default native; read by "
+                        "kernels/cpu_ext.py)"),
     "TANDEM_TRITON_ON_CPU": (lambda: os.environ.get("TANDEM_TRITON_ON_CPU") == "1",
                              "1: CPU tensors go through the Triton kernels (with TRITON_INTERPRET=1)"),
 }
