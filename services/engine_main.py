@@ -50,6 +50,19 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
         sys.exit(f"error: {e}")
 
 
+async def _log_prefix_cache(engine: AsyncEngine, interval_s: float = 30.0) -> None:
+    """Every interval_s, when requests came meanwhile: the prefix cache's size, hit rate and evictions."""
+    last = 0
+    while True:
+        await asyncio.sleep(interval_s)
+        s = await engine.stats()
+        if s.prefix_cache_queries != last:
+            last = s.prefix_cache_queries
+            log.info("prefix cache: %d blocks, hit rate %.1f%% (%d of %d prompt tokens since start), %d evictions",
+                     s.num_cached_blocks, 100 * s.prefix_cache_hit_rate, s.prefix_cache_hits,
+                     s.prefix_cache_queries, s.num_evictions)  # fmt: skip
+
+
 async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     import torch
 
@@ -91,8 +104,11 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     if publish_index:
         publisher = KVEventPublisher(args.redis_url, instance_id, incarnation, contract, async_engine.kv_snapshot)
         publishing = asyncio.create_task(publisher.run(async_engine.kv_events))
+    cache_log = asyncio.create_task(_log_prefix_cache(async_engine)) if cache_config.enable_prefix_caching else None
 
     async def leave_registry() -> None:
+        if cache_log:
+            cache_log.cancel()
         if publishing:
             publishing.cancel()
             try:
