@@ -51,10 +51,6 @@ class BlockPool:
         """Blocks an allocation can take now (free ones and cached ones no request uses)."""
         return len(self.free_block_queue)
 
-    @property
-    def ref_cnt(self) -> list[int]:
-        return [b.ref_cnt for b in self.blocks]
-
     def allocate(self, n: int) -> list[int]:
         """Take n blocks (ref_cnt 1 each) from the front of the free queue, evicting cached ones. Raises
         MemoryError when fewer than n are free; takes none then."""
