@@ -1,6 +1,8 @@
 """Protobuf <-> engine records, in one place for every service."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 from shared.engine import EngineStats
 from shared.request import FinishReason, SamplingParams
 from tandem.v1 import common_pb2
@@ -18,18 +20,5 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides) -> Sam
 
 
 def stats_to_proto(stats: EngineStats) -> common_pb2.InstanceLoad:
-    return common_pb2.InstanceLoad(
-        model_id=stats.model_id,
-        block_size=stats.block_size,
-        num_blocks=stats.num_blocks,
-        num_free_blocks=stats.num_free_blocks,
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        num_queued_tokens=stats.num_queued_tokens,
-        num_cached_blocks=stats.num_cached_blocks,
-        prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits,
-        num_evictions=stats.num_evictions,
-        num_blocks_exported=stats.num_blocks_exported,
-        num_blocks_imported=stats.num_blocks_imported,
-    )
+    """EngineStats -> InstanceLoad: the proto has one field per EngineStats field, of the same name."""
+    return common_pb2.InstanceLoad(**{f.name: getattr(stats, f.name) for f in fields(stats)})
