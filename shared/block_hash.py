@@ -77,7 +77,7 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: t
 
 def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
     """Extra keys of logical block block_index of a request: the cache salt on the first block only."""
-    return (f"salt:{cache_salt}",) if block_index == 0 and cache_salt else ()
+    return (f"salt:{cache_salt}",) if block_index == 0 and cache_salt is not None else ()
 
 
 def hash_request_blocks(token_ids: Sequence[int], contract: HashContract, cache_salt: str | None = None,

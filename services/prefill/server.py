@@ -38,7 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt)
         block_size = self.engine.cache_config.block_size
-        if request.num_skip_blocks > (len(req.prompt_token_ids) - 1) // block_size:
+        if request.num_skip_blocks and request.num_skip_blocks > (len(req.prompt_token_ids) - 1) // block_size:
             raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "
                                       f"before its last token")  # fmt: skip
         req.kv_skip_blocks = request.num_skip_blocks

@@ -76,6 +76,7 @@ def test_salts_and_contracts_separate_hashes():
     tokens = list(range(1, 9))
     assert hash_request_blocks(tokens, CONTRACT, "t1") != hash_request_blocks(tokens, CONTRACT, "t2")
     assert hash_request_blocks(tokens, CONTRACT, "t1")[1] != hash_request_blocks(tokens, CONTRACT)[1]
+    assert hash_request_blocks(tokens, CONTRACT, "")[0] != hash_request_blocks(tokens, CONTRACT)[0]  # set, if empty
     int8 = HashContract(BS, "m:abc:int8-fp32", "fp32")
     assert set(hash_request_blocks(tokens, CONTRACT)).isdisjoint(hash_request_blocks(tokens, int8))
     kv = make_manager()
