@@ -40,3 +40,22 @@ def cluster(model_dir, hf_references):
     c = start_cluster(model_dir, block_size=16, chunk=64)
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(model_dir):
+    """generate(prompt ids, n) -> HF transformers fp32 greedy tokens (at most n, ending at EOS), cached."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = {}
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        key = (tuple(ids), n)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)  # ends at EOS
+            cache[key] = out[0, len(ids) :].tolist()
+        return cache[key]
+
+    return generate

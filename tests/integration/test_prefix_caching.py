@@ -2,7 +2,6 @@
 at and around block boundaries, with requests sharing a prefix in flight beside unrelated ones, the same prompt
 again and again, prompts extending a request that ended on a stop token, and under forced eviction."""
 import pytest
-import torch
 
 from shared.config import CacheConfig, SchedulerConfig
 from shared.engine import LLMEngine
@@ -16,24 +15,6 @@ NUM_TOKENS = 12
 @pytest.fixture(scope="module")
 def base_ids(tokenizer):
     return tokenizer(LONG_TEXT, add_special_tokens=False).input_ids  # about 300 tokens
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cache = {}
-
-    def generate(ids: list[int], n: int = NUM_TOKENS) -> list[int]:
-        key = (tuple(ids), n)
-        if key not in cache:
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)  # ends at EOS
-            cache[key] = out[0, len(ids) :].tolist()
-        return cache[key]
-
-    return generate
 
 
 def make_engine(model_config, num_blocks=256, budget=64):
@@ -57,10 +38,10 @@ def run(engine, prompts: dict[str, list[int]], n=NUM_TOKENS, stop_token_ids=()) 
 def test_warm_equals_cold_at_and_around_block_boundaries(model_config, base_ids, hf_greedy):
     engine = make_engine(model_config)
     tail = [1000, 2000, 3000]
-    assert run(engine, {"cold": base_ids[:100]})["cold"] == hf_greedy(base_ids[:100])
+    assert run(engine, {"cold": base_ids[:100]})["cold"] == hf_greedy(base_ids[:100], NUM_TOKENS)
     for cut in (31, 32, 33, 47, 48, 49, 64, 99):  # shares cut tokens with the cold prompt, then differs
         ids = base_ids[:cut] + tail
-        assert run(engine, {"warm": ids})["warm"] == hf_greedy(ids), cut
+        assert run(engine, {"warm": ids})["warm"] == hf_greedy(ids, NUM_TOKENS), cut
         assert run.cached["warm"] == cut // BS * BS, cut  # exactly the full shared blocks were reused
     assert engine.num_free_blocks == 256
 
@@ -73,7 +54,7 @@ def test_shared_prefix_in_flight_beside_unrelated_requests(model_config, base_id
     for _ in range(2):  # the second wave finds the first one's blocks (the first shares within itself as it runs)
         outs = run(engine, wave)
         for rid, ids in wave.items():
-            assert outs[rid] == hf_greedy(ids), rid
+            assert outs[rid] == hf_greedy(ids, NUM_TOKENS), rid
     assert all(run.cached[f"s{i}"] == 80 for i in range(4))
     assert engine.stats().prefix_cache_hits > 0
 
@@ -82,7 +63,7 @@ def test_same_prompt_again_and_again(model_config, base_ids, hf_greedy):
     engine = make_engine(model_config)
     ids = base_ids[:70]
     for i in range(4):
-        assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids)
+        assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids, NUM_TOKENS)
         assert run.cached[f"r{i}"] == (0 if i == 0 else 64)
 
 
@@ -95,7 +76,7 @@ def test_prompt_extending_a_request_that_ended_on_a_stop_token(model_config, bas
     out = run(engine, {"turn1": ids}, n=30, stop_token_ids=[stop])["turn1"]
     assert out == full[: full.index(stop) + 1]
     turn2 = ids + out + [42, 43, 44]
-    assert run(engine, {"turn2": turn2})["turn2"] == hf_greedy(turn2)
+    assert run(engine, {"turn2": turn2})["turn2"] == hf_greedy(turn2, NUM_TOKENS)
     assert run.cached["turn2"] >= (len(ids) + len(out) - 1) // BS * BS  # blocks holding output tokens reused
 
 
@@ -103,7 +84,7 @@ def test_forced_eviction_keeps_outputs_exact(model_config, base_ids, hf_greedy):
     engine = make_engine(model_config, num_blocks=14)  # 224 slots: a few prompts' worth
     prompts = [base_ids[i * 40 : i * 40 + 90] for i in range(4)] + [base_ids[:90]]
     for i, ids in enumerate(prompts):
-        assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids), i
+        assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids, NUM_TOKENS), i
     assert engine.kv_cache_manager.block_pool.num_evictions > 0
     assert run.cached["r4"] < 80  # the first prompt's blocks were (partly) evicted
     assert engine.num_free_blocks == 14

@@ -4,28 +4,11 @@ lacks, a short uncached suffix is computed on the decode with no prefill call, a
 stopping (load-only) and resumes when it returns."""
 import time
 
-import pytest
-import torch
-
 from services.client import generate, make_request
 from tests.integration.helpers import load
 from tests.prompts import LONG_TEXT
 
 NUM_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def run(ids):
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)
-        return out[0, len(ids) :].tolist()
-
-    return run
 
 
 def start(model_dir, gateway_args):
@@ -50,33 +33,33 @@ def test_shared_prefixes_go_to_the_prefill_holding_them(model_dir, tokenizer, hf
     with start(model_dir, ["--local-prefill-tokens", "0"]) as cluster:  # always prefill: routing is visible
         base = LONG_TEXT[:900]
         out, ids = ask(cluster, base + " First question.", tokenizer)
-        assert out.token_ids == hf_greedy(ids)
+        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
         holder = max(("prefill0", "prefill1"), key=lambda n: loads(cluster)[n].prefix_cache_queries)
         other = "prefill1" if holder == "prefill0" else "prefill0"
         time.sleep(1.5)  # the heartbeat and the index catch up
         for i in range(3):
             out, ids = ask(cluster, base + f" Question number {i}?", tokenizer)
-            assert out.token_ids == hf_greedy(ids)
+            assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
             assert out.cached_tokens >= len(tokenizer(base).input_ids) // 16 * 16 - 16
         now = loads(cluster)
         assert now[holder].prefix_cache_hits > 0 and now[other].prefix_cache_queries == 0, now
         # a salted request shares nothing, so it is routed on load alone
         out, ids = ask(cluster, base + " First question.", tokenizer, salt="tenant-b")
-        assert out.token_ids == hf_greedy(ids) and out.cached_tokens == 0
+        assert out.token_ids == hf_greedy(ids, NUM_TOKENS) and out.cached_tokens == 0
 
 
 def test_second_turn_ships_fewer_blocks_and_short_suffix_skips_prefill(model_dir, tokenizer, hf_greedy):
     with start(model_dir, []) as cluster:
         turn1 = LONG_TEXT[:600]
         out, ids = ask(cluster, turn1, tokenizer)
-        assert out.token_ids == hf_greedy(ids)
+        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
         first = loads(cluster)
         shipped_first = first["decode0"].num_blocks_imported
         time.sleep(1.5)
         # a long new part: the prefill is called but ships only the blocks the decode lacks
         turn2 = turn1 + out.text + LONG_TEXT[600:1200]
         out2, ids2 = ask(cluster, turn2, tokenizer)
-        assert out2.token_ids == hf_greedy(ids2)
+        assert out2.token_ids == hf_greedy(ids2, NUM_TOKENS)
         second = loads(cluster)
         shipped_second = second["decode0"].num_blocks_imported - shipped_first
         assert 0 < shipped_second < -(-len(ids2) // 16) - len(ids) // 16 + 2, (shipped_first, shipped_second)
@@ -84,7 +67,7 @@ def test_second_turn_ships_fewer_blocks_and_short_suffix_skips_prefill(model_dir
         # a short new part: computed on the decode itself, no prefill call, no transfer
         turn3 = turn2 + out2.text + " Thanks!"
         out3, ids3 = ask(cluster, turn3, tokenizer)
-        assert out3.token_ids == hf_greedy(ids3)
+        assert out3.token_ids == hf_greedy(ids3, NUM_TOKENS)
         third = loads(cluster)
         assert third["decode0"].num_blocks_imported == second["decode0"].num_blocks_imported
         for name in ("prefill0", "prefill1"):
@@ -103,10 +86,10 @@ def test_redis_down_routes_on_load_and_recovers(model_dir, tokenizer, hf_greedy)
         os.kill(redis.pid, signal.SIGSTOP)  # frozen: every call times out
         try:
             out, ids = ask(cluster, base + " Two.", tokenizer)
-            assert out.token_ids == hf_greedy(ids)
+            assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
         finally:
             os.kill(redis.pid, signal.SIGCONT)
         time.sleep(2)
         out, ids = ask(cluster, base + " Three.", tokenizer)
-        assert out.token_ids == hf_greedy(ids)
+        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
         assert out.cached_tokens > 0
