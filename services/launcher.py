@@ -63,6 +63,7 @@ class LocalCluster:
         self.redis_url = redis_url or envs.REDIS_URL
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-"))
         self.processes: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}  # how each child was started, for restart()
         self.addresses: dict[str, str] = {}
 
     @property
@@ -70,7 +71,8 @@ class LocalCluster:
         return f"127.0.0.1:{self.gateway_port}"
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "w")
+        log = open(self.log_dir / f"{name}.log", "a" if name in self.argv else "w")  # a restart appends
+        self.argv[name] = argv
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -135,6 +137,20 @@ class LocalCluster:
                     proc.terminate()
             for proc in group:
                 _wait_or_kill(proc)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one child (e.g. "prefill0"), as a crash would: it does not deregister."""
+        self.processes[name].kill()
+        self.processes[name].wait()
+
+    def restart(self, name: str, timeout_s: float = 180) -> None:
+        """Start a killed or stopped child again with the same flags (the same port; an engine gets a new
+        instance id and incarnation), and wait until the cluster is ready again: for an engine, until its old
+        record has left the registry (its TTL) and the new one is in."""
+        if self.processes[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name, self.argv[name])
+        self.wait_ready(timeout_s)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

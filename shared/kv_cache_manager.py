@@ -175,6 +175,27 @@ class KVCacheManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
 
+    def blocks_in_flight(self, requests: list[Request]) -> set[BlockHash]:
+        """Hashes of the full prompt blocks these (running) requests hold but have not computed yet: a waiting
+        request whose next block is among them finds it cached after a step or two, instead of computing it
+        again alongside (SGLang's in-batch prefix sharing does the same). Empty with caching off."""
+        if not self.enable_caching:
+            return set()
+        pending = set()
+        for r in requests:
+            num_full = r.num_prompt_tokens // self.block_size
+            start = self.num_cached_blocks.get(r.request_id, 0)
+            if r.num_computed_tokens < num_full * self.block_size and r.request_id in self.block_tables:
+                pending.update(self._hashes(r, num_full)[start:])
+        return pending
+
+    def next_block_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:
+        """The hash of the request's full prompt block after its first num_cached_blocks (None: no such block,
+        or caching off)."""
+        if not self.enable_caching or (num_cached_blocks + 1) * self.block_size >= request.num_tokens:
+            return None
+        return self._hashes(request, num_cached_blocks + 1)[num_cached_blocks]
+
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
         """Grow the block table to hold num_computed_tokens + num_new_tokens, first taking computed_block_ids
         (a prefix hit from get_computed_blocks, on a request with no blocks yet) as its leading blocks. False

@@ -5,7 +5,8 @@ min(num_tokens - num_computed_tokens, remaining token budget) new tokens. A prom
 prefilled in chunks across steps; a decoding request asks for 1 token; prefill and decode share one batch.
 When the pool runs out of blocks, the most recently admitted running request is preempted (its blocks are
 freed and it is recomputed later). A request admitted from scratch first takes its longest cached prefix
-(KVCacheManager.get_computed_blocks) and is scheduled only for the rest.
+(KVCacheManager.get_computed_blocks) and is scheduled only for the rest; one whose next block a running
+request is computing right now waits for it (a step or two) instead of computing it again.
 """
 from __future__ import annotations
 
@@ -74,25 +75,30 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if out.preempted_requests:
-                break  # no admissions in a step that had to preempt
-            request = self.waiting[0]
+        if out.preempted_requests:
+            return out  # no admissions in a step that had to preempt
+        in_flight = self.kv_cache_manager.blocks_in_flight(self.running) if self.waiting else set()
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             computed_block_ids, num_cached = [], 0
             if request.num_computed_tokens == 0:
                 computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+                if in_flight and self.kv_cache_manager.next_block_hash(request, len(computed_block_ids)) in in_flight:
+                    continue  # its next block is being computed: take it from the cache when it is
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids):
                 break
             request.num_computed_tokens += num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled_requests.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            in_flight |= self.kv_cache_manager.blocks_in_flight([request])
         return out
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

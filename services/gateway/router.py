@@ -7,6 +7,10 @@ and the prefix index (shared/prefix_index.py). docs/prefix-caching.md describes 
   shipped) minus DECODE_LOAD_TOKENS per request it serves or holds.
 - Local prefill (conditional disaggregation): when the part of the prompt the chosen decode lacks is at most
   local_prefill_tokens, the decode computes it itself and no prefill is called.
+The index learns of a prompt's blocks only as they are computed, so for ROUTED_HINT_S after sending a prompt to a
+prefill the router also counts its blocks as held there: the next prompts sharing that prefix follow it instead
+of computing it elsewhere (SGLang's router does the same with its approximate radix tree). Not for decodes: a
+decode must not be asked to compute a prompt whose KV is still on its way to it.
 Ties go round-robin. Instances whose hash contract differs from the gateway's are never looked up in the index
 (logged once each). If Redis cannot answer, routing is load-only until it can. routing="round-robin" ignores the
 index and queues (the baseline the benchmark compares against).
@@ -15,9 +19,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shared.block_hash import HashContract, hash_request_blocks
+from shared.block_hash import BlockHash, HashContract, hash_request_blocks
 from shared.errors import NoInstanceError
 from shared.prefix_index import IndexUnavailableError, PrefixIndex
 from shared.registry import InstanceInfo, Registry
@@ -25,6 +31,7 @@ from shared.registry import InstanceInfo, Registry
 log = logging.getLogger(__name__)
 DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as much as 256 cached prompt tokens
 ROUTING_POLICIES = ("cache-aware", "round-robin")
+ROUTED_HINT_S = 10.0  # seconds a routed prompt's blocks count as held where it went, before the index shows them
 
 
 @dataclass
@@ -52,6 +59,8 @@ class Router:
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._mismatch_logged: set[str] = set()
         self._index_down = False
+        # (instance id, incarnation) -> {block hash: when the hint expires}, oldest first
+        self._routed: dict[tuple[str, str], OrderedDict[BlockHash, float]] = {}
 
     async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
         """Live instances of tier for this model, leaving out skip. NoInstanceError when none is left."""
@@ -69,7 +78,9 @@ class Router:
         roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens] or decodes
         if self.policy == "round-robin":
             return Route(self._turn("decode", roomy), self._turn("prefill", prefills), explanation=["round-robin"])
-        cached = await self._cached_tokens(prompt_ids, cache_salt, prefills + roomy)
+        bs = self.contract.block_size
+        hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt)
+        cached, hinted = await self._cached_tokens(hashes, prefills + roomy)
         n = len(prompt_ids)
 
         def decode_score(d: InstanceInfo) -> int:
@@ -78,41 +89,76 @@ class Router:
         def prefill_cost(p: InstanceInfo) -> int:
             return p.num_queued_tokens + n - cached[p.instance_id]
 
-        explanation = [f"decode {d.instance_id}: {cached[d.instance_id]} cached, {d.num_running + d.num_waiting} "
-                       f"requests -> {decode_score(d)}" for d in roomy]
+        def routed(i: InstanceInfo) -> str:
+            return f" ({hinted[i.instance_id]} routed there, not yet indexed)" if hinted.get(i.instance_id) else ""
+
+        explanation = [f"decode {d.instance_id}: {cached[d.instance_id]} cached{routed(d)}, "
+                       f"{d.num_running + d.num_waiting} requests -> {decode_score(d)}" for d in roomy]  # fmt: skip
         decode = self._turn("decode", _best(roomy, decode_score, max))
         if n - cached[decode.instance_id] <= self.local_prefill_tokens:
             explanation.append(f"-> decode {decode.instance_id} computes the {n - cached[decode.instance_id]} "
                                f"uncached tokens itself (<= {self.local_prefill_tokens})")
             return Route(decode, None, 0, cached[decode.instance_id], explanation)
         explanation += [f"prefill {p.instance_id}: {p.num_queued_tokens} queued + {n - cached[p.instance_id]} "
-                        f"to compute -> {prefill_cost(p)}" for p in prefills]
+                        f"to compute{routed(p)} -> {prefill_cost(p)}" for p in prefills]  # fmt: skip
         prefill = self._turn("prefill", _best(prefills, prefill_cost, min))
+        self._remember(prefill, hashes)
         explanation.append(f"-> prefill {prefill.instance_id}, decode {decode.instance_id}")
         return Route(decode, prefill, cached[prefill.instance_id], cached[decode.instance_id], explanation)
 
-    async def _cached_tokens(self, prompt_ids: list[int], cache_salt: str | None,
-                             candidates: list[InstanceInfo]) -> dict[str, int]:
-        """{instance id: leading prompt tokens it holds}, from one index lookup; 0 for instances whose contract
-        differs and for all while Redis cannot answer."""
+    async def _cached_tokens(self, hashes: list[BlockHash],
+                             candidates: list[InstanceInfo]) -> tuple[dict[str, int], dict[str, int]]:
+        """({instance id: leading prompt tokens it holds}, {instance id: of those, tokens known only from
+        routing, not yet from the index}), from one index lookup and the routing hints; 0 for instances whose
+        contract differs and for all while Redis cannot answer."""
         cached = {c.instance_id: 0 for c in candidates}
         indexed = {c.instance_id: c.incarnation for c in candidates if self._same_contract(c)}
         if self.index is None or not indexed:
-            return cached
-        bs = self.contract.block_size
-        hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt)
+            return cached, {}
         try:
             blocks = await self.index.longest_prefixes(hashes, indexed)
         except IndexUnavailableError as e:
             if not self._index_down:
                 log.warning("prefix index unavailable, routing on load alone until it answers: %s", e)
             self._index_down = True
-            return cached
+            return cached, {}
         if self._index_down:
             log.info("prefix index answers again: cache-aware routing resumed")
             self._index_down = False
-        cached.update({iid: num_blocks * bs for iid, num_blocks in blocks.items()})
-        return cached
+        hinted = {}
+        for c in candidates:
+            if c.instance_id in indexed:
+                num_routed = self._routed_blocks(c, hashes)
+                hinted[c.instance_id] = max(0, num_routed - blocks[c.instance_id]) * self.contract.block_size
+                cached[c.instance_id] = max(blocks[c.instance_id], num_routed) * self.contract.block_size
+        return cached, hinted
+
+    def _remember(self, instance: InstanceInfo, hashes: list[BlockHash]) -> None:
+        """The prompt's blocks go to prefill instance: count them as held there for ROUTED_HINT_S."""
+        if not hashes or self.index is None or not self._same_contract(instance):
+            return
+        entries = self._routed.setdefault((instance.instance_id, instance.incarnation), OrderedDict())
+        expires = time.monotonic() + ROUTED_HINT_S
+        for h in hashes:
+            entries[h] = expires
+            entries.move_to_end(h)
+
+    def _routed_blocks(self, instance: InstanceInfo, hashes: list[BlockHash]) -> int:
+        """Leading blocks of hashes routed to instance within ROUTED_HINT_S (expired hints are dropped)."""
+        key = (instance.instance_id, instance.incarnation)
+        entries = self._routed.get(key)
+        now = time.monotonic()
+        while entries and next(iter(entries.values())) < now:
+            entries.popitem(last=False)
+        if not entries:
+            self._routed.pop(key, None)
+            return 0
+        num = 0
+        for h in hashes:
+            if h not in entries:
+                break
+            num += 1
+        return num
 
     def _same_contract(self, instance: InstanceInfo) -> bool:
         if instance.hash_contract is None:
@@ -136,6 +182,8 @@ class Router:
         live = {}
         for tier in ("prefill", "decode"):
             live.update({i.instance_id: i.incarnation for i in await self.registry.list_instances(tier)})
+        for key in [k for k in self._routed if live.get(k[0]) != k[1]]:
+            del self._routed[key]
         try:
             await self.index.cleanup(live)
         except IndexUnavailableError:

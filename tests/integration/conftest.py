@@ -59,3 +59,14 @@ def hf_greedy(model_dir):
         return cache[key]
 
     return generate
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh redis-server of this test's own (tests.integration.helpers.RedisServer), stopped after it."""
+    from tests.integration.helpers import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()

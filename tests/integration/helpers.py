@@ -1,8 +1,11 @@
-"""Talking to a running cluster from tests."""
+"""Talking to a running cluster from tests, and a redis-server a test controls."""
+import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import redis
 
 from services.client import generate
 from tandem.v1 import common_pb2, common_pb2_grpc, gateway_pb2
@@ -34,3 +37,34 @@ def wait_all_blocks_free(cluster, timeout_s: float = 30) -> dict[str, common_pb2
         if all(l.num_free_blocks == l.num_blocks for l in loads.values()) or time.monotonic() > deadline:
             return loads
         time.sleep(0.2)
+
+
+class RedisServer:
+    """A redis-server child on a fixed loopback port that a test can stop, restart and pause."""
+
+    def __init__(self):
+        from services.launcher import free_port
+
+        self.port, self.proc = free_port(), None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        from services.launcher import redis_server_binary
+
+        self.proc = subprocess.Popen([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
+        client, deadline = redis.Redis(port=self.port), time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return client.close()
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.02)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            self.proc.wait(10)

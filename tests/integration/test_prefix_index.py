@@ -3,14 +3,11 @@ restarted Redis, stale incarnations and separate hash contracts (shared/prefix_i
 import asyncio
 import json
 import signal
-import subprocess
 import time
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
-from services.launcher import free_port, redis_server_binary
 from shared.block_hash import HashContract, hash_request_blocks
 from shared.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from shared.prefix_index import IndexUnavailableError, KVEventPublisher, PrefixIndex
@@ -19,41 +16,6 @@ from shared.registry import InstanceInfo
 CONTRACT = HashContract(block_size=4, model_id="m:abc:fp32", kv_dtype="float32")
 OTHER_CONTRACT = HashContract(block_size=4, model_id="m:abc:int8", kv_dtype="float32")
 HASHES = hash_request_blocks(list(range(4 * 40)), CONTRACT)  # a 40-block prompt
-
-
-class RedisServer:
-    """A redis-server child on a fixed loopback port that a test can stop, restart and pause."""
-
-    def __init__(self):
-        self.port, self.proc = free_port(), None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self):
-        self.proc = subprocess.Popen([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
-        client, deadline = redis.Redis(port=self.port), time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return client.close()
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.02)
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def server():
-    s = RedisServer()
-    s.start()
-    yield s
-    s.stop()
 
 
 class FakePool:
@@ -92,10 +54,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_store_remove_and_exact_counts(server):
+def test_store_remove_and_exact_counts(redis_server):
     async def body():
-        pub, pool = make_publisher(server.url)
-        index = PrefixIndex(server.url, CONTRACT)
+        pub, pool = make_publisher(redis_server.url)
+        index = PrefixIndex(redis_server.url, CONTRACT)
         live = {"decode-1": "inc-a"}
         assert await index.longest_prefixes(HASHES, live) == {"decode-1": 0}
         await pub.publish(pool.batch(stored(*HASHES[:5])))
@@ -115,14 +77,14 @@ def test_store_remove_and_exact_counts(server):
     run(body())
 
 
-def test_longest_prefix_several_instances_stops_at_first_miss(server):
+def test_longest_prefix_several_instances_stops_at_first_miss(redis_server):
     async def body():
-        pubs = {iid: make_publisher(server.url, iid, "inc") for iid in ("a", "b", "c", "d")}
+        pubs = {iid: make_publisher(redis_server.url, iid, "inc") for iid in ("a", "b", "c", "d")}
         runs = {"a": HASHES[:35], "b": HASHES[:2], "c": HASHES[:7] + HASHES[8:30], "d": HASHES[1:20]}
         for iid, hashes in runs.items():
             pub, pool = pubs[iid]
             await pub.publish(pool.batch(stored(*hashes)))
-        index = PrefixIndex(server.url, CONTRACT, batch_size=16)
+        index = PrefixIndex(redis_server.url, CONTRACT, batch_size=16)
         live = dict.fromkeys(runs, "inc") | {"e": "inc"}  # e holds nothing
         assert await index.longest_prefixes(HASHES, live) == {"a": 35, "b": 2, "c": 7, "d": 0, "e": 0}
         # round trips stop at the first miss of every run: count the lookups the server saw
@@ -139,15 +101,15 @@ def test_longest_prefix_several_instances_stops_at_first_miss(server):
     run(body())
 
 
-def test_stale_incarnation_ignored_and_cleaned(server):
+def test_stale_incarnation_ignored_and_cleaned(redis_server):
     async def body():
-        old, old_pool = make_publisher(server.url, "decode-1", "inc-old")
+        old, old_pool = make_publisher(redis_server.url, "decode-1", "inc-old")
         await old.publish(old_pool.batch(stored(*HASHES[:6])))
-        new, new_pool = make_publisher(server.url, "decode-1", "inc-new")  # the same instance id, restarted
+        new, new_pool = make_publisher(redis_server.url, "decode-1", "inc-new")  # the same instance id, restarted
         await new.publish(new_pool.batch(stored(*HASHES[:3])))
-        other, other_pool = make_publisher(server.url, "decode-2", "inc-x")  # dead, never restarted
+        other, other_pool = make_publisher(redis_server.url, "decode-2", "inc-x")  # dead, never restarted
         await other.publish(other_pool.batch(stored(*HASHES[:4])))
-        index = PrefixIndex(server.url, CONTRACT)
+        index = PrefixIndex(redis_server.url, CONTRACT)
         live = {"decode-1": "inc-new"}
         assert await index.longest_prefixes(HASHES, live) == {"decode-1": 3}
         assert await index.longest_prefixes(HASHES, {"decode-1": "inc-old"}) == {"decode-1": 0}  # overwritten
@@ -167,10 +129,10 @@ def test_stale_incarnation_ignored_and_cleaned(server):
     run(body())
 
 
-def test_gap_rebuilds_from_snapshot(server):
+def test_gap_rebuilds_from_snapshot(redis_server):
     async def body():
-        pub, pool = make_publisher(server.url)
-        index = PrefixIndex(server.url, CONTRACT)
+        pub, pool = make_publisher(redis_server.url)
+        index = PrefixIndex(redis_server.url, CONTRACT)
         live = {"decode-1": "inc-a"}
         await pub.publish(pool.batch(stored(*HASHES[:4])))
         pool.batch(removed(HASHES[0]))  # seq 2 is lost
@@ -186,10 +148,10 @@ def test_gap_rebuilds_from_snapshot(server):
     run(body())
 
 
-def test_flushall_rebuilds_on_next_publish(server):
+def test_flushall_rebuilds_on_next_publish(redis_server):
     async def body():
-        pub, pool = make_publisher(server.url)
-        index = PrefixIndex(server.url, CONTRACT)
+        pub, pool = make_publisher(redis_server.url)
+        index = PrefixIndex(redis_server.url, CONTRACT)
         live = {"decode-1": "inc-a"}
         await pub.publish(pool.batch(stored(*HASHES[:4])))
         await index.redis.flushall()
@@ -205,10 +167,10 @@ def test_flushall_rebuilds_on_next_publish(server):
     run(body())
 
 
-def test_replayed_or_late_stored_does_not_resurrect(server):
+def test_replayed_or_late_stored_does_not_resurrect(redis_server):
     async def body():
-        pub, pool = make_publisher(server.url)
-        index = PrefixIndex(server.url, CONTRACT)
+        pub, pool = make_publisher(redis_server.url)
+        index = PrefixIndex(redis_server.url, CONTRACT)
         live = {"decode-1": "inc-a"}
         first = pool.batch(stored(*HASHES[:3]))
         await pub.publish(first)
@@ -224,7 +186,7 @@ def test_replayed_or_late_stored_does_not_resurrect(server):
         assert await index.longest_prefixes(HASHES, live) == {"decode-1": 0}
         assert pub.num_rebuilds == 1 and pub.applied_seq == 4
         # the guard is in Redis: another writer of the same incarnation replaying an old batch changes nothing
-        replayer, _ = make_publisher(server.url)
+        replayer, _ = make_publisher(redis_server.url)
         await replayer.publish(late)
         assert await index.longest_prefixes(HASHES, live) == {"decode-1": 0}
         assert await index.longest_prefixes(HASHES[1:], live) == {"decode-1": 2}
@@ -234,14 +196,14 @@ def test_replayed_or_late_stored_does_not_resurrect(server):
     run(body())
 
 
-def test_two_contracts_never_see_each_other(server):
+def test_two_contracts_never_see_each_other(redis_server):
     async def body():
         other_hashes = hash_request_blocks(list(range(4 * 10)), OTHER_CONTRACT)
-        pub, pool = make_publisher(server.url, "decode-1", "inc-a", CONTRACT)
-        opub, opool = make_publisher(server.url, "decode-2", "inc-b", OTHER_CONTRACT)
+        pub, pool = make_publisher(redis_server.url, "decode-1", "inc-a", CONTRACT)
+        opub, opool = make_publisher(redis_server.url, "decode-2", "inc-b", OTHER_CONTRACT)
         await pub.publish(pool.batch(stored(*HASHES[:10])))
         await opub.publish(opool.batch(stored(*HASHES[:10], *other_hashes)))  # even the same hash bytes
-        index, oindex = PrefixIndex(server.url, CONTRACT), PrefixIndex(server.url, OTHER_CONTRACT)
+        index, oindex = PrefixIndex(redis_server.url, CONTRACT), PrefixIndex(redis_server.url, OTHER_CONTRACT)
         live = {"decode-1": "inc-a", "decode-2": "inc-b"}
         assert await index.longest_prefixes(HASHES, live) == {"decode-1": 10, "decode-2": 0}
         assert await oindex.longest_prefixes(HASHES, live) == {"decode-1": 0, "decode-2": 10}
@@ -254,18 +216,18 @@ def test_two_contracts_never_see_each_other(server):
     run(body())
 
 
-def test_redis_down_then_back(server):
+def test_redis_down_then_back(redis_server):
     async def body():
         pool = FakePool()
-        pub, _ = make_publisher(server.url, pool=pool, timeout_s=0.5, resync_interval_s=0.1)
-        index = PrefixIndex(server.url, CONTRACT, timeout_s=0.5)
+        pub, _ = make_publisher(redis_server.url, pool=pool, timeout_s=0.5, resync_interval_s=0.1)
+        index = PrefixIndex(redis_server.url, CONTRACT, timeout_s=0.5)
         live = {"decode-1": "inc-a"}
         queue = asyncio.Queue()
         task = asyncio.create_task(pub.run(queue))
         queue.put_nowait(pool.batch(stored(*HASHES[:3])))
         await wait_for(lambda: index.longest_prefixes(HASHES, live), {"decode-1": 3})
 
-        server.stop()
+        redis_server.stop()
         t0 = time.monotonic()
         with pytest.raises(IndexUnavailableError):
             await index.longest_prefixes(HASHES, live)
@@ -277,7 +239,7 @@ def test_redis_down_then_back(server):
         await wait_until(lambda: queue.empty() and pub.dirty)
         assert not task.done()
 
-        server.start()  # an empty Redis on the same port; no new batch: the idle resync rebuilds
+        redis_server.start()  # an empty Redis on the same port; no new batch: the idle resync rebuilds
         await wait_for(lambda: index.longest_prefixes(HASHES[1:], live), {"decode-1": 5})
         assert await index.longest_prefixes(HASHES, live) == {"decode-1": 0}
         queue.put_nowait(pool.batch(stored(HASHES[0])))
@@ -289,13 +251,13 @@ def test_redis_down_then_back(server):
     run(body())
 
 
-def test_redis_hung_raises_within_timeout(server):
+def test_redis_hung_raises_within_timeout(redis_server):
     async def body():
-        index = PrefixIndex(server.url, CONTRACT, timeout_s=0.3)
-        client = aioredis.Redis.from_url(server.url)  # a caller's client without socket timeouts
+        index = PrefixIndex(redis_server.url, CONTRACT, timeout_s=0.3)
+        client = aioredis.Redis.from_url(redis_server.url)  # a caller's client without socket timeouts
         index2 = PrefixIndex(client, CONTRACT, timeout_s=0.3)
         assert await index.longest_prefixes(HASHES, {"x": "y"}) == {"x": 0}
-        server.proc.send_signal(signal.SIGSTOP)
+        redis_server.proc.send_signal(signal.SIGSTOP)
         try:
             for idx in (index, index2):
                 t0 = time.monotonic()
@@ -303,7 +265,7 @@ def test_redis_hung_raises_within_timeout(server):
                     await idx.longest_prefixes(HASHES, {"x": "y"})
                 assert time.monotonic() - t0 < 0.8
         finally:
-            server.proc.send_signal(signal.SIGCONT)
+            redis_server.proc.send_signal(signal.SIGCONT)
         assert await index2.longest_prefixes(HASHES, {"x": "y"}) == {"x": 0}  # resumes on the same client
         await index.close(), await client.aclose()
 

@@ -1,7 +1,7 @@
 """Prefix caching across a real cluster (real Redis, two prefill instances, one decode), fp32 greedy against HF:
-prompts sharing a prefix go to the prefill that holds it, a second chat turn ships only the blocks the decode
-lacks, a short uncached suffix is computed on the decode with no prefill call, and routing survives Redis
-stopping (load-only) and resumes when it returns."""
+prompts sharing a prefix go to the prefill that holds it (also after that prefill is killed and restarted), a
+second chat turn ships only the blocks the decode lacks, a short uncached suffix is computed on the decode with
+no prefill call, and routing survives Redis stopping (load-only) and resumes when it returns."""
 import time
 
 from services.client import generate, make_request
@@ -93,3 +93,26 @@ def test_redis_down_routes_on_load_and_recovers(model_dir, tokenizer, hf_greedy)
         out, ids = ask(cluster, base + " Three.", tokenizer)
         assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
         assert out.cached_tokens > 0
+
+
+def test_killed_then_restarted_prefill_leaves_routing_correct(model_dir, tokenizer, hf_greedy):
+    with start(model_dir, ["--local-prefill-tokens", "0"]) as cluster:
+        base = LONG_TEXT[:900]
+        out, ids = ask(cluster, base + " First question.", tokenizer)
+        holder = max(("prefill0", "prefill1"), key=lambda n: loads(cluster)[n].prefix_cache_queries)
+        other = "prefill1" if holder == "prefill0" else "prefill0"
+        time.sleep(1.5)
+        # killed: still registered until its TTL, its index entries still claim the prefix; the request routed
+        # there is placed again on the other prefill
+        cluster.kill(holder)
+        out, ids = ask(cluster, base + " Second question.", tokenizer)
+        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
+        assert "placing it again" in (cluster.log_dir / "gateway.log").read_text()
+        assert load(cluster.addresses[other]).prefix_cache_queries > 0
+        # restarted: a new incarnation with an empty cache; the dead one's entries are never trusted again
+        cluster.restart(holder)
+        time.sleep(1.5)
+        out, ids = ask(cluster, base + " Third question.", tokenizer)
+        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
+        assert out.cached_tokens > 0  # the other prefill, which holds the prefix now
+        assert load(cluster.addresses[holder]).prefix_cache_queries == 0

@@ -131,3 +131,38 @@ def test_preempted_request_is_recomputed_from_its_cached_prefix():
     out = s.schedule()  # b comes back: its first block is a hit, the rest (and its output token) computed
     assert b.num_computed_tokens == 4 and out.num_scheduled_tokens == {"b": 5}
     assert b.num_cached_tokens == 0  # counted at its first admission
+
+
+def complete_step(s: Scheduler, out) -> None:
+    """What the engine does after a forward: advance each scheduled request, publish its full blocks."""
+    for r in out.scheduled_requests:
+        r.num_computed_tokens += out.num_scheduled_tokens[r.request_id]
+        s.kv_cache_manager.cache_full_blocks(r)
+
+
+def test_waiting_request_takes_a_prefix_being_computed_from_the_cache_instead_of_recomputing_it():
+    s = Scheduler(SchedulerConfig(8, 8), make_manager(num_blocks=16))  # 8 tokens per step: 2 blocks
+    shared = list(range(1, 13))  # 3 full blocks
+    a, b = make_request("a", shared + [90, 91]), make_request("b", shared + [80, 81, 82])
+    c = make_request("c", range(40, 46))  # unrelated: admitted beside a
+    for r in (a, b, c):
+        s.add_request(r)
+    out = s.schedule()  # a's first two blocks fill the budget; b waits for them
+    assert out.num_scheduled_tokens == {"a": 8}
+    complete_step(s, out)
+    out = s.schedule()  # b's next block (a's third) is still in flight; c is not held up behind b
+    assert out.num_scheduled_tokens == {"a": 6, "c": 2}
+    complete_step(s, out)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"c": 4, "b": 3} and b.num_cached_tokens == 12  # 3 shared blocks hit
+    assert s.kv_cache_manager.get_block_table("b")[:3] == s.kv_cache_manager.get_block_table("a")[:3]
+
+
+def test_no_wait_with_caching_off_or_for_an_unshared_prefix():
+    for contract, shared in ((None, True), (CONTRACT, False)):
+        s = Scheduler(SchedulerConfig(64, 8), make_manager(num_blocks=16, contract=contract))
+        a = make_request("a", range(1, 13))
+        b = make_request("b", range(1, 13) if shared else range(50, 62))
+        s.add_request(a)
+        s.add_request(b)
+        assert s.schedule().num_scheduled_tokens == {"a": 12, "b": 12}

@@ -21,8 +21,9 @@ class RequestResult:
     token_times_s: when each message carrying output tokens arrived (a message may carry several tokens);
     end_s: when the response was complete; prompt_len: prompt tokens (the server's own count where it reports
     one); output_token_ids: the tokens generated, as streamed; reported_output_tokens: the server's count of
-    them, where its stream leaves some ids out (None: every one is in output_token_ids). error: the first line
-    of what went wrong; a failed request counts in `failed` and in no other metric.
+    them, where its stream leaves some ids out (None: every one is in output_token_ids); cached_tokens: prompt
+    tokens the server served from a prefix cache, where it reports them. error: the first line of what went
+    wrong; a failed request counts in `failed` and in no other metric.
     """
 
     index: int
@@ -33,6 +34,7 @@ class RequestResult:
     end_s: float | None = None
     error: str | None = None
     reported_output_tokens: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:

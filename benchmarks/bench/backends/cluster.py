@@ -1,5 +1,5 @@
 """cluster: the disaggregated server, a gateway over gRPC (grpc.aio), on a running cluster or a LocalCluster
-started here (redis, gateway, one prefill and one decode process, given the engine flags).
+started here (redis, gateway, one prefill and one decode process by default, given the engine flags).
 
 Requests go as raw prompts (no chat template), greedy with ignore_eos; the gateway tokenizes them as the
 workload did. TTFT and ITL are measured here, at the client, on the gateway's token messages.
@@ -25,14 +25,18 @@ class ClusterBackend:
     static_batching = False
 
     def __init__(self, model_dir: str, engine_args: EngineArgs, gateway: str | None = None,
-                 log_dir: str | None = None, request_timeout_s: float = 600):
+                 log_dir: str | None = None, request_timeout_s: float = 600, num_prefill: int = 1,
+                 prefill_args: list[str] = (), decode_args: list[str] = (), gateway_args: list[str] = ()):
         """gateway: HOST:PORT of a running cluster (engine_args are then only reported); None starts one with
-        every engine flag given to the prefill and the decode."""
+        every engine flag given to the prefill and the decode, then prefill_args / decode_args to that tier
+        alone (later flags win), gateway_args to the gateway, and num_prefill prefill processes."""
         self.model_dir = model_dir
         self.engine_args = engine_args
         self.gateway = gateway
         self.log_dir = log_dir
         self.request_timeout_s = request_timeout_s
+        self.num_prefill = num_prefill
+        self.extra_args = {"prefill": list(prefill_args), "decode": list(decode_args), "gateway": list(gateway_args)}
         self.cluster = None
         self.channel: grpc.aio.Channel | None = None
         self.stub = None
@@ -43,10 +47,13 @@ class ClusterBackend:
             from services.launcher import LocalCluster
 
             flags = engine_argv(dataclasses.replace(self.engine_args, model=None))
-            self.cluster = LocalCluster(self.model_dir, prefill_args=flags, decode_args=flags,
-                                        gateway_args=engine_argv(self.engine_args, groups=("model",)),
+            extra = self.extra_args
+            self.cluster = LocalCluster(self.model_dir, num_prefill=self.num_prefill,
+                                        prefill_args=flags + extra["prefill"], decode_args=flags + extra["decode"],
+                                        gateway_args=engine_argv(self.engine_args, groups=("model",)) + extra["gateway"],
                                         log_dir=self.log_dir)  # fmt: skip
-            print(f"cluster: starting redis, gateway, prefill, decode (logs: {self.cluster.log_dir})", file=sys.stderr)
+            print(f"cluster: starting redis, gateway, {self.num_prefill} prefill, decode (logs: "
+                  f"{self.cluster.log_dir})", file=sys.stderr)  # fmt: skip
             self.cluster.start()
             address = self.cluster.gateway_address
         self.channel = grpc.aio.insecure_channel(address)
@@ -63,6 +70,7 @@ class ClusterBackend:
                     result.output_token_ids.extend(reply.token_ids)
                 if reply.HasField("finish_reason"):
                     result.prompt_len = reply.usage.prompt_tokens
+                    result.cached_tokens = reply.usage.cached_tokens
         except grpc.aio.AioRpcError as e:
             raise RuntimeError(f"{e.code().name}: {e.details()}") from None
         result.end_s = time.perf_counter()
@@ -77,7 +85,8 @@ class ClusterBackend:
 
     def describe(self) -> dict:
         return {
-            "gateway": self.gateway or "LocalCluster: 1 prefill + 1 decode process",
+            "gateway": self.gateway or f"LocalCluster: {self.num_prefill} prefill + 1 decode process",
+            "extra_args": self.extra_args,
             "engine_args": dataclasses.asdict(self.engine_args),
             "weights": self.engine_args.quantization or self.engine_args.dtype,
             "log_dir": str(self.cluster.log_dir) if self.cluster else None,

@@ -1,0 +1,180 @@
+"""The gateway's Router (services/gateway/router.py) on a real redis-server: instance records in the registry and
+block events in the prefix index, as engines write them; exact costs decide the route. Covers a cached prefix
+winning, a deep queue winning over it (on either side of the break-even point), a restarted instance's stale
+entries, a killed instance, a mismatched hash contract, the decode's choice and the local-prefill threshold."""
+import asyncio
+import logging
+
+from services.gateway.router import DECODE_LOAD_TOKENS, Router
+from shared.block_hash import HashContract, hash_request_blocks
+from shared.kv_events import BlockStored, KVEventBatch
+from shared.prefix_index import KVEventPublisher, PrefixIndex
+from shared.registry import InstanceInfo, Registry
+
+MODEL_ID = "smollm2:abc:fp32"
+CONTRACT = HashContract(block_size=16, model_id=MODEL_ID, kv_dtype="float32")
+PROMPT = list(range(1000, 1200))  # 200 tokens: 12 full blocks can be cached (never the last token's block)
+CACHED = 10 * 16  # the prefix the holder has
+
+
+def instance(iid: str, tier: str, incarnation: str = "inc-1", contract: HashContract = CONTRACT, **load):
+    load = {"num_blocks": 1024, "num_free_blocks": 1024} | load
+    return InstanceInfo(iid, tier, "127.0.0.1:1", MODEL_ID, 16, incarnation=incarnation,
+                        hash_contract=contract.to_dict(), **load)  # fmt: skip
+
+
+class World:
+    """The registry and the index a gateway would see, written through the engines' own classes."""
+
+    def __init__(self, url: str):
+        self.url, self.registry = url, Registry(url)
+        self.publishers: list[KVEventPublisher] = []
+
+    async def register(self, *infos: InstanceInfo) -> None:
+        for info in infos:
+            await self.registry.publish(info)
+
+    async def cache(self, info: InstanceInfo, num_tokens: int, salt: str | None = None) -> None:
+        """info's engine stores PROMPT's first num_tokens (whole blocks) in its prefix cache."""
+        contract = HashContract.from_dict(info.hash_contract)
+        hashes = hash_request_blocks(PROMPT[:num_tokens], contract, salt)
+        publisher = KVEventPublisher(self.url, info.instance_id, info.incarnation, contract, _no_snapshot)
+        self.publishers.append(publisher)
+        await publisher.publish(KVEventBatch(1, (BlockStored(tuple(hashes)),)))
+
+    def router(self, **kw) -> Router:
+        return Router(self.registry, MODEL_ID, CONTRACT, PrefixIndex(self.url, CONTRACT), **kw)
+
+    async def close(self) -> None:
+        for publisher in self.publishers:
+            await publisher.close()
+        await self.registry.close()
+
+
+async def _no_snapshot():
+    raise AssertionError("no rebuild expected: every batch is in sequence")
+
+
+def in_world(redis_server, body):
+    async def run():
+        world = World(redis_server.url)
+        try:
+            await body(world)
+        finally:
+            await world.close()
+
+    asyncio.run(run())
+
+
+def test_cached_prefix_wins_until_the_queue_outweighs_it(redis_server):
+    async def body(world):
+        decode, other = instance("decode-1", "decode"), instance("prefill-b", "prefill")
+        for queued, winner in ((0, "prefill-a"), (CACHED - 1, "prefill-a"), (CACHED + 1, "prefill-b"),
+                               (5000, "prefill-b")):  # fmt: skip
+            holder = instance("prefill-a", "prefill", num_queued_tokens=queued)
+            await world.register(decode, holder, other)
+            if queued == 0:
+                await world.cache(holder, CACHED)
+            route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+            assert route.prefill.instance_id == winner, (queued, route.explain())
+            assert f"prefill prefill-a: {queued} queued + {len(PROMPT) - CACHED} to compute" in route.explain()
+            assert f"prefill prefill-b: 0 queued + {len(PROMPT)} to compute" in route.explain()
+            assert route.prefill_cached_tokens == (CACHED if winner == "prefill-a" else 0)
+
+    in_world(redis_server, body)
+
+
+def test_restarted_instance_entries_are_not_trusted_and_are_cleaned(redis_server):
+    async def body(world):
+        holder = instance("prefill-a", "prefill", incarnation="before")
+        await world.register(instance("decode-1", "decode"), holder, instance("prefill-b", "prefill"))
+        await world.cache(holder, CACHED)
+        router = world.router(local_prefill_tokens=0)
+        assert (await router.route(PROMPT, 300)).prefill_cached_tokens == CACHED
+        await world.register(instance("prefill-a", "prefill", incarnation="after"))  # the same id, started again
+        route = await router.route(PROMPT, 300)
+        assert f"prefill prefill-a: 0 queued + {len(PROMPT)} to compute" in route.explain(), route.explain()
+        assert route.prefill_cached_tokens == 0
+        await router.cleanup_index()
+        keys = [k.decode() for k in await router.index.redis.keys("*")]
+        assert not [k for k in keys if "before" in k] and not [k for k in keys if ":block:" in k], keys
+
+    in_world(redis_server, body)
+
+
+def test_killed_instance_is_not_a_candidate(redis_server):
+    async def body(world):
+        holder, other = instance("prefill-a", "prefill"), instance("prefill-b", "prefill")
+        await world.register(instance("decode-1", "decode"), holder, other)
+        await world.cache(holder, CACHED)
+        await world.registry.remove(holder)  # what its registry TTL does once it stops beating
+        router = world.router(local_prefill_tokens=0)
+        for _ in range(3):
+            assert (await router.route(PROMPT, 300)).prefill.instance_id == "prefill-b"
+        # the gateway also skips an instance that failed this request, while it is still registered
+        await world.register(holder)
+        route = await router.route(PROMPT, 300, skip={"prefill-a"})
+        assert route.prefill.instance_id == "prefill-b"
+
+    in_world(redis_server, body)
+
+
+def test_other_hash_contract_is_never_looked_up(redis_server, caplog):
+    async def body(world):
+        int8 = HashContract(block_size=16, model_id="smollm2:abc:int8", kv_dtype="float32")
+        holder = instance("prefill-a", "prefill", contract=int8)
+        await world.register(instance("decode-1", "decode"), holder, instance("prefill-b", "prefill"))
+        await world.cache(holder, CACHED)
+        with caplog.at_level(logging.WARNING, logger="services.gateway.router"):
+            route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert f"prefill prefill-a: 0 queued + {len(PROMPT)} to compute" in route.explain()
+        assert "prefill-a has hash contract" in caplog.text
+
+    in_world(redis_server, body)
+
+
+def test_decode_choice_and_local_prefill_threshold(redis_server):
+    async def body(world):
+        holder = instance("decode-a", "decode")
+        idle = instance("decode-b", "decode")
+        await world.register(holder, idle, instance("prefill-a", "prefill"))
+        await world.cache(holder, 12 * 16)  # everything but the last 8 tokens
+        uncached = len(PROMPT) - 12 * 16
+        route = await world.router(local_prefill_tokens=uncached).route(PROMPT, 300)
+        assert route.decode.instance_id == "decode-a" and route.prefill is None, route.explain()
+        assert f"decode decode-a: {12 * 16} cached, 0 requests -> {12 * 16}" in route.explain()
+        route = await world.router(local_prefill_tokens=uncached - 1).route(PROMPT, 300)
+        assert route.decode.instance_id == "decode-a" and route.prefill.instance_id == "prefill-a"
+        # load outweighs the prefix: one running request weighs DECODE_LOAD_TOKENS > 192 cached tokens
+        await world.register(instance("decode-a", "decode", num_running=1))
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert route.decode.instance_id == "decode-b", route.explain()
+        assert f"decode decode-a: {12 * 16} cached, 1 requests -> {12 * 16 - DECODE_LOAD_TOKENS}" in route.explain()
+        # a decode without room for the request is passed over while another has room
+        await world.register(instance("decode-a", "decode", num_free_blocks=10))
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert route.decode.instance_id == "decode-b", route.explain()
+
+    in_world(redis_server, body)
+
+
+def test_a_prompt_just_routed_draws_its_prefix_before_the_index_shows_it(redis_server, monkeypatch):
+    import services.gateway.router as router_module
+
+    async def body(world):
+        await world.register(instance("decode-1", "decode"), instance("prefill-a", "prefill"),
+                             instance("prefill-b", "prefill"))  # fmt: skip
+        router = world.router(local_prefill_tokens=0)
+        first = (await router.route(PROMPT, 300)).prefill.instance_id  # a tie: round-robin
+        for _ in range(3):  # the index still knows nothing; the same prefix follows the first
+            route = await router.route(PROMPT[:150] + [7] * 50, 300)
+            assert route.prefill.instance_id == first, route.explain()
+            assert "routed there, not yet indexed" in route.explain()
+        route = await router.route(list(range(5000, 5200)), 300)  # unrelated: nothing counts as held anywhere
+        assert route.explain().count("0 queued + 200 to compute -> 200") == 2, route.explain()
+        await asyncio.sleep(0.3)  # the hints expire
+        route = await router.route(PROMPT, 300)
+        assert "not yet indexed" not in route.explain() and route.prefill_cached_tokens == 0, route.explain()
+
+    monkeypatch.setattr(router_module, "ROUTED_HINT_S", 0.2)
+    in_world(redis_server, body)
