@@ -60,7 +60,8 @@ class EngineStats:
     num_free_blocks: int
     num_running: int  # in the running batch
     num_waiting: int  # queued, preempted, or (decode) waiting for their prompt's KV
-    num_queued_tokens: int = 0  # tokens still to compute over every request here (waiting for KV: none)
+    num_queued_tokens: int = 0  # tokens still to compute over every request here: none for one waiting for its
+    # KV; for one not admitted yet, its prompt less the prefix it will find cached (or being computed)
     num_cached_blocks: int = 0  # blocks in the prefix cache
     prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found
@@ -284,6 +285,17 @@ class LLMEngine:
         self.kv_event_seq += 1
         return KVEventBatch(self.kv_event_seq, tuple(events))
 
+    def _num_queued_tokens(self) -> int:
+        kv = self.kv_cache_manager
+        in_flight = kv.blocks_in_flight(self.scheduler.running) if self.scheduler.waiting else set()
+        queued = 0
+        for r in self.requests.values():
+            if r.status == RequestStatus.WAITING and r.num_computed_tokens == 0:
+                queued += r.num_tokens - kv.num_reusable_tokens(r, in_flight)
+            elif r.status != RequestStatus.WAITING_FOR_KV:
+                queued += r.num_tokens - r.num_computed_tokens
+        return queued
+
     def stats(self) -> EngineStats:
         kv = self.kv_cache_manager
         return EngineStats(
@@ -293,8 +305,7 @@ class LLMEngine:
             num_free_blocks=self.num_free_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.requests) - len(self.scheduler.running),
-            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.requests.values()
-                                  if r.status != RequestStatus.WAITING_FOR_KV),
+            num_queued_tokens=self._num_queued_tokens(),
             num_cached_blocks=len(kv.block_pool.cached_blocks),
             prefix_cache_queries=kv.num_queries,
             prefix_cache_hits=kv.num_hits,

@@ -189,6 +189,19 @@ class KVCacheManager:
                 pending.update(self._hashes(r, num_full)[start:])
         return pending
 
+    def num_reusable_tokens(self, request: Request, in_flight: set[BlockHash]) -> int:
+        """Leading tokens of a request not admitted yet that it will not compute: its run of blocks that are
+        cached or in in_flight (blocks_in_flight). What the queue estimate leaves out."""
+        if not self.enable_caching:
+            return 0
+        num = 0
+        for i, block_hash in enumerate(self._hashes(request, (request.num_tokens - 1) // self.block_size)):
+            if block_hash not in in_flight and self.block_pool.get_cached_block(
+                    block_hash, self._block_tokens(request, i)) is None:  # fmt: skip
+                break
+            num += 1
+        return num * self.block_size
+
     def next_block_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:
         """The hash of the request's full prompt block after its first num_cached_blocks (None: no such block,
         or caching off)."""

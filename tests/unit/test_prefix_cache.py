@@ -150,6 +150,9 @@ def test_waiting_request_takes_a_prefix_being_computed_from_the_cache_instead_of
     out = s.schedule()  # a's first two blocks fill the budget; b waits for them
     assert out.num_scheduled_tokens == {"a": 8}
     complete_step(s, out)
+    kv = s.kv_cache_manager  # the queue estimate counts none of b's shared prefix: 2 blocks cached, 1 in flight
+    assert kv.num_reusable_tokens(b, kv.blocks_in_flight(s.running)) == 12
+    assert kv.num_reusable_tokens(b, set()) == 8 and kv.num_reusable_tokens(c, set()) == 0
     out = s.schedule()  # b's next block (a's third) is still in flight; c is not held up behind b
     assert out.num_scheduled_tokens == {"a": 6, "c": 2}
     complete_step(s, out)
