@@ -263,7 +263,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--tenants", type=int, default=4)
-    p.add_argument("--questions", type=int, default=6, help="questions per tenant, and cold and warm requests")
+    p.add_argument("--questions", type=int, default=12, help="questions per tenant (default 12), and of the cold and"
+                   " of the warm requests")
     p.add_argument("--prefix-len", type=int, default=1000, help="tokens of each tenant's system prompt")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4, help="tenants' requests in flight")

@@ -56,6 +56,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted
+    num_accepted_tokens: int = 0
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
     itl_ms: list[float] = field(default_factory=list)  # client-side gaps between token messages
@@ -66,7 +68,8 @@ class Completion:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                      "cached_tokens": self.cached_tokens},
+                      "cached_tokens": self.cached_tokens, "num_draft_tokens": self.num_draft_tokens,
+                      "num_accepted_tokens": self.num_accepted_tokens},
             "timings": {"ttft_ms": round(self.ttft_ms, 2), "e2e_ms": round(self.e2e_ms, 2)},
         }
 
@@ -89,5 +92,6 @@ def generate(address: str, request: gateway_pb2.GenerateRequest, on_text=None, t
             out.finish_reason = finish_name(msg.finish_reason)
             out.prompt_tokens, out.completion_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
             out.cached_tokens = msg.usage.cached_tokens
+            out.num_draft_tokens, out.num_accepted_tokens = msg.usage.num_draft_tokens, msg.usage.num_accepted_tokens
             out.ttft_ms, out.e2e_ms = msg.timings.ttft_ms, msg.timings.e2e_ms
     return out

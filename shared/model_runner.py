@@ -11,6 +11,7 @@ from shared.config import CacheConfig, ModelConfig
 from shared.model import load_model
 from shared.sampler import sample
 from shared.scheduler import SchedulerOutput
+from shared.spec_decode.rejection_sampler import accept_draft_tokens
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ class ModelRunnerOutput:
     """What one forward produced.
 
     sampled_token_ids: request id -> the tokens sampled for it this step, for each request whose last scheduled
-        token was computed (one token today; several once speculative decoding accepts drafts).
+        token was computed: one token, or with draft tokens scheduled, the accepted drafts and one more.
     non_finite_request_ids: requests whose logits held NaN or inf; they get no token and are failed alone.
     """
 
@@ -68,25 +69,31 @@ class ModelRunner:
 
     def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
         """Compute the scheduled tokens (writing their KV into the pool) and sample the next token of each
-        request whose last token was computed. Nothing scheduled: nothing runs."""
+        request whose last token was computed; a request with draft tokens scheduled gets the target's token at
+        each of their positions too, and keeps the drafts that match (spec_decode.rejection_sampler). Nothing
+        scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
         block_size = self.cache_config.block_size
         input_ids, positions, slots, query_start_loc, context_lens, tables = [], [], [], [0], [], []
-        logits_indices, sampled_requests = [], []
+        logits_indices, sampled_requests, row_requests, row_positions = [], [], [], []
         for request in out.scheduled_requests:
             n = out.num_scheduled_tokens[request.request_id]
+            drafts = out.scheduled_spec_decode_tokens.get(request.request_id, ())
             start = request.num_computed_tokens
             block_table = block_tables[request.request_id]
-            input_ids.extend(request.token_ids(start, start + n))
+            input_ids.extend(request.token_ids(start, start + n - len(drafts)))
+            input_ids.extend(drafts)
             positions.extend(range(start, start + n))
             slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             context_lens.append(start + n)
             tables.append(block_table)
-            if start + n == request.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
+            if start + n == request.num_tokens + len(drafts):  # one row per draft, and one after them
+                logits_indices.extend(range(query_start_loc[-1] - len(drafts) - 1, query_start_loc[-1]))
                 sampled_requests.append(request)
+                row_requests += [request] * (len(drafts) + 1)
+                row_positions.extend(range(request.num_tokens, request.num_tokens + len(drafts) + 1))
         width = max(len(t) for t in tables)
         device = self.device
         meta = AttentionMetadata(
@@ -113,10 +120,14 @@ class ModelRunner:
         if not bool(finite.all()):
             logits = torch.nan_to_num(logits)
         finite = finite.tolist()
-        token_ids = sample(logits, sampled_requests)
-        for request, token_id, ok in zip(sampled_requests, token_ids, finite):
-            if ok:
-                result.sampled_token_ids[request.request_id] = [token_id]
+        token_ids = sample(logits, row_requests, row_positions)
+        row = 0
+        for request in sampled_requests:
+            drafts = out.scheduled_spec_decode_tokens.get(request.request_id, [])
+            rows = slice(row, row + len(drafts) + 1)
+            row = rows.stop
+            if all(finite[rows]):
+                result.sampled_token_ids[request.request_id] = accept_draft_tokens(drafts, token_ids[rows])
             else:
                 result.non_finite_request_ids.add(request.request_id)
         return result

@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    speculative: bool = True  # False: never speculate for this request, whatever the engine's setting
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -67,6 +68,9 @@ class Request:
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
     kv_skip_blocks: int = 0  # prefill tier: leading blocks the receiving decode holds already (not sent)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
+    num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,11 +21,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [num_requests, vocab] fp32 -> one token id per request.
+def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None) -> list[int]:
+    """logits [num_rows, vocab] fp32 -> one token id per row; row i belongs to requests[i] and samples the token
+    at positions[i] of its sequence (default: request.num_tokens, the next one; a verified speculative step has
+    several rows per request, at consecutive positions).
 
     A request with a seed draws from a generator seeded by (seed, position of the token), so the same seed
-    gives the same text whatever the batch, and the prefill and decode tiers agree.
+    gives the same text whatever the batch and whether or not it speculates, and the prefill and decode tiers
+    agree.
     """
     token_ids = logits.argmax(-1).tolist()
     for i, request in enumerate(requests):
@@ -37,7 +40,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         generator = None
         if params.seed is not None:
             # NOTE: the CPU generator keeps 32 bits of its seed, so all 64 of (seed, position) are hashed into them.
-            seed = xxhash.xxh32_intdigest(f"{params.seed}:{request.num_tokens}".encode())
+            position = request.num_tokens if positions is None else positions[i]
+            seed = xxhash.xxh32_intdigest(f"{params.seed}:{position}".encode())
             generator = torch.Generator(device=logits.device).manual_seed(seed)
         token_ids[i] = int(torch.multinomial(probs, 1, generator=generator))
     return token_ids

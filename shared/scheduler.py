@@ -1,8 +1,9 @@
 """One scheduling rule for both tiers (vLLM v1 style).
 
 Each step, every running request and then every waiting one gets
-min(num_tokens - num_computed_tokens, remaining token budget) new tokens. A prompt larger than the budget is
-prefilled in chunks across steps; a decoding request asks for 1 token; prefill and decode share one batch.
+min(num_tokens + len(spec_token_ids) - num_computed_tokens, remaining token budget) new tokens. A prompt larger
+than the budget is prefilled in chunks across steps; a decoding request asks for 1 token, plus its proposed
+draft tokens when it speculates (verified in the same forward); prefill and decode share one batch.
 When the pool runs out of blocks, the most recently admitted running request is preempted (its blocks are
 freed and it is recomputed later). A request admitted from scratch first takes its longest cached prefix
 (KVCacheManager.get_computed_blocks) and is scheduled only for the rest; one whose next block a running
@@ -23,7 +24,8 @@ class SchedulerOutput:
     """What one step computes: requests in batch order and the new tokens each gets."""
 
     scheduled_requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # draft tokens included
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # the drafts scheduled
     preempted_requests: list[Request] = field(default_factory=list)
 
     @property
@@ -62,7 +64,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -73,6 +75,10 @@ class Scheduler:
                 continue  # retry the same request (or stop if it was the victim)
             out.scheduled_requests.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
+            num_spec = request.num_computed_tokens + num_new - request.num_tokens  # drafts that fit the budget
+            if num_spec > 0:
+                out.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []  # proposed afresh after each step
             budget -= num_new
             i += 1
         if out.preempted_requests:
@@ -103,6 +109,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -42,6 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if out.finished:
                     msg.finish_reason = FINISH_TO_PROTO[out.finish_reason]
                     msg.num_cached_tokens = req.num_cached_tokens or 0
+                    msg.num_draft_tokens, msg.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
                     finished = True
                 yield msg
         finally:

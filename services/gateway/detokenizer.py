@@ -26,10 +26,21 @@ class TextStream:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, new_token_ids: list[int]) -> str:
-        """Add tokens; return the text that is now safe to send (possibly empty)."""
-        self.token_ids.extend(new_token_ids)
-        self._advance(final=False)
-        return self._release(final=False)
+        """Add tokens; return the text that is now safe to send (possibly empty). With stop strings, tokens go
+        in one at a time and those after the one that completes a stop string are dropped (a message of several
+        tokens, from speculative decoding, may run past it), so token_ids ends where plain decoding would."""
+        if not self.stop:
+            self.token_ids.extend(new_token_ids)
+            self._advance(final=False)
+            return self._release(final=False)
+        delta = ""
+        for token_id in new_token_ids:
+            if self.stopped:
+                break
+            self.token_ids.append(token_id)
+            self._advance(final=False)
+            delta += self._release(final=False)
+        return delta
 
     def finish(self) -> str:
         """Flush what is left at the end of the stream (an incomplete character is sent as U+FFFD)."""

@@ -84,15 +84,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tokens = list(first.token_ids)
             yield gateway_pb2.GenerateResponse(request_id=request_id, text=text.push(tokens), token_ids=tokens)
             finish_reason = first.finish_reason if first.HasField("finish_reason") else None
+            num_draft_tokens = num_accepted_tokens = 0
             while finish_reason is None and not text.stopped:
                 reply = await self._read(decode_call, decode)
                 if reply.HasField("finish_reason"):
                     finish_reason = reply.finish_reason
+                    num_draft_tokens, num_accepted_tokens = reply.num_draft_tokens, reply.num_accepted_tokens
                     if prefill_reply is None:
                         num_cached_tokens = reply.num_cached_tokens
+                num_before = len(text.token_ids)
                 delta = text.push(list(reply.token_ids))
-                if reply.token_ids:
-                    yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=reply.token_ids)
+                if new_ids := text.token_ids[num_before:]:  # (none past a stop string)
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=new_ids)
             if text.stopped:
                 finish_reason = common_pb2.FINISH_REASON_STOP
         except BaseException as e:
@@ -111,7 +114,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             text=text.finish(),
             finish_reason=finish_reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(text.token_ids),
-                                    cached_tokens=num_cached_tokens),
+                                    cached_tokens=num_cached_tokens, num_draft_tokens=num_draft_tokens,
+                                    num_accepted_tokens=num_accepted_tokens),  # fmt: skip
             timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
 

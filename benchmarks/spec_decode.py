@@ -1,0 +1,127 @@
+"""Speculative decoding benchmark: decode tokens/s of one engine (the decode tier's) with and without speculation,
+on a copy-heavy task (rewrite a piece of code with one change) and on free chat, at several batch sizes; greedy,
+each answer to its end (EOS) or --max-tokens.
+
+    python -m benchmarks.spec_decode --concurrency 1,8,32 --json spec.json
+
+For each task and batch size, the same requests run once per method (plain first: the baseline), all in flight
+at once. Decode tokens/s counts the tokens after each request's first, over the time from the step where every
+request has its first token to the end. Reported per method: that rate and its ratio to plain, the acceptance
+rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per verified step), and
+whether every request's tokens equal plain decoding's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from shared.config import EngineArgs, SpeculativeConfig
+from shared.engine import LLMEngine
+from shared.request import Request, SamplingParams
+
+FUNCTIONS = ["area", "volume", "scale", "clamp", "mean", "norm", "lerp", "count"]
+ARGS = ["width", "height", "depth", "factor", "value", "items", "start", "limit"]
+TOPICS = ["the sea", "a lost key", "autumn in a small town", "learning to cook", "a robot that paints",
+          "the first day at school", "a storm at night", "an old library", "a friendly dragon", "city traffic",
+          "a garden in spring", "a long train journey"]  # fmt: skip
+CHAT_ASKS = ["Write a short story about {}.", "Describe {} in a few sentences.", "Write a poem about {}."]
+
+
+def copy_prompt(i: int) -> str:
+    """A ~15-line Python module and the request to rename one identifier in it (a different one per i)."""
+    f, g = FUNCTIONS[i % len(FUNCTIONS)], FUNCTIONS[(i + 3) % len(FUNCTIONS)]
+    a, b = ARGS[i % len(ARGS)], ARGS[(i + 5) % len(ARGS)]
+    code = (f"def {f}({a}, {b}):\n    \"\"\"Return the {f} of {a} and {b}.\"\"\"\n    if {a} < 0 or {b} < 0:\n"
+            f"        raise ValueError(\"{a} and {b} must be non-negative\")\n    return {a} * {b}\n\n\n"
+            f"def {g}({a}, {b}, offset=0):\n    total = {f}({a}, {b}) + offset\n    return total / 2\n\n\n"
+            f"def report({a}, {b}):\n    print(\"{f}:\", {f}({a}, {b}))\n    print(\"{g}:\", {g}({a}, {b}))\n")
+    return f"Rewrite this code with `{a}` renamed to `{a}_value`. Reply with the code only.\n\n```python\n{code}```"
+
+
+def chat_prompt(i: int) -> str:
+    return CHAT_ASKS[i % len(CHAT_ASKS)].format(TOPICS[i % len(TOPICS)])
+
+
+TASKS = {"copy": copy_prompt, "chat": chat_prompt}
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, dict]:
+    """All prompts at once, greedy, to the end: (tokens per request, decode seconds, spec stats delta)."""
+    before = engine.stats()
+    requests = [Request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                for i, ids in enumerate(prompts)]  # fmt: skip
+    for r in requests:
+        engine.add_request(r)
+    outputs = {r.request_id: [] for r in requests}
+    decode_start = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if decode_start is None and all(outputs.values()):
+            decode_start = time.perf_counter()
+    seconds = time.perf_counter() - decode_start
+    after = engine.stats()
+    spec = {k: getattr(after, k) - getattr(before, k)
+            for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}  # fmt: skip
+    return [outputs[r.request_id] for r in requests], seconds, spec
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--concurrency", default="1,8,32", help="batch sizes, comma-separated (default 1,8,32)")
+    p.add_argument("--tasks", default="copy,chat", help=f"of {', '.join(TASKS)} (default both)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from tools.prepare_model import prepare_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = str(prepare_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_config, cache_config, scheduler_config = EngineArgs(num_blocks=4096).create_configs("decode", model_dir)
+    methods = {"plain": None, "ngram": SpeculativeConfig("ngram", args.num_speculative_tokens)}
+    engines = {}  # one engine (and one copy of the weights) per method, reused
+    rows = []
+    print(f"{'task':<6}{'batch':>6}  {'method':<7}{'decode tok/s':>13}{'vs plain':>9}{'accept':>8}"
+          f"{'mean len':>9}{'tokens':>8}  identical")  # fmt: skip
+    for task in args.tasks.split(","):
+        for batch in [int(c) for c in args.concurrency.split(",")]:
+            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task](i)}],
+                                                     add_generation_prompt=True, return_dict=False)
+                       for i in range(batch)]  # fmt: skip
+            plain_tokens = plain_rate = None
+            for name, spec in methods.items():
+                if name not in engines:
+                    engines[name] = LLMEngine(model_config, cache_config, scheduler_config, speculative_config=spec)
+                tokens, seconds, s = run_batch(engines[name], prompts, args.max_tokens)
+                num_decoded = sum(len(t) - 1 for t in tokens)
+                rate = num_decoded / seconds
+                if name == "plain":
+                    plain_tokens, plain_rate = tokens, rate
+                row = {"task": task, "batch": batch, "method": name, "decode_tokens_per_s": rate,
+                       "vs_plain": rate / plain_rate, "num_output_tokens": sum(map(len, tokens)),
+                       "identical_to_plain": tokens == plain_tokens, **s,
+                       "acceptance_rate": s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
+                       if s["spec_num_draft_tokens"] else None,
+                       "mean_acceptance_length": 1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
+                       if s["spec_num_drafts"] else None}  # fmt: skip
+                rows.append(row)
+                accept = "-" if row["acceptance_rate"] is None else f"{100 * row['acceptance_rate']:.0f}%"
+                length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
+                print(f"{task:<6}{batch:>6}  {name:<7}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
+                      f"{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Speculative decoding (n-gram) with the real model, fp32 greedy against HF transformers: in one engine (chunked
+prefill of a long prompt and non-speculative requests in the same steps, preemption, aborts, stops inside an
+accepted run) and through a whole cluster (stop strings, usage counts)."""
+import grpc
+import pytest
+
+from services.client import make_request, stream
+from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from shared.engine import LLMEngine
+from shared.request import FinishReason, Request, SamplingParams
+from tests.integration.conftest import NUM_REFERENCE_TOKENS
+from tests.integration.helpers import wait_all_blocks_free
+from tests.prompts import PROMPTS, prompt_token_ids
+from tandem.v1 import common_pb2
+
+NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+        "    return 2 * (width + height)\n\n\ndef diagonal(width, height):\n    return (width ** 2 + height ** 2) ** 0.5\n")
+EXTRA = [  # (name, kind, text): output that copies its prompt, and text that repeats itself
+    ("code_edit", "chat", "Rewrite this code with `width` renamed to `w`. Reply with the code only.\n\n" + CODE),
+    ("repeat", "raw", "one two three four, one two three four, one two three four, one two three four, one two"),
+]
+
+
+def greedy(n=NUM_REFERENCE_TOKENS, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def run(engine, requests):
+    """Step to the end: {request id: the tokens of each step's output, as a list of chunks}."""
+    for r in requests:
+        engine.add_request(r)
+    chunks = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids:
+                chunks[out.request_id].append(list(out.new_token_ids))
+    return chunks
+
+
+def flat(chunks):
+    return [t for c in chunks for t in c]
+
+
+@pytest.fixture(scope="module")
+def references(tokenizer, hf_greedy):
+    """{name: (prompt ids, HF greedy tokens)} for the shared prompts and the copy-heavy ones."""
+    return {name: (ids, hf_greedy(ids, NUM_REFERENCE_TOKENS))
+            for name, kind, text in PROMPTS + EXTRA for ids in [prompt_token_ids(tokenizer, kind, text)]}  # fmt: skip
+
+
+def test_greedy_equals_hf_beside_chunked_prefill_and_plain_requests(model_config, references):
+    engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(64, 16), speculative_config=NGRAM)
+    requests = [Request(name, ids, greedy(speculative=name != "haiku")) for name, (ids, _) in references.items()]
+    chunks = run(engine, requests)  # the long prompt is prefilled 64 tokens a step while the others speculate
+    for name, (_, expected) in references.items():
+        assert flat(chunks[name]) == expected, name
+    assert max(len(c) for c in chunks["haiku"]) == 1 and requests[1].num_draft_tokens == 0  # it opted out
+    code = requests[[r.request_id for r in requests].index("code_edit")]
+    assert code.num_accepted_tokens > 0 and max(len(c) for c in chunks["code_edit"]) > 1
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_mean_acceptance_length > 1
+    assert engine.num_free_blocks == 256
+
+
+def test_preemption_and_abort_while_speculating(model_config, references):
+    names = ["capital", "haiku", "raw_story", "raw_chinese", "repeat"]
+    engine = LLMEngine(model_config, CacheConfig(8, 24), SchedulerConfig(32, 8), speculative_config=NGRAM)
+    requests = [Request(n, references[n][0], greedy()) for n in names]
+    for r in requests:
+        engine.add_request(r)
+    outs, preempted = {n: [] for n in names}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+        preempted += sum(r.num_computed_tokens == 0 and r.output_token_ids != [] for r in requests)
+    assert preempted > 0, "the pool was meant to be too small for all five at once"
+    for n in names:
+        assert outs[n] == references[n][1], n
+    assert engine.num_free_blocks == 24
+    assert sum(r.num_accepted_tokens for r in requests) > 0
+    # aborted after a speculative step: every block back
+    r = Request("abort-me", references["repeat"][0], greedy())
+    engine.add_request(r)
+    while r.num_draft_tokens == 0:
+        engine.step()
+    assert engine.abort_request("abort-me") and engine.num_free_blocks == 24
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(model_config, references):
+    ids, expected = references["code_edit"]
+    engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8), speculative_config=NGRAM)
+    chunks = run(engine, [Request("probe", ids, greedy())])["probe"]
+    # a step that emitted several tokens, and one of them, not the last, seen nowhere before it
+    position, stop_token = next((start + i, c[i]) for start, c in _starts(chunks) if len(c) >= 3
+                                for i in range(len(c) - 1) if c[i] not in expected[: start + i])  # fmt: skip
+    out = run(engine, [Request("stop", ids, greedy(stop_token_ids=(stop_token,)))])["stop"]
+    assert flat(out) == expected[: position + 1]
+    max_tokens = position + 1
+    req = Request("length", ids, greedy(max_tokens))
+    out = run(engine, [req])["length"]
+    assert flat(out) == expected[:max_tokens] and req.finish_reason == FinishReason.LENGTH
+    assert engine.num_free_blocks == 64
+
+
+def _starts(chunks):
+    start = 0
+    for c in chunks:
+        yield start, c
+        start += len(c)
+
+
+@pytest.fixture(scope="module")
+def spec_cluster(model_dir):
+    from services.launcher import LocalCluster
+
+    engine = ["--num-blocks", "256", "--threads", "1"]
+    spec = ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+    with LocalCluster(str(model_dir), prefill_args=engine, decode_args=engine + spec) as cluster:
+        yield cluster
+
+
+def test_cluster_greedy_equals_hf_and_reports_drafts(spec_cluster, references):
+    from tests.integration.helpers import generate_all, greedy_request
+
+    names = [name for name, _, _ in PROMPTS + EXTRA]
+    kinds = {name: (kind, text) for name, kind, text in PROMPTS + EXTRA}
+    outs = generate_all(spec_cluster.gateway_address,
+                        [greedy_request(*kinds[n], NUM_REFERENCE_TOKENS) for n in names])  # fmt: skip
+    for name, out in zip(names, outs):
+        assert out.token_ids == references[name][1], name
+        assert out.completion_tokens == len(out.token_ids)
+    code = outs[names.index("code_edit")]
+    assert code.num_draft_tokens > 0 and 0 < code.num_accepted_tokens <= code.num_draft_tokens
+    wait_all_blocks_free(spec_cluster)
+
+
+def test_cluster_stop_string_inside_an_accepted_run(spec_cluster, references, tokenizer):
+    ids, expected = references["code_edit"]
+    text = {name: text for name, _, text in EXTRA}["code_edit"]  # a chat prompt
+    messages = [list(m.token_ids) for m in stream(spec_cluster.gateway_address, make_request(
+        text, max_tokens=NUM_REFERENCE_TOKENS, temperature=0.0), timeout=300) if m.token_ids]  # fmt: skip
+    assert flat(messages) == expected
+    # the text a token adds, inside a message of several tokens, that appears nowhere before it
+    for start, chunk in _starts(messages):
+        if len(chunk) < 3:
+            continue
+        k = start + 1
+        before = tokenizer.decode(expected[:k], skip_special_tokens=True)
+        upto = tokenizer.decode(expected[: k + 1], skip_special_tokens=True)
+        stop = upto[len(before):]
+        if upto.startswith(before) and stop.strip() and stop not in before:
+            break
+    else:
+        pytest.fail(f"no message of 3+ tokens with a fresh token text: {messages}")
+    replies = list(stream(spec_cluster.gateway_address, make_request(
+        text, max_tokens=NUM_REFERENCE_TOKENS, temperature=0.0, stop=[stop]), timeout=300))  # fmt: skip
+    got = [t for m in replies for t in m.token_ids]
+    assert got == expected[: k + 1], (stop, got)  # the token that completed the stop string, nothing after
+    assert "".join(m.text for m in replies) == before
+    assert replies[-1].usage.completion_tokens == k + 1
+    assert replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    wait_all_blocks_free(spec_cluster)
+
+
+def test_bad_speculative_flags_are_refused(model_dir):
+    from services.launcher import LocalCluster
+
+    with pytest.raises((RuntimeError, grpc.RpcError), match="speculative|num_speculative_tokens"):
+        LocalCluster(str(model_dir), decode_args=["--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+                     prefill_args=["--threads", "1"]).start(timeout_s=120)  # fmt: skip

@@ -1,0 +1,172 @@
+"""Speculative decoding's parts: the n-gram proposer, the acceptance rule, drafts in the scheduling rule, the
+rollback of rejected drafts' blocks; and the output distribution of a tiny random model (built here, small
+vocabulary) with a good and a deliberately bad draft, against the target's own distribution (chi-square)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from shared.engine import LLMEngine
+from shared.kv_cache_manager import KVCacheManager
+from shared.request import Request, SamplingParams
+from shared.scheduler import Scheduler
+from shared.spec_decode.ngram_proposer import NgramProposer
+from shared.spec_decode.rejection_sampler import accept_draft_tokens
+
+
+def test_ngram_longest_suffix_then_latest_occurrence():
+    p = NgramProposer(1, 3)
+    # suffix [1, 2, 3] occurs earlier once, followed by 9, 9; the 1-gram [3] occurs later, followed by 7
+    assert p.propose([1, 2, 3, 9, 9, 3, 7, 5, 1, 2, 3], 2) == [9, 9]
+    assert p.propose([5, 3, 7, 4, 3, 8, 6, 3], 3) == [8, 6, 3]  # no 2-gram match: the latest 1-gram [3]
+    assert p.propose([4, 5, 6, 4, 5], 10) == [6, 4, 5]  # cut at the end of the sequence
+    assert p.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert p.propose([7, 7], 2) == [7]  # the match never overlaps the suffix itself
+    assert p.propose([1, 2, 1], 0) == []
+    assert NgramProposer(2, 2).propose([3, 1, 2, 1], 2) == []  # a 1-gram match is below the minimum
+    with pytest.raises(ValueError):
+        NgramProposer(0, 2)
+
+
+def test_accept_longest_matching_prefix_plus_one():
+    assert accept_draft_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + the bonus token
+    assert accept_draft_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the target's token at the first mismatch
+    assert accept_draft_tokens([5], [4, 1]) == [4]
+    assert accept_draft_tokens([], [3]) == [3]
+
+
+def make_decoding(request_id, num_prompt=5, drafts=()):
+    r = Request(request_id, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=20))
+    r.output_token_ids = [1]
+    r.num_computed_tokens = num_prompt  # the first output token has no KV yet
+    r.spec_token_ids = list(drafts)
+    return r
+
+
+def test_drafts_are_more_tokens_of_the_step_and_the_budget_cuts_them():
+    kv = KVCacheManager(32, 4)
+    s = Scheduler(SchedulerConfig(6, 8), kv)
+    a, b = make_decoding("a", drafts=[2, 3, 4]), make_decoding("b", drafts=[5, 6, 7])
+    for r in (a, b):
+        kv.allocate_slots(r, 0)
+        s.add_request(r)
+    out = s.schedule()  # a: 1 + 3 drafts; b: what is left of the budget, 1 + 1 draft
+    assert out.num_scheduled_tokens == {"a": 4, "b": 2}
+    assert out.scheduled_spec_decode_tokens == {"a": [2, 3, 4], "b": [5]}
+    assert a.spec_token_ids == [] and b.spec_token_ids == []  # proposed afresh for each step
+    assert len(kv.get_block_table("a")) == 3  # slots for 6 tokens + 3 drafts
+
+
+def test_rejected_drafts_blocks_return_to_the_pool():
+    kv = KVCacheManager(8, 4)
+    r = make_decoding("a", num_prompt=3)  # 4 tokens: 1 block
+    assert kv.allocate_slots(r, 6)  # the last token + 5 drafts: 9 slots, 3 blocks
+    assert len(kv.get_block_table("a")) == 3 and kv.num_free_blocks == 5
+    r.output_token_ids += [2, 3]  # one draft accepted, plus the token after it: 6 tokens need 2 blocks
+    kv.free_excess_blocks(r)
+    assert len(kv.get_block_table("a")) == 2 and kv.num_free_blocks == 6
+
+
+# -- a tiny model through the engine ----------------------------------------------------------------------
+
+VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama with a 12-token vocabulary, saved as a checkpoint dir; and HF's copy of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper logits than the init's, so that good and bad drafts differ
+        model.lm_head.weight.mul_(40)
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+    return str(path), model
+
+
+def target_probs(hf_model, ids: list[int]) -> np.ndarray:
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1].double()
+    return logits.softmax(-1).numpy()
+
+
+class FixedProposer:
+    """Proposes the same draft tokens every step (the draft under test)."""
+
+    def __init__(self, drafts):
+        self.drafts = list(drafts)
+
+    def propose(self, token_ids, num_tokens):
+        return self.drafts[:num_tokens]
+
+
+def chi_square_pvalue(samples: list[int], probs: np.ndarray) -> float:
+    """Pearson's chi-square of samples against probs, cells under 5 expected pooled into one."""
+    counts = np.bincount(samples, minlength=len(probs))
+    expected = probs * len(samples)
+    keep = expected >= 5
+    observed, expected = list(counts[keep]), list(expected[keep])
+    if (~keep).any() and expected and sum(probs[~keep]) * len(samples) > 0:
+        observed.append(counts[~keep].sum())
+        expected.append(probs[~keep].sum() * len(samples))
+    expected = np.asarray(expected) * sum(observed) / sum(expected)
+    statistic = float(((np.asarray(observed) - expected) ** 2 / expected).sum())
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))  # fmt: skip
+
+
+@pytest.mark.parametrize("quality", ["good", "bad"])
+def test_speculative_sampling_keeps_the_target_distribution(tiny_model, quality):
+    """Requests sample 4 tokens at temperature 1. The first comes plain; from the second on, two drafts are
+    verified per step. Among requests whose first token is the likeliest one (a), the drafts are the target's
+    likeliest (good) or least likely (bad) continuation of prompt + a; the second token must follow
+    p(. | prompt + a) and, after an accepted first draft, the third p(. | prompt + a + draft)."""
+    path, hf_model = tiny_model
+    prompt = [3, 1, 4, 1, 5]
+    a = int(target_probs(hf_model, prompt).argmax())
+    p1 = target_probs(hf_model, prompt + [a])
+    pick = np.argmax if quality == "good" else np.argmin
+    d0 = int(pick(p1))
+    p2 = target_probs(hf_model, prompt + [a, d0])
+    d1 = int(pick(p2))
+    engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 600, enable_prefix_caching=False),
+                       SchedulerConfig(2048, 64), speculative_config=SpeculativeConfig("ngram", 2))  # fmt: skip
+    engine.proposer = FixedProposer([d0, d1])
+    seconds, thirds = [], []
+    for batch in range(64):
+        for i in range(64):
+            engine.add_request(Request(f"{batch}-{i}", prompt, SamplingParams(max_tokens=4, temperature=1.0)))
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for tokens in outputs.values():
+            assert len(tokens) == 4
+            if tokens[0] == a:
+                seconds.append(tokens[1])
+                if tokens[1] == d0:
+                    thirds.append(tokens[2])
+    assert len(seconds) > 500
+    assert chi_square_pvalue(seconds, p1) > 1e-3
+    if len(thirds) > 100:  # (rare with the bad draft: it is accepted with probability p1[d0])
+        assert chi_square_pvalue(thirds, p2) > 1e-3
+    assert engine.stats().spec_num_draft_tokens > 0
+    assert engine.num_free_blocks == 600  # every block back, rejected drafts' included
+
+
+def test_chi_square_helper_rejects_a_wrong_distribution():
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.2])
+    samples = rng.choice(3, size=3000, p=p).tolist()
+    assert chi_square_pvalue(samples, p) > 1e-3
+    assert chi_square_pvalue(samples, np.array([0.4, 0.4, 0.2])) < 1e-6
