@@ -4,9 +4,10 @@ each answer to its end (EOS) or --max-tokens.
 
     python -m benchmarks.spec_decode --concurrency 1,8,32 --json spec.json
 
-For each task and batch size, the same requests run once per method (plain first: the baseline), all in flight
-at once. Decode tokens/s counts the tokens after each request's first, over the time from the step where every
-request has its first token to the end. Reported per method: that rate and its ratio to plain, the acceptance
+For each task and batch size, the same requests run once per method, all in flight at once: plain (the
+baseline), ngram (the default: each request's draft length adapts to its acceptance) and ngram-k (always up to
+--num-speculative-tokens drafts). Decode tokens/s counts the tokens after each request's first, over the time from the step where every
+request has its first token to the end (the median over --repeats alternating runs). Reported per method: that rate and its ratio to plain, the acceptance
 rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per verified step), and
 whether every request's tokens equal plain decoding's.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
 from shared.config import EngineArgs, SpeculativeConfig
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="runs per method, alternating; the median is reported")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -87,28 +90,35 @@ def main(argv=None) -> None:
     model_dir = str(prepare_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config, cache_config, scheduler_config = EngineArgs(num_blocks=4096).create_configs("decode", model_dir)
-    methods = {"plain": None, "ngram": SpeculativeConfig("ngram", args.num_speculative_tokens)}
+    k = args.num_speculative_tokens
+    methods = {"plain": None, "ngram": SpeculativeConfig("ngram", k),  # adaptive draft length, the default
+               "ngram-k": SpeculativeConfig("ngram", k, adaptive=False)}  # always up to k drafts
     engines = {}  # one engine (and one copy of the weights) per method, reused
     rows = []
-    print(f"{'task':<6}{'batch':>6}  {'method':<7}{'decode tok/s':>13}{'vs plain':>9}{'accept':>8}"
+    print(f"{'task':<6}{'batch':>6}  {'method':<8}{'decode tok/s':>13}{'vs plain':>9}{'accept':>8}"
           f"{'mean len':>9}{'tokens':>8}  identical")  # fmt: skip
     for task in args.tasks.split(","):
         for batch in [int(c) for c in args.concurrency.split(",")]:
             prompts = [tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task](i)}],
                                                      add_generation_prompt=True, return_dict=False)
                        for i in range(batch)]  # fmt: skip
-            plain_tokens = plain_rate = None
-            for name, spec in methods.items():
-                if name not in engines:
-                    engines[name] = LLMEngine(model_config, cache_config, scheduler_config, speculative_config=spec)
-                tokens, seconds, s = run_batch(engines[name], prompts, args.max_tokens)
-                num_decoded = sum(len(t) - 1 for t in tokens)
-                rate = num_decoded / seconds
-                if name == "plain":
-                    plain_tokens, plain_rate = tokens, rate
+            rates = {name: [] for name in methods}
+            results = {}
+            for _ in range(args.repeats):  # the methods alternate, so that a slow spell hits each alike
+                for name, spec in methods.items():
+                    if name not in engines:
+                        engines[name] = LLMEngine(model_config, cache_config, scheduler_config,
+                                                  speculative_config=spec)  # fmt: skip
+                    tokens, seconds, s = run_batch(engines[name], prompts, args.max_tokens)
+                    rates[name].append(sum(len(t) - 1 for t in tokens) / seconds)
+                    results[name] = tokens, s
+            plain_rate = float(np.median(rates["plain"]))
+            for name, (tokens, s) in results.items():
+                rate = float(np.median(rates[name]))
                 row = {"task": task, "batch": batch, "method": name, "decode_tokens_per_s": rate,
-                       "vs_plain": rate / plain_rate, "num_output_tokens": sum(map(len, tokens)),
-                       "identical_to_plain": tokens == plain_tokens, **s,
+                       "all_rates": rates[name], "vs_plain": rate / plain_rate,
+                       "num_output_tokens": sum(map(len, tokens)),
+                       "identical_to_plain": tokens == results["plain"][0], **s,
                        "acceptance_rate": s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
                        if s["spec_num_draft_tokens"] else None,
                        "mean_acceptance_length": 1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
@@ -116,7 +126,7 @@ def main(argv=None) -> None:
                 rows.append(row)
                 accept = "-" if row["acceptance_rate"] is None else f"{100 * row['acceptance_rate']:.0f}%"
                 length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
-                print(f"{task:<6}{batch:>6}  {name:<7}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
+                print(f"{task:<6}{batch:>6}  {name:<8}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
                       f"{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

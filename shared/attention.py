@@ -29,10 +29,17 @@ class AttentionMetadata:
     # CPU decode: (block ids [num_seqs * blocks of the longest context] int64, key mask [num_seqs, 1, 1, max_ctx]),
     # made by the first layer and reused by the others
     cpu_decode_layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CPU short queries (speculative verification): each query row as a decode row, (block tables [num_tokens,
+    # max_blocks] int32, context lens [num_tokens] int32), made by the first layer
+    cpu_rows_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode_only(self) -> bool:
         return len(self.query_start_loc) - 1 == self.query_start_loc[-1]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:]))
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -58,6 +65,8 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
         return _attention_triton(query, key_cache, value_cache, meta, scale)
     if meta.is_decode_only:
         return _decode_attention_cpu(query, key_cache, value_cache, meta, scale)
+    if meta.max_query_len <= MAX_ROWS_AS_DECODE and cpu_attention.supports(query, key_cache):
+        return _short_queries_cpu(query, key_cache, value_cache, meta, scale)
     block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     for i, ctx in enumerate(meta.context_lens):
@@ -80,6 +89,22 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+MAX_ROWS_AS_DECODE = 16  # CPU: requests with at most this many query rows (verified drafts) run as decode rows
+
+
+def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Every request has few query rows (a decode token and its drafts): each row becomes a decode row of the
+    C++ kernel that attends to its own causal prefix (row j of a request with n rows and context c sees c - n + j
+    + 1 tokens), through its request's block table."""
+    if meta.cpu_rows_layout is None:
+        counts = torch.tensor([b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])])
+        lens = [c - n + j + 1 for c, n in zip(meta.context_lens, counts.tolist()) for j in range(n)]
+        meta.cpu_rows_layout = (meta.block_tables.repeat_interleave(counts, dim=0),
+                                torch.tensor(lens, dtype=torch.int32))  # fmt: skip
+    tables, lens = meta.cpu_rows_layout
+    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
 
 
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

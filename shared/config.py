@@ -188,12 +188,19 @@ class SpeculativeConfig:
 
     method "ngram": prompt lookup (Saxena 2023; vLLM's ngram proposer): the last n tokens, n from
     prompt_lookup_max down to prompt_lookup_min, are looked up in the request's earlier tokens, and what followed
-    their latest earlier occurrence is proposed. ValueError on bad values."""
+    their latest earlier occurrence is proposed. adaptive: each request's draft length starts at
+    num_speculative_tokens, shrinks by one after a step that rejected a draft and grows by two (up to
+    num_speculative_tokens) after one that accepted all (HF assisted generation's "heuristic" schedule); after a
+    rejection at length 1 the request rests a few steps; a request alone in the batch always gets the full length.
+    disable_by_batch_size: no drafts in a step whose running batch has more requests (vLLM's name).
+    ValueError on bad values."""
 
     method: str
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -203,6 +210,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size <= 0:
+            raise ValueError(f"disable_by_batch_size must be positive, got {self.disable_by_batch_size}")
 
 
 def _setting(default, help: str, kind: type | None = None, env: str | None = None, choices=None,
@@ -260,6 +269,10 @@ class EngineArgs:
     num_speculative_tokens: int = _setting(4, "tokens proposed per step and request with --speculative-method")
     prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
     prompt_lookup_max: int = _setting(4, "ngram: the longest suffix looked up (tried first)")
+    speculative_adaptive: bool = _setting(True, "adapt each request's draft length to its acceptance (shrink "
+                                          "after a rejection, grow after a fully accepted step)")
+    speculative_disable_by_batch_size: int | None = _setting(
+        None, "no drafts in steps whose running batch has more requests than this (default: never off)", int)
 
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
@@ -281,7 +294,8 @@ class EngineArgs:
         if self.speculative_method is None:
             return None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
-                                 self.prompt_lookup_max)
+                                 self.prompt_lookup_max, self.speculative_adaptive,
+                                 self.speculative_disable_by_batch_size)
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:
         """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the

@@ -71,6 +71,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
     num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)
     num_accepted_tokens: int = 0
+    spec_window: int | None = None  # its draft length now, with adaptive speculation (None: not started)
 
     @property
     def num_prompt_tokens(self) -> int:

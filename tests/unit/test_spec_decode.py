@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine import LLMEngine
+from shared.engine import SPEC_REST_STEPS, LLMEngine
 from shared.kv_cache_manager import KVCacheManager
 from shared.request import Request, SamplingParams
 from shared.scheduler import Scheduler
@@ -170,3 +170,38 @@ def test_chi_square_helper_rejects_a_wrong_distribution():
     samples = rng.choice(3, size=3000, p=p).tolist()
     assert chi_square_pvalue(samples, p) > 1e-3
     assert chi_square_pvalue(samples, np.array([0.4, 0.4, 0.2])) < 1e-6
+
+
+def test_draft_length_adapts_and_large_batches_do_not_speculate(tiny_model):
+    path, _ = tiny_model
+    config = SpeculativeConfig("ngram", 4, disable_by_batch_size=2)
+    engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 64), SchedulerConfig(64, 8),
+                       speculative_config=config)  # fmt: skip
+    engine.proposer = FixedProposer([1, 2, 1, 2, 1, 2])
+    r = Request("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=20, temperature=0.0))
+    engine.add_request(r)
+    engine.add_request(Request("b", [3, 4, 5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0)))
+    engine.step()  # the prompts and the first tokens (two running: the draft length adapts)
+    engine._propose_drafts()
+    assert r.spec_window == 4 and len(r.spec_token_ids) == 4
+    for num_drafts, num_accepted, window in ((4, 4, 4), (3, 1, 3), (2, 0, 2), (2, 0, 1), (3, 3, 3), (3, 0, 2),
+                                             (2, 0, 1)):  # -1 on a rejection, +2 on none, at most 4
+        engine._count_drafts(r, num_drafts, num_accepted)
+        assert r.spec_window == window, (num_drafts, num_accepted, window)
+    engine._count_drafts(r, 1, 0)  # rejected at length 1: it rests SPEC_REST_STEPS steps, then tries 1 again
+    r.spec_token_ids = []
+    for _ in range(SPEC_REST_STEPS - 1):
+        engine._propose_drafts()
+        assert r.spec_token_ids == []
+    engine._propose_drafts()
+    assert r.spec_window == 1 and len(r.spec_token_ids) == 1
+    r.spec_token_ids = []
+    engine.abort_request("b")  # alone in the batch: always the full draft length
+    engine._propose_drafts()
+    assert r.spec_window == 4 and len(r.spec_token_ids) == 4
+    r.spec_token_ids = []
+    for i in range(2):  # three running requests: over disable_by_batch_size, no drafts for anyone
+        engine.add_request(Request(f"c{i}", [1, 2, 1, 2, 1], SamplingParams(max_tokens=20, temperature=0.0)))
+    engine.step()
+    engine._propose_drafts()
+    assert len(engine.scheduler.running) == 3 and all(not q.spec_token_ids for q in engine.scheduler.running)

@@ -1,5 +1,6 @@
 """The engine's CPU attention (shared/attention.py: torch ops, no Triton) against the kernels' pure-torch
-references: decode-only batches (the grouped-query reshape) and mixed chunked-prefill batches."""
+references: decode-only batches (the grouped-query reshape), short queries (speculative verification) and mixed
+chunked-prefill batches."""
 import pytest
 import torch
 
@@ -38,7 +39,11 @@ def test_cpu_decode_attention_matches_reference(context_lens):
     torch.testing.assert_close(paged_attention(query, k, v, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("query_lens, context_lens", [([7], [7]), ([3, 1, 6], [10, 9, 6]), ([1, 4], [1, 20])])
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([7], [7]), ([3, 1, 6], [10, 9, 6]), ([1, 4], [1, 20]),  # short queries: as decode rows in the C++ kernel
+    ([5, 5, 1, 3], [40, 9, 17, 3]),  # a speculative verification batch (a token and its drafts per request)
+    ([20, 2], [20, 30]), ([17], [50]),  # a longer chunk: the gather + scaled_dot_product_attention path
+])  # fmt: skip
 def test_cpu_mixed_attention_matches_reference(query_lens, context_lens):
     query, k, v, meta = make_batch(query_lens, context_lens, seed=1)
     expected = paged_prefill_attention_ref(query, k, v, meta.block_tables, meta.query_start_loc_t,
