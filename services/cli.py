@@ -226,3 +226,7 @@ def main(argv=None) -> None:
         sys.exit(f"error: {e.code().name}: {e.details()}")
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

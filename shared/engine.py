@@ -38,13 +38,17 @@ class KVBlocks:
 @dataclass(slots=True)
 class RequestOutput:
     """What one step (or a KV import) produced for one request: new tokens, the finish reason once it ends
-    (with error set when the server failed it), and on the prefill tier the KV blocks the step completed."""
+    (with error set when the server failed it), and on the prefill tier the KV blocks the step completed. With
+    speculative decoding: the drafts verified this step, and of those accepted (the first num_accepted_tokens
+    of new_token_ids)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
     kv: KVBlocks | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -275,7 +279,10 @@ class LLMEngine:
                     break
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
-                self._count_drafts(request, len(drafts), len(token_ids) - 1)
+                # accepted: the drafts emitted (a stop inside the run cuts it)
+                out.num_draft_tokens = len(drafts)
+                out.num_accepted_tokens = min(len(token_ids) - 1, len(out.new_token_ids))
+                self._count_drafts(request, out.num_draft_tokens, out.num_accepted_tokens)
                 # KV holds up to the last accepted draft; the token after it (and anything past a stop) has none
                 request.num_computed_tokens = min(request.num_computed_tokens - len(drafts) + len(token_ids) - 1,
                                                   request.num_tokens - 1)  # fmt: skip

@@ -38,11 +38,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # (req.num_cached_tokens was set on the engine thread before reserve returned)
             yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0)
             while (out := await stream.get()) is not None:
-                msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "")
+                msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "",
+                                                num_cached_tokens=req.num_cached_tokens or 0,
+                                                num_draft_tokens=out.num_draft_tokens,
+                                                num_accepted_tokens=out.num_accepted_tokens)  # fmt: skip
                 if out.finished:
                     msg.finish_reason = FINISH_TO_PROTO[out.finish_reason]
-                    msg.num_cached_tokens = req.num_cached_tokens or 0
-                    msg.num_draft_tokens, msg.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
                     finished = True
                 yield msg
         finally:

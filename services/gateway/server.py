@@ -89,12 +89,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 reply = await self._read(decode_call, decode)
                 if reply.HasField("finish_reason"):
                     finish_reason = reply.finish_reason
-                    num_draft_tokens, num_accepted_tokens = reply.num_draft_tokens, reply.num_accepted_tokens
-                    if prefill_reply is None:
-                        num_cached_tokens = reply.num_cached_tokens
+                if prefill_reply is None:
+                    num_cached_tokens = reply.num_cached_tokens
                 num_before = len(text.token_ids)
                 delta = text.push(list(reply.token_ids))
-                if new_ids := text.token_ids[num_before:]:  # (none past a stop string)
+                new_ids = text.token_ids[num_before:]  # (none past a stop string)
+                num_draft_tokens += reply.num_draft_tokens
+                num_accepted_tokens += min(reply.num_accepted_tokens, len(new_ids))  # (those sent)
+                if new_ids:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=new_ids)
             if text.stopped:
                 finish_reason = common_pb2.FINISH_REASON_STOP

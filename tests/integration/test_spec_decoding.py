@@ -94,8 +94,10 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(model_config, referenc
     # a step that emitted several tokens, and one of them, not the last, seen nowhere before it
     position, stop_token = next((start + i, c[i]) for start, c in _starts(chunks) if len(c) >= 3
                                 for i in range(len(c) - 1) if c[i] not in expected[: start + i])  # fmt: skip
-    out = run(engine, [Request("stop", ids, greedy(stop_token_ids=(stop_token,)))])["stop"]
-    assert flat(out) == expected[: position + 1]
+    req = Request("stop", ids, greedy(stop_token_ids=(stop_token,)))
+    out = run(engine, [req])["stop"]
+    assert flat(out) == expected[: position + 1] and req.finish_reason == FinishReason.STOP
+    assert req.num_accepted_tokens <= position  # drafts cut by the stop are not counted as accepted
     max_tokens = position + 1
     req = Request("length", ids, greedy(max_tokens))
     out = run(engine, [req])["length"]
@@ -158,7 +160,9 @@ def test_cluster_stop_string_inside_an_accepted_run(spec_cluster, references, to
     got = [t for m in replies for t in m.token_ids]
     assert got == expected[: k + 1], (stop, got)  # the token that completed the stop string, nothing after
     assert "".join(m.text for m in replies) == before
-    assert replies[-1].usage.completion_tokens == k + 1
+    usage = replies[-1].usage
+    assert usage.completion_tokens == k + 1  # and the counts survive the early end of the stream:
+    assert 0 < usage.num_accepted_tokens <= k and usage.num_accepted_tokens <= usage.num_draft_tokens
     assert replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     wait_all_blocks_free(spec_cluster)
 
