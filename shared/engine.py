@@ -20,7 +20,7 @@ from shared.kv_events import KVEventBatch
 from shared.model_runner import ModelRunner, ModelRunnerOutput
 from shared.request import FinishReason, Request, RequestStatus
 from shared.scheduler import Scheduler, SchedulerOutput
-from shared.spec_decode.ngram_proposer import NgramProposer
+from shared.spec_decode.drafter import Drafter
 
 
 @dataclass(slots=True)
@@ -91,9 +91,6 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-SPEC_REST_STEPS = 8  # adaptive speculation: steps without drafts after a rejection at draft length 1
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -123,11 +120,7 @@ class LLMEngine:
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
-        self.speculative_config = speculative_config
-        self.proposer = None
-        if speculative_config is not None:
-            self.proposer = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max)
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -247,8 +240,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        if self.proposer is not None:
-            self._propose_drafts()
+        if self.drafter is not None:
+            self.drafter.propose_drafts(self.scheduler.running, self.model_config.max_model_len)
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
@@ -282,7 +275,7 @@ class LLMEngine:
                 # accepted: the drafts emitted (a stop inside the run cuts it)
                 out.num_draft_tokens = len(drafts)
                 out.num_accepted_tokens = min(len(token_ids) - 1, len(out.new_token_ids))
-                self._count_drafts(request, out.num_draft_tokens, out.num_accepted_tokens)
+                self.drafter.record(request, out.num_draft_tokens, out.num_accepted_tokens)
                 # KV holds up to the last accepted draft; the token after it (and anything past a stop) has none
                 request.num_computed_tokens = min(request.num_computed_tokens - len(drafts) + len(token_ids) - 1,
                                                   request.num_tokens - 1)  # fmt: skip
@@ -294,48 +287,6 @@ class LLMEngine:
             if out.new_token_ids or out.finished or out.kv is not None:
                 outputs.append(out)
         return outputs
-
-    # -- speculative decoding ------------------------------------------------------------------------------
-    def _propose_drafts(self) -> None:
-        """Give each decoding request that may speculate its draft tokens for this step (at most its draft
-        length, and what its max_tokens and the context leave room for, the token after the drafts included);
-        none when the running batch is over speculative_config.disable_by_batch_size."""
-        config = self.speculative_config
-        if config.disable_by_batch_size is not None and len(self.scheduler.running) > config.disable_by_batch_size:
-            return
-        max_len = self.model_config.max_model_len
-        # NOTE: alone in the batch, a request always gets the full draft length: the forward is bound by reading
-        # the weights, so verifying k + 1 rows costs about what one does (measured: 2.15x plain on the copy task
-        # vs 1.82x with the adaptive length)
-        alone = len(self.scheduler.running) == 1
-        for request in self.scheduler.running:
-            if not request.sampling_params.speculative or request.num_computed_tokens != request.num_tokens - 1:
-                continue
-            if request.spec_window is None or alone:
-                request.spec_window = config.num_speculative_tokens
-            if request.spec_window < 1:  # resting after rejections at draft length 1: one step nearer
-                request.spec_window += 1
-                if request.spec_window < 1:
-                    continue
-            room = min(request.spec_window, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
-                       max_len - request.num_tokens - 1)  # fmt: skip
-            if room > 0:
-                request.spec_token_ids = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
-
-    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Count a verified step's drafts, and adapt the request's draft length to them."""
-        if self.speculative_config.adaptive:
-            if num_accepted == num_drafts:
-                request.spec_window = min(request.spec_window + 2, self.speculative_config.num_speculative_tokens)
-            elif request.spec_window > 1:
-                request.spec_window -= 1
-            else:  # its single draft rejected too: no drafts for the next SPEC_REST_STEPS steps
-                request.spec_window = 1 - SPEC_REST_STEPS
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_tokens += num_accepted
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
 
     def export_kv(self, scheduler_output: SchedulerOutput) -> dict[str, KVBlocks]:
         """Prefill tier: copy the blocks this step fills, per request (the partial last block too once the
@@ -382,7 +333,7 @@ class LLMEngine:
         return queued
 
     def stats(self) -> EngineStats:
-        kv = self.kv_cache_manager
+        kv, d = self.kv_cache_manager, self.drafter
         return EngineStats(
             model_id=self.model_config.model_id,
             block_size=self.cache_config.block_size,
@@ -397,7 +348,7 @@ class LLMEngine:
             num_evictions=kv.block_pool.num_evictions,
             num_blocks_exported=self.num_blocks_exported,
             num_blocks_imported=self.num_blocks_imported,
-            spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_drafts=d.num_drafts if d else 0,
+            spec_num_draft_tokens=d.num_draft_tokens if d else 0,
+            spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
         )

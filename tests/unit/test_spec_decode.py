@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine import SPEC_REST_STEPS, LLMEngine
+from shared.engine import LLMEngine
 from shared.kv_cache_manager import KVCacheManager
 from shared.request import Request, SamplingParams
 from shared.scheduler import Scheduler
+from shared.spec_decode.drafter import SPEC_REST_STEPS
 from shared.spec_decode.ngram_proposer import NgramProposer
 from shared.spec_decode.rejection_sampler import accept_draft_tokens
 
@@ -141,7 +142,7 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_model, quality)
     d1 = int(pick(p2))
     engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 600, enable_prefix_caching=False),
                        SchedulerConfig(2048, 64), speculative_config=SpeculativeConfig("ngram", 2))  # fmt: skip
-    engine.proposer = FixedProposer([d0, d1])
+    engine.drafter.proposer = FixedProposer([d0, d1])
     seconds, thirds = [], []
     for batch in range(64):
         for i in range(64):
@@ -177,31 +178,35 @@ def test_draft_length_adapts_and_large_batches_do_not_speculate(tiny_model):
     config = SpeculativeConfig("ngram", 4, disable_by_batch_size=2)
     engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 64), SchedulerConfig(64, 8),
                        speculative_config=config)  # fmt: skip
-    engine.proposer = FixedProposer([1, 2, 1, 2, 1, 2])
+    engine.drafter.proposer = FixedProposer([1, 2, 1, 2, 1, 2])
+
+    def propose():
+        engine.drafter.propose_drafts(engine.scheduler.running, engine.model_config.max_model_len)
+
     r = Request("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=20, temperature=0.0))
     engine.add_request(r)
     engine.add_request(Request("b", [3, 4, 5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0)))
     engine.step()  # the prompts and the first tokens (two running: the draft length adapts)
-    engine._propose_drafts()
+    propose()
     assert r.spec_window == 4 and len(r.spec_token_ids) == 4
     for num_drafts, num_accepted, window in ((4, 4, 4), (3, 1, 3), (2, 0, 2), (2, 0, 1), (3, 3, 3), (3, 0, 2),
                                              (2, 0, 1)):  # -1 on a rejection, +2 on none, at most 4
-        engine._count_drafts(r, num_drafts, num_accepted)
+        engine.drafter.record(r, num_drafts, num_accepted)
         assert r.spec_window == window, (num_drafts, num_accepted, window)
-    engine._count_drafts(r, 1, 0)  # rejected at length 1: it rests SPEC_REST_STEPS steps, then tries 1 again
+    engine.drafter.record(r, 1, 0)  # rejected at length 1: it rests SPEC_REST_STEPS steps, then tries 1 again
     r.spec_token_ids = []
     for _ in range(SPEC_REST_STEPS - 1):
-        engine._propose_drafts()
+        propose()
         assert r.spec_token_ids == []
-    engine._propose_drafts()
+    propose()
     assert r.spec_window == 1 and len(r.spec_token_ids) == 1
     r.spec_token_ids = []
     engine.abort_request("b")  # alone in the batch: always the full draft length
-    engine._propose_drafts()
+    propose()
     assert r.spec_window == 4 and len(r.spec_token_ids) == 4
     r.spec_token_ids = []
     for i in range(2):  # three running requests: over disable_by_batch_size, no drafts for anyone
         engine.add_request(Request(f"c{i}", [1, 2, 1, 2, 1], SamplingParams(max_tokens=20, temperature=0.0)))
     engine.step()
-    engine._propose_drafts()
+    propose()
     assert len(engine.scheduler.running) == 3 and all(not q.spec_token_ids for q in engine.scheduler.running)
