@@ -178,7 +178,7 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft", "early-exit")
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,10 @@ class SpeculativeConfig:
     num_speculative_tokens) after one that accepted all (HF assisted generation's "heuristic" schedule); after a
     rejection at length 1 the request rests a few steps; a request alone in the batch always gets the full length.
     disable_by_batch_size: no drafts in a step whose running batch has more requests (vLLM's name).
+
+    method "draft": draft_model, a checkpoint dir with the target's tokenizer, runs num_speculative_tokens times
+    per step over its own paged KV (shared/spec_decode/draft_model.py). method "early-exit": the target's first
+    draft_num_layers layers and its LM head draft, over the target's KV (None: a quarter of the model's layers).
     ValueError on bad values."""
 
     method: str
@@ -201,6 +205,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     adaptive: bool = True
     disable_by_batch_size: int | None = None
+    draft_model: str | None = None
+    draft_num_layers: int | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -212,6 +218,10 @@ class SpeculativeConfig:
                              f"({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size <= 0:
             raise ValueError(f"disable_by_batch_size must be positive, got {self.disable_by_batch_size}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("--draft-model goes with --speculative-method draft, and that method needs it")
+        if self.draft_num_layers is not None and self.method != "early-exit":
+            raise ValueError("--draft-num-layers goes with --speculative-method early-exit")
 
 
 def _setting(default, help: str, kind: type | None = None, env: str | None = None, choices=None,
@@ -264,7 +274,8 @@ class EngineArgs:
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
     threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")
     speculative_method: str | None = _setting(
-        None, "speculative decoding on this engine: 'ngram' (prompt lookup); decode tier only (default: off)", str,
+        None, "speculative decoding on this engine: 'ngram' (prompt lookup), 'draft' (--draft-model), "
+        "'early-exit' (the model's first layers draft); decode tier only (default: off)", str,
         choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = _setting(4, "tokens proposed per step and request with --speculative-method")
     prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
@@ -273,6 +284,10 @@ class EngineArgs:
                                           "after a rejection, grow after a fully accepted step)")
     speculative_disable_by_batch_size: int | None = _setting(
         None, "no drafts in steps whose running batch has more requests than this (default: never off)", int)
+    draft_model: str | None = _setting(None, "draft: a checkpoint dir with the model's tokenizer (e.g. a "
+                                       "`tandem quantize` copy), run over its own KV pool", str)
+    draft_num_layers: int | None = _setting(None, "early-exit: the model's layers that draft (default: a quarter "
+                                            "of them)", int)
 
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
@@ -295,7 +310,7 @@ class EngineArgs:
             return None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
                                  self.prompt_lookup_max, self.speculative_adaptive,
-                                 self.speculative_disable_by_batch_size)
+                                 self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers)
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:
         """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the

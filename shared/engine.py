@@ -120,7 +120,7 @@ class LLMEngine:
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
-        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
+        self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -243,6 +243,8 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.propose_drafts(self.scheduler.running, self.model_config.max_model_len)
         scheduler_output = self.scheduler.schedule()
+        if self.drafter is not None:
+            self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
         return self.update_from_output(scheduler_output, model_output, kv_blocks)

@@ -127,16 +127,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices,
+                num_layers: int | None = None) -> torch.Tensor:
         """One step over a flat batch.
 
         input_ids, positions [num_tokens] int64; kv_caches [num_layers, 2, num_blocks, block_size, num_kv_heads,
-        head_dim]; logits_indices [num_sampled] int64 rows whose next-token logits are wanted.
+        head_dim]; logits_indices [num_sampled] int64 rows whose next-token logits are wanted. num_layers: run
+        only the first num_layers decoder layers, then the final norm and the LM head (an early-exit draft, as
+        LayerSkip, Elhoushi et al. 2024); kv_caches needs only those layers.
         Returns logits [num_sampled, vocab_size] fp32.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()

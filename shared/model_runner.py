@@ -11,7 +11,7 @@ from shared.config import CacheConfig, ModelConfig
 from shared.model import load_model
 from shared.sampler import sample
 from shared.scheduler import SchedulerOutput
-from shared.spec_decode.rejection_sampler import accept_draft_tokens
+from shared.spec_decode.rejection_sampler import accept_draft_tokens, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -70,47 +70,25 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
         """Compute the scheduled tokens (writing their KV into the pool) and sample the next token of each
         request whose last token was computed; a request with draft tokens scheduled gets the target's token at
-        each of their positions too, and keeps the drafts that match (spec_decode.rejection_sampler). Nothing
-        scheduled: nothing runs."""
+        each of their positions too, and keeps the drafts that pass the acceptance rule
+        (spec_decode.rejection_sampler: with out.spec_draft_probs, the rule with the draft's probabilities).
+        Nothing scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
-        block_size = self.cache_config.block_size
-        input_ids, positions, slots, query_start_loc, context_lens, tables = [], [], [], [0], [], []
-        logits_indices, sampled_requests, row_requests, row_positions = [], [], [], []
+        seqs, sampled_requests, row_requests, row_positions = [], [], [], []
         for request in out.scheduled_requests:
             n = out.num_scheduled_tokens[request.request_id]
             drafts = out.scheduled_spec_decode_tokens.get(request.request_id, ())
             start = request.num_computed_tokens
-            block_table = block_tables[request.request_id]
-            input_ids.extend(request.token_ids(start, start + n - len(drafts)))
-            input_ids.extend(drafts)
-            positions.extend(range(start, start + n))
-            slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            context_lens.append(start + n)
-            tables.append(block_table)
+            token_ids = request.token_ids(start, start + n - len(drafts)) + list(drafts)
+            num_logits = 0
             if start + n == request.num_tokens + len(drafts):  # one row per draft, and one after them
-                logits_indices.extend(range(query_start_loc[-1] - len(drafts) - 1, query_start_loc[-1]))
+                num_logits = len(drafts) + 1
                 sampled_requests.append(request)
-                row_requests += [request] * (len(drafts) + 1)
-                row_positions.extend(range(request.num_tokens, request.num_tokens + len(drafts) + 1))
-        width = max(len(t) for t in tables)
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        )
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            self.kv_caches,
-            meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
+                row_requests += [request] * num_logits
+                row_positions.extend(range(request.num_tokens, request.num_tokens + num_logits))
+            seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
+        logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device)
         result = ModelRunnerOutput()
         if not sampled_requests:
             return result
@@ -120,14 +98,54 @@ class ModelRunner:
         if not bool(finite.all()):
             logits = torch.nan_to_num(logits)
         finite = finite.tolist()
-        token_ids = sample(logits, row_requests, row_positions)
+        token_ids = sample(logits, row_requests, row_positions, skip=out.spec_draft_probs.keys())
         row = 0
         for request in sampled_requests:
-            drafts = out.scheduled_spec_decode_tokens.get(request.request_id, [])
+            request_id = request.request_id
+            drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
             rows = slice(row, row + len(drafts) + 1)
             row = rows.stop
-            if all(finite[rows]):
-                result.sampled_token_ids[request.request_id] = accept_draft_tokens(drafts, token_ids[rows])
+            if not all(finite[rows]):
+                result.non_finite_request_ids.add(request_id)
+            elif request_id in out.spec_draft_probs:
+                result.sampled_token_ids[request_id] = rejection_sample(request, logits[rows], drafts,
+                                                                        out.spec_draft_probs[request_id])
             else:
-                result.non_finite_request_ids.add(request.request_id)
+                result.sampled_token_ids[request_id] = accept_draft_tokens(drafts, token_ids[rows])
         return result
+
+
+def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int], int]], block_size: int,
+              device: torch.device, num_layers: int | None = None) -> torch.Tensor:
+    """One forward of model over a batch of sequences, writing their KV into kv_caches (the pool, paged by
+    block_size). seqs: per sequence (token_ids, start, block_table, num_logits): the tokens computed from
+    position start, whose slots come from block_table, and how many of the last ones want logits. num_layers:
+    only the model's first layers (an early-exit draft). Returns logits [sum of num_logits, vocab] fp32, in
+    order."""
+    input_ids, positions, slots, query_start_loc, context_lens, tables, logits_indices = [], [], [], [0], [], [], []
+    for token_ids, start, block_table, num_logits in seqs:
+        n = len(token_ids)
+        input_ids.extend(token_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        query_start_loc.append(query_start_loc[-1] + n)
+        context_lens.append(start + n)
+        tables.append(block_table)
+        logits_indices.extend(range(query_start_loc[-1] - num_logits, query_start_loc[-1]))
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+    )
+    return model(
+        torch.tensor(input_ids, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        kv_caches,
+        meta,
+        torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        num_layers,
+    )

@@ -72,6 +72,7 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)
     num_accepted_tokens: int = 0
     spec_window: int | None = None  # its draft length now, with adaptive speculation (None: not started)
+    num_draft_computed_tokens: int = 0  # tokens with KV in a draft model's own pool (a prefix of the sequence)
 
     @property
     def num_prompt_tokens(self) -> int:

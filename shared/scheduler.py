@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.config import SchedulerConfig
 from shared.kv_cache_manager import KVCacheManager
 from shared.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -26,6 +30,8 @@ class SchedulerOutput:
     scheduled_requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # draft tokens included
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # the drafts scheduled
+    # sampled requests with a draft model's drafts: the distribution each draft came from, [num_drafts, vocab]
+    spec_draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     preempted_requests: list[Request] = field(default_factory=list)
 
     @property
@@ -110,7 +116,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         out.preempted_requests.append(request)

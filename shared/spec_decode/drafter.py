@@ -1,20 +1,62 @@
 """Drafter: the engine's speculative-decoding bookkeeping. Before each step it gives every decoding request that
-may speculate its draft tokens (spec_token_ids); after the step it counts the verified drafts and adapts the
-request's draft length (SpeculativeConfig.adaptive: HF assisted generation's "heuristic" schedule)."""
+may speculate its draft tokens (spec_token_ids): the n-gram proposals, or for a draft model as many placeholder
+ids, whose slots the scheduler then allocates and budgets like any others, and which draft() fills in once the
+step is scheduled. After the step, record() counts the verified drafts and adapts the request's draft length
+(SpeculativeConfig.adaptive: HF assisted generation's "heuristic" schedule)."""
 from __future__ import annotations
 
-from shared.config import SpeculativeConfig
+import logging
+
+import torch
+
+from shared.config import ModelConfig, SpeculativeConfig
 from shared.request import Request
+from shared.scheduler import SchedulerOutput
+from shared.spec_decode.draft_model import DraftModelProposer
 from shared.spec_decode.ngram_proposer import NgramProposer
+
+log = logging.getLogger(__name__)
 
 SPEC_REST_STEPS = 8  # adaptive: steps without drafts after a rejection at draft length 1
 
 
+PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
+
+
 class Drafter:
-    def __init__(self, config: SpeculativeConfig):
+    """model_runner: the target's (its model and pool, for early exit; its device and pool size, for a draft
+    model). ValueError when the draft model does not fit the target (another vocabulary, or an early exit at
+    or past the target's depth)."""
+
+    def __init__(self, config: SpeculativeConfig, model_runner):
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # since start
+        self.proposer = self.draft_model = None
+        target = model_runner.model_config
+        block_size = model_runner.cache_config.block_size
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "early-exit":
+            num_layers = config.draft_num_layers or max(1, target.num_hidden_layers // 4)
+            if not 1 <= num_layers < target.num_hidden_layers:
+                raise ValueError(f"--draft-num-layers must be in [1, {target.num_hidden_layers}) for this model, "
+                                 f"got {num_layers}")
+            self.draft_model = DraftModelProposer(model_runner.model, model_runner.kv_caches, block_size,
+                                                  num_layers)
+        else:  # "draft": a separate checkpoint with its own pool, paged by the target's block tables
+            from shared.model import load_model
+
+            draft = ModelConfig.from_dir(config.draft_model, dtype=target.dtype)
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(f"draft model {config.draft_model} has a vocabulary of {draft.vocab_size} tokens; "
+                                 f"the target's has {target.vocab_size}: they must share the tokenizer")
+            cache = model_runner.cache_config
+            kv_caches = torch.zeros(draft.num_hidden_layers, 2, cache.num_blocks, block_size,
+                                    draft.num_key_value_heads, draft.head_dim, dtype=cache.dtype,
+                                    device=model_runner.device)  # fmt: skip
+            log.info("draft model %s: %d layers, its KV pool %.2f GB", draft.model_id, draft.num_hidden_layers,
+                     kv_caches.numel() * kv_caches.element_size() / 1e9)
+            self.draft_model = DraftModelProposer(load_model(draft, model_runner.device), kv_caches, block_size)
 
     def propose_drafts(self, running: list[Request], max_model_len: int) -> None:
         """Give each decoding request of the running batch that may speculate its draft tokens for this step: at
@@ -38,8 +80,25 @@ class Drafter:
                     continue
             room = min(request.spec_window, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
                        max_model_len - request.num_tokens - 1)  # fmt: skip
-            if room > 0:
+            if room <= 0:
+                continue
+            if self.draft_model is not None:
+                request.spec_token_ids = [PLACEHOLDER] * room
+            else:
                 request.spec_token_ids = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
+
+    def draft(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
+        """A draft model's turn, once the step is scheduled: replace the placeholder drafts of
+        out.scheduled_spec_decode_tokens by the draft's tokens (the scheduler has allocated their slots), and
+        record in out.spec_draft_probs the distributions a sampled request's drafts came from."""
+        if self.draft_model is None or not out.scheduled_spec_decode_tokens:
+            return
+        requests = [r for r in out.scheduled_requests if r.request_id in out.scheduled_spec_decode_tokens]
+        num_drafts = [len(out.scheduled_spec_decode_tokens[r.request_id]) for r in requests]
+        for r, (drafts, probs) in zip(requests, self.draft_model.propose(requests, num_drafts, block_tables)):
+            out.scheduled_spec_decode_tokens[r.request_id] = drafts
+            if probs is not None:
+                out.spec_draft_probs[r.request_id] = probs
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count a verified step's drafts, and adapt the request's draft length to them."""

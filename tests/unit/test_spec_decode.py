@@ -75,29 +75,43 @@ def test_rejected_drafts_blocks_return_to_the_pool():
 VOCAB = 12
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A random 2-layer Llama with a 12-token vocabulary, saved as a checkpoint dir; and HF's copy of it."""
+def save_tiny_model(path, seed: int):
+    """A random 2-layer Llama with a VOCAB-token vocabulary saved as a checkpoint dir at path; returns HF's copy."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper logits than the init's, so that good and bad drafts differ
         model.lm_head.weight.mul_(40)
-    path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
-    cfg = json.loads((path / "config.json").read_text())
-    assert cfg["model_type"] == "llama"
-    return str(path), model
+    assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+    return model
 
 
-def target_probs(hf_model, ids: list[int]) -> np.ndarray:
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random tiny Llama saved as a checkpoint dir, and HF's copy of it."""
+    path = tmp_path_factory.mktemp("tiny")
+    return str(path), save_tiny_model(path, seed=0)
+
+
+def target_probs(hf_model, ids: list[int], temperature: float = 1.0) -> np.ndarray:
     with torch.inference_mode():
         logits = hf_model(torch.tensor([ids])).logits[0, -1].double()
-    return logits.softmax(-1).numpy()
+    return (logits / temperature).softmax(-1).numpy()
+
+
+def sample_all(engine, requests) -> dict[str, list[int]]:
+    for r in requests:
+        engine.add_request(r)
+    outputs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return outputs
 
 
 class FixedProposer:
@@ -163,6 +177,67 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_model, quality)
         assert chi_square_pvalue(thirds, p2) > 1e-3
     assert engine.stats().spec_num_draft_tokens > 0
     assert engine.num_free_blocks == 600  # every block back, rejected drafts' included
+
+
+@pytest.mark.parametrize("draft", ["itself", "another model", "early exit"])
+def test_draft_model_sampling_keeps_the_target_distribution(tiny_model, tmp_path, draft):
+    """Requests sample 4 tokens at temperature 0.7, from the second on with two drafts per step drawn from a
+    draft model: the target itself (q = p: nearly every draft accepted), another random model (a bad draft), or
+    the target's first layer (early exit). Given first token a, the second must follow p(. | prompt + a); given
+    (a, b), b the likeliest second, the third p(. | prompt + a + b). A seeded request gives the same tokens
+    alone, in a batch, and without speculation."""
+    path, hf_model = tiny_model
+    prompt, temperature = [3, 1, 4, 1, 5], 0.7
+    if draft == "early exit":
+        spec = SpeculativeConfig("early-exit", 2, draft_num_layers=1)
+    else:
+        other = tmp_path / "draft"
+        spec = SpeculativeConfig("draft", 2, draft_model=path if draft == "itself" else str(other))
+        if draft == "another model":
+            save_tiny_model(other, seed=1)
+    engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 600, enable_prefix_caching=False),
+                       SchedulerConfig(2048, 64), speculative_config=spec)  # fmt: skip
+    a = int(target_probs(hf_model, prompt, temperature).argmax())
+    p1 = target_probs(hf_model, prompt + [a], temperature)
+    b = int(p1.argmax())
+    p2 = target_probs(hf_model, prompt + [a, b], temperature)
+    seconds, thirds = [], []
+    for batch in range(40):
+        outputs = sample_all(engine, [Request(f"{batch}-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.7))
+                                      for i in range(64)])  # fmt: skip
+        for tokens in outputs.values():
+            assert len(tokens) == 4
+            if tokens[0] == a:
+                seconds.append(tokens[1])
+                if tokens[1] == b:
+                    thirds.append(tokens[2])
+    assert len(seconds) > 300 and len(thirds) > 100, (len(seconds), len(thirds))
+    assert chi_square_pvalue(seconds, p1) > 1e-3
+    assert chi_square_pvalue(thirds, p2) > 1e-3
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    if draft == "itself":
+        assert stats.spec_acceptance_rate > 0.95
+    assert engine.num_free_blocks == 600  # every block back, rejected drafts' included
+    seeded = SamplingParams(max_tokens=12, temperature=0.7, seed=7)
+    alone = sample_all(engine, [Request("alone", prompt, seeded)])["alone"]
+    batch = sample_all(engine, [Request("x", [2, 2], SamplingParams(max_tokens=9, temperature=1.0)),
+                                Request("seeded", prompt, seeded), Request("y", [7, 1, 7], seeded)])  # fmt: skip
+    assert batch["seeded"] == alone
+    plain = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 64), SchedulerConfig(2048, 64))
+    assert sample_all(plain, [Request("plain", prompt, seeded)])["plain"] == alone
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_model, model_config):
+    path, _ = tiny_model
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(model_config, CacheConfig(16, 8), SchedulerConfig(64, 4),
+                  speculative_config=SpeculativeConfig("draft", draft_model=path))  # fmt: skip
+    with pytest.raises(ValueError, match="draft-num-layers"):
+        LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 8), SchedulerConfig(64, 4),
+                  speculative_config=SpeculativeConfig("early-exit", draft_num_layers=2))  # fmt: skip
+    with pytest.raises(ValueError, match="draft-model"):
+        SpeculativeConfig("draft")
 
 
 def test_chi_square_helper_rejects_a_wrong_distribution():
