@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram) with the real model, fp32 greedy against HF transformers: in one engine (chunked
-prefill of a long prompt and non-speculative requests in the same steps, preemption, aborts, stops inside an
-accepted run) and through a whole cluster (stop strings, usage counts)."""
+"""Speculative decoding with the real model and each proposer (n-gram; a draft model, an INT8 copy made here;
+early exit), fp32 greedy against HF transformers: in one engine (chunked prefill of a long prompt and
+non-speculative requests in the same steps, preemption, aborts, stops inside an accepted run) and through a
+whole cluster (stop strings, usage counts)."""
 import grpc
 import pytest
 
@@ -14,6 +15,8 @@ from tests.prompts import PROMPTS, prompt_token_ids
 from tandem.v1 import common_pb2
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+METHODS = ["ngram", "draft", "early-exit"]
+EARLY_EXIT_LAYERS = 8  # of 30: its drafts are rarely accepted (docs/speculative-decoding.md), but they run
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
         "    return 2 * (width + height)\n\n\ndef diagonal(width, height):\n    return (width ** 2 + height ** 2) ** 0.5\n")
 EXTRA = [  # (name, kind, text): output that copies its prompt, and text that repeats itself
@@ -43,29 +46,59 @@ def flat(chunks):
 
 
 @pytest.fixture(scope="module")
+def int8_draft(tmp_path_factory, model_dir) -> str:
+    """An INT8 (RTN, per channel) copy of the model: a separate draft checkpoint with the same tokenizer."""
+    from tools.quantize import main as quantize
+
+    out = tmp_path_factory.mktemp("draft") / "int8"
+    assert quantize(["--method", "rtn", "--bits", "8", "--model", str(model_dir), "--out", str(out)]) == 0
+    return str(out)
+
+
+@pytest.fixture(params=METHODS)
+def spec(request, int8_draft) -> SpeculativeConfig:
+    return {"ngram": NGRAM, "draft": SpeculativeConfig("draft", 4, draft_model=int8_draft),
+            "early-exit": SpeculativeConfig("early-exit", 4, draft_num_layers=EARLY_EXIT_LAYERS)}[request.param]
+
+
+@pytest.fixture(scope="module")
 def references(tokenizer, hf_greedy):
     """{name: (prompt ids, HF greedy tokens)} for the shared prompts and the copy-heavy ones."""
     return {name: (ids, hf_greedy(ids, NUM_REFERENCE_TOKENS))
             for name, kind, text in PROMPTS + EXTRA for ids in [prompt_token_ids(tokenizer, kind, text)]}  # fmt: skip
 
 
-def test_greedy_equals_hf_beside_chunked_prefill_and_plain_requests(model_config, references):
-    engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(64, 16), speculative_config=NGRAM)
+def test_greedy_equals_hf_beside_chunked_prefill_and_plain_requests(model_config, references, spec):
+    engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(64, 16), speculative_config=spec)
     requests = [Request(name, ids, greedy(speculative=name != "haiku")) for name, (ids, _) in references.items()]
     chunks = run(engine, requests)  # the long prompt is prefilled 64 tokens a step while the others speculate
     for name, (_, expected) in references.items():
         assert flat(chunks[name]) == expected, name
     assert max(len(c) for c in chunks["haiku"]) == 1 and requests[1].num_draft_tokens == 0  # it opted out
-    code = requests[[r.request_id for r in requests].index("code_edit")]
-    assert code.num_accepted_tokens > 0 and max(len(c) for c in chunks["code_edit"]) > 1
     stats = engine.stats()
-    assert stats.spec_num_accepted_tokens > 0 and stats.spec_mean_acceptance_length > 1
+    assert stats.spec_num_draft_tokens > 0
+    if spec.method != "early-exit":
+        code = requests[[r.request_id for r in requests].index("code_edit")]
+        assert code.num_accepted_tokens > 0 and max(len(c) for c in chunks["code_edit"]) > 1
+        assert stats.spec_num_accepted_tokens > 0 and stats.spec_mean_acceptance_length > 1
     assert engine.num_free_blocks == 256
 
 
-def test_preemption_and_abort_while_speculating(model_config, references):
+def test_seeded_sampling_is_the_same_with_and_without_speculation(model_config, references, spec):
+    names = ["code_edit", "capital", "repeat"]
+    params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11)
+    plain = run(LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8)),
+                [Request("alone", references["code_edit"][0], params)])  # fmt: skip
+    engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8), speculative_config=spec)
+    requests = [Request(n, references[n][0], params) for n in names]
+    chunks = run(engine, requests)
+    assert flat(chunks["code_edit"]) == flat(plain["alone"])  # batched, speculating, or neither: one sample
+    assert sum(r.num_draft_tokens for r in requests) > 0 and engine.num_free_blocks == 64
+
+
+def test_preemption_and_abort_while_speculating(model_config, references, spec):
     names = ["capital", "haiku", "raw_story", "raw_chinese", "repeat"]
-    engine = LLMEngine(model_config, CacheConfig(8, 24), SchedulerConfig(32, 8), speculative_config=NGRAM)
+    engine = LLMEngine(model_config, CacheConfig(8, 24), SchedulerConfig(32, 8), speculative_config=spec)
     requests = [Request(n, references[n][0], greedy()) for n in names]
     for r in requests:
         engine.add_request(r)
@@ -78,7 +111,7 @@ def test_preemption_and_abort_while_speculating(model_config, references):
     for n in names:
         assert outs[n] == references[n][1], n
     assert engine.num_free_blocks == 24
-    assert sum(r.num_accepted_tokens for r in requests) > 0
+    assert sum(r.num_draft_tokens for r in requests) > 0
     # aborted after a speculative step: every block back
     r = Request("abort-me", references["repeat"][0], greedy())
     engine.add_request(r)
@@ -87,9 +120,10 @@ def test_preemption_and_abort_while_speculating(model_config, references):
     assert engine.abort_request("abort-me") and engine.num_free_blocks == 24
 
 
-def test_stop_token_and_max_tokens_inside_an_accepted_run(model_config, references):
+@pytest.mark.parametrize("spec", ["ngram", "draft"], indirect=True)  # (early exit: too few accepted runs)
+def test_stop_token_and_max_tokens_inside_an_accepted_run(model_config, references, spec):
     ids, expected = references["code_edit"]
-    engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8), speculative_config=NGRAM)
+    engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8), speculative_config=spec)
     chunks = run(engine, [Request("probe", ids, greedy())])["probe"]
     # a step that emitted several tokens, and one of them, not the last, seen nowhere before it
     position, stop_token = next((start + i, c[i]) for start, c in _starts(chunks) if len(c) >= 3
@@ -112,13 +146,16 @@ def _starts(chunks):
         start += len(c)
 
 
-@pytest.fixture(scope="module")
-def spec_cluster(model_dir):
+@pytest.fixture(scope="module", params=METHODS)
+def spec_cluster(request, model_dir, int8_draft):
     from services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
-    spec = ["--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+    spec = ["--speculative-method", request.param, "--num-speculative-tokens", "4"]
+    spec += {"ngram": [], "draft": ["--draft-model", int8_draft],
+             "early-exit": ["--draft-num-layers", str(EARLY_EXIT_LAYERS)]}[request.param]  # fmt: skip
     with LocalCluster(str(model_dir), prefill_args=engine, decode_args=engine + spec) as cluster:
+        cluster.method = request.param
         yield cluster
 
 
@@ -133,10 +170,13 @@ def test_cluster_greedy_equals_hf_and_reports_drafts(spec_cluster, references):
         assert out.token_ids == references[name][1], name
         assert out.completion_tokens == len(out.token_ids)
     code = outs[names.index("code_edit")]
-    assert code.num_draft_tokens > 0 and 0 < code.num_accepted_tokens <= code.num_draft_tokens
+    assert code.num_draft_tokens > 0 and code.num_accepted_tokens <= code.num_draft_tokens
+    if spec_cluster.method != "early-exit":
+        assert code.num_accepted_tokens > 0
     wait_all_blocks_free(spec_cluster)
 
 
+@pytest.mark.parametrize("spec_cluster", ["ngram", "draft"], indirect=True)
 def test_cluster_stop_string_inside_an_accepted_run(spec_cluster, references, tokenizer):
     ids, expected = references["code_edit"]
     text = {name: text for name, _, text in EXTRA}["code_edit"]  # a chat prompt
