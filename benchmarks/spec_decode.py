@@ -4,9 +4,10 @@ each answer to its end (EOS) or --max-tokens.
 
     python -m benchmarks.spec_decode --concurrency 1,8,32 --json spec.json
 
-For each task and batch size, the same requests run once per method, all in flight at once: plain (the
-baseline), ngram (the default: each request's draft length adapts to its acceptance) and ngram-k (always up to
---num-speculative-tokens drafts). Decode tokens/s counts the tokens after each request's first, over the time from the step where every
+For each task and batch size, the same requests run once per method (--methods), all in flight at once: plain
+(the baseline), ngram (the default: each request gets the drafts that pay), ngram-k (always up to
+--num-speculative-tokens drafts), draft (a draft model, --draft-model: by default an INT8 RTN copy of the
+model, made once under ~/.cache/tandem/drafts) and early-exit (the model's first --draft-num-layers layers). Decode tokens/s counts the tokens after each request's first, over the time from the step where every
 request has its first token to the end (the median over --repeats alternating runs). Reported per method: that rate and its ratio to plain, the acceptance
 rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per verified step), and
 whether every request's tokens equal plain decoding's.
@@ -71,6 +72,18 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> t
     return [outputs[r.request_id] for r in requests], seconds, spec
 
 
+def int8_copy(model_dir: str) -> str:
+    """An INT8 RTN copy of the model (the default draft), made once."""
+    from pathlib import Path
+
+    from tools.quantize import main as quantize
+
+    out = Path.home() / ".cache" / "tandem" / "drafts" / f"{Path(model_dir).name}-int8-rtn"
+    if not (out / "config.json").exists():
+        quantize(["--method", "rtn", "--bits", "8", "--model", model_dir, "--out", str(out)])
+    return str(out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -80,6 +93,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1, help="runs per method, alternating; the median is reported")
+    p.add_argument("--methods", default="plain,ngram,ngram-k,draft,early-exit",
+                   help="of plain, ngram, ngram-k, draft, early-exit (plain is always run: the baseline)")
+    p.add_argument("--draft-model", default=None, help="draft checkpoint dir (default: an INT8 RTN copy)")
+    p.add_argument("--draft-num-layers", type=int, default=None, help="early-exit depth (default: the engine's)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -91,11 +108,16 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config, cache_config, scheduler_config = EngineArgs(num_blocks=1536).create_configs("decode", model_dir)
     k = args.num_speculative_tokens
-    methods = {"plain": None, "ngram": SpeculativeConfig("ngram", k),  # adaptive draft length, the default
-               "ngram-k": SpeculativeConfig("ngram", k, adaptive=False)}  # always up to k drafts
+    names = ["plain"] + [m for m in args.methods.split(",") if m != "plain"]
+    draft_model = args.draft_model or (int8_copy(model_dir) if "draft" in names else None)
+    configs = {"plain": lambda: None, "ngram": lambda: SpeculativeConfig("ngram", k),  # the default: adaptive
+               "ngram-k": lambda: SpeculativeConfig("ngram", k, adaptive=False),  # always up to k drafts
+               "draft": lambda: SpeculativeConfig("draft", k, draft_model=draft_model),
+               "early-exit": lambda: SpeculativeConfig("early-exit", k, draft_num_layers=args.draft_num_layers)}
+    methods = {name: configs[name]() for name in names}
     engines = {}  # one engine (and one copy of the weights) per method, reused
     rows = []
-    print(f"{'task':<6}{'batch':>6}  {'method':<8}{'decode tok/s':>13}{'vs plain':>9}{'accept':>8}"
+    print(f"{'task':<6}{'batch':>6}  {'method':<11}{'decode tok/s':>13}{'vs plain':>9}{'accept':>8}"
           f"{'mean len':>9}{'tokens':>8}  identical")  # fmt: skip
     for task in args.tasks.split(","):
         for batch in [int(c) for c in args.concurrency.split(",")]:
@@ -129,7 +151,7 @@ def main(argv=None) -> None:
                 rows.append(row)
                 accept = "-" if row["acceptance_rate"] is None else f"{100 * row['acceptance_rate']:.0f}%"
                 length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
-                print(f"{task:<6}{batch:>6}  {name:<8}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
+                print(f"{task:<6}{batch:>6}  {name:<11}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
                       f"{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

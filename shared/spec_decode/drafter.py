@@ -1,12 +1,16 @@
 """Drafter: the engine's speculative-decoding bookkeeping. Before each step it gives every decoding request that
 may speculate its draft tokens (spec_token_ids): the n-gram proposals, or for a draft model as many placeholder
 ids, whose slots the scheduler then allocates and budgets like any others, and which draft() fills in once the
-step is scheduled. After the step, record() counts the verified drafts and adapts the request's draft length
-(SpeculativeConfig.adaptive: HF assisted generation's "heuristic" schedule)."""
+step is scheduled. After the step, record() counts the verified drafts. With SpeculativeConfig.adaptive each
+request gets the drafts that pay (draft_length): its acceptance rate against what a draft token costs at this
+batch size, as the engine's own step times show (StepCostModel)."""
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
+import numpy as np
 import torch
 
 from shared.config import ModelConfig, SpeculativeConfig
@@ -17,7 +21,12 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 
 log = logging.getLogger(__name__)
 
-SPEC_REST_STEPS = 8  # adaptive: steps without drafts after a rejection at draft length 1
+SPEC_REST_STEPS = 8  # adaptive: steps without drafts between single-draft tries, while no draft pays
+SPEC_DECAY = 0.8  # adaptive: weight of a request's earlier verified steps in its acceptance rate, per step
+INSTANCE_DECAY = 0.99  # the same for the instance's rate, per verified request step
+PRIOR_WEIGHT = 2.0  # verified steps' worth of the instance's rate in a request's
+COST_WINDOW = 64  # steps the cost model fits
+MIN_COST_STEPS = 16
 
 
 PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
@@ -32,6 +41,8 @@ class Drafter:
         self.config = config
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # since start
         self.proposer = self.draft_model = None
+        self.cost = StepCostModel()
+        self.accepted_ema = self.rejected_ema = 0.0  # over every request's verified steps, decayed
         target = model_runner.model_config
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
@@ -60,25 +71,17 @@ class Drafter:
 
     def propose_drafts(self, running: list[Request], max_model_len: int) -> None:
         """Give each decoding request of the running batch that may speculate its draft tokens for this step: at
-        most its draft length, and what its max_tokens and the context leave room for (the token after the
-        drafts included); none when the batch is over config.disable_by_batch_size."""
+        most its draft length (draft_length), and what its max_tokens and the context leave room for (the token
+        after the drafts included); none when the batch is over config.disable_by_batch_size."""
         config = self.config
-        if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
+        if not running or (config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size):
             return
-        # NOTE: alone in the batch, a request always gets the full draft length: the forward is bound by reading
-        # the weights, so verifying k + 1 rows costs about what one does (measured: 2.15x plain on the copy task
-        # vs 1.82x with the adaptive length)
-        alone = len(running) == 1
+        beta = self.cost.draft_cost(len(running)) if config.adaptive else 0.0
         for request in running:
             if not request.sampling_params.speculative or request.num_computed_tokens != request.num_tokens - 1:
                 continue
-            if request.spec_window is None or alone:
-                request.spec_window = config.num_speculative_tokens
-            if request.spec_window < 1:  # resting after rejections at draft length 1: one step nearer
-                request.spec_window += 1
-                if request.spec_window < 1:
-                    continue
-            room = min(request.spec_window, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+            k = self.draft_length(request, beta) if config.adaptive else config.num_speculative_tokens
+            room = min(k, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
                        max_model_len - request.num_tokens - 1)  # fmt: skip
             if room <= 0:
                 continue
@@ -86,6 +89,32 @@ class Drafter:
                 request.spec_token_ids = [PLACEHOLDER] * room
             else:
                 request.spec_token_ids = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The instance's recent per-draft acceptance rate (the prior of a request's own), 1/2 to begin with."""
+        return (self.accepted_ema + 1) / (self.accepted_ema + self.rejected_ema + 2)
+
+    def draft_length(self, request: Request, beta: float) -> int:
+        """The adaptive draft length: the drafts whose expected gain outweighs their cost (Leviathan et al.
+        2023, section 3.4, choose the draft length from the acceptance rate and the draft's relative cost; here
+        per request and step). The request's i-th draft is accepted with probability about alpha^i and costs
+        beta tokens (StepCostModel.draft_cost), so it gets the drafts i <= num_speculative_tokens with
+        alpha^i > beta. alpha: its accepted drafts over accepted drafts plus rejections, counts decayed by
+        SPEC_DECAY per verified step, with PRIOR_WEIGHT steps' worth of the instance's rate as prior. When no
+        draft pays, the request tries a single one every SPEC_REST_STEPS + 1 steps, which keeps alpha current."""
+        accepted, rejected = request.spec_num_accepted_ema, request.spec_num_rejected_ema
+        alpha = (accepted + PRIOR_WEIGHT * self.acceptance_rate) / (accepted + rejected + PRIOR_WEIGHT)
+        k = 0
+        while k < self.config.num_speculative_tokens and alpha ** (k + 1) > beta:
+            k += 1
+        if k > 0:
+            return k
+        request.spec_rest_steps += 1
+        if request.spec_rest_steps <= SPEC_REST_STEPS:
+            return 0
+        request.spec_rest_steps = 0
+        return 1
 
     def draft(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """A draft model's turn, once the step is scheduled: replace the placeholder drafts of
@@ -95,22 +124,58 @@ class Drafter:
             return
         requests = [r for r in out.scheduled_requests if r.request_id in out.scheduled_spec_decode_tokens]
         num_drafts = [len(out.scheduled_spec_decode_tokens[r.request_id]) for r in requests]
-        for r, (drafts, probs) in zip(requests, self.draft_model.propose(requests, num_drafts, block_tables)):
+        start = time.perf_counter()
+        proposals = self.draft_model.propose(requests, num_drafts, block_tables)
+        self.cost.observe_drafts(sum(num_drafts), time.perf_counter() - start)
+        for r, (drafts, probs) in zip(requests, proposals):
             out.scheduled_spec_decode_tokens[r.request_id] = drafts
             if probs is not None:
                 out.spec_draft_probs[r.request_id] = probs
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Count a verified step's drafts, and adapt the request's draft length to them."""
-        if self.config.adaptive:
-            if num_accepted == num_drafts:
-                request.spec_window = min(request.spec_window + 2, self.config.num_speculative_tokens)
-            elif request.spec_window > 1:
-                request.spec_window -= 1
-            else:  # its single draft rejected too: no drafts for the next SPEC_REST_STEPS steps
-                request.spec_window = 1 - SPEC_REST_STEPS
+        """Count a verified step's drafts, for the request's acceptance rate and the totals."""
+        rejected = num_accepted < num_drafts
+        request.spec_num_accepted_ema = SPEC_DECAY * request.spec_num_accepted_ema + num_accepted
+        request.spec_num_rejected_ema = SPEC_DECAY * request.spec_num_rejected_ema + rejected
+        self.accepted_ema = INSTANCE_DECAY * self.accepted_ema + num_accepted
+        self.rejected_ema = INSTANCE_DECAY * self.rejected_ema + rejected
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+
+
+class StepCostModel:
+    """What a draft token costs, from the steps this engine ran: step seconds = a + b * rows, fitted by least
+    squares over the last COST_WINDOW steps, and a draft model's seconds per draft token (an average over its
+    recent calls; 0 for n-gram lookup)."""
+
+    def __init__(self):
+        self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+        self.draft_seconds_per_token = 0.0
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        self.steps.append((num_rows, seconds))
+
+    def observe_drafts(self, num_draft_tokens: int, seconds: float) -> None:
+        per_token = seconds / num_draft_tokens
+        self.draft_seconds_per_token = 0.9 * self.draft_seconds_per_token + 0.1 * per_token if \
+            self.draft_seconds_per_token else per_token
+
+    def draft_cost(self, batch_size: int) -> float:
+        """The cost of one draft token in a step of batch_size requests, in tokens: (b + a draft's seconds per
+        token) / ((a + b * batch_size) / batch_size), the seconds an extra verified row (and drafting it) takes
+        over the seconds per token of a step without drafts. A step with drafts gives more tokens per second iff
+        its drafts' expected accepted tokens exceed their summed cost. 0 until MIN_COST_STEPS steps with
+        different row counts were seen."""
+        if len(self.steps) < MIN_COST_STEPS:
+            return 0.0
+        rows = np.array([r for r, _ in self.steps], dtype=np.float64)
+        seconds = np.array([t for _, t in self.steps], dtype=np.float64)
+        if rows.std() < 0.5:
+            return 0.0
+        b, a = np.polyfit(rows, seconds, 1)
+        b, a = max(b, 0.0), max(a, 0.0)
+        per_token = (a + b * batch_size) / batch_size
+        return (b + self.draft_seconds_per_token) / per_token if per_token > 0 else 0.0
