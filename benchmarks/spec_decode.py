@@ -7,10 +7,11 @@ each answer to its end (EOS) or --max-tokens.
 For each task and batch size, the same requests run once per method (--methods), all in flight at once: plain
 (the baseline), ngram (the default: each request gets the drafts that pay), ngram-k (always up to
 --num-speculative-tokens drafts), draft (a draft model, --draft-model: by default an INT8 RTN copy of the
-model, made once under ~/.cache/tandem/drafts) and early-exit (the model's first --draft-num-layers layers). Decode tokens/s counts the tokens after each request's first, over the time from the step where every
-request has its first token to the end (the median over --repeats alternating runs). Reported per method: that rate and its ratio to plain, the acceptance
-rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per verified step), and
-whether every request's tokens equal plain decoding's.
+model, made once under ~/.cache/tandem/drafts) and early-exit (the model's first --draft-num-layers layers).
+Decode tokens/s counts the tokens after each request's first, over the time from the step where every request
+has its first token to the end (the median over --repeats alternating runs). Reported per method: that rate
+and its ratio to plain, the acceptance rate (accepted / proposed drafts), the mean acceptance length (tokens a
+request gains per verified step), and whether every request's tokens equal plain decoding's.
 """
 from __future__ import annotations
 

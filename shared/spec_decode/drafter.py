@@ -21,7 +21,8 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 
 log = logging.getLogger(__name__)
 
-SPEC_REST_STEPS = 8  # adaptive: steps without drafts between single-draft tries, while no draft pays
+SPEC_REST_STEPS = 8  # adaptive, while no draft pays: steps between single-draft tries, times beta / alpha
+MAX_REST_STEPS = 64
 SPEC_DECAY = 0.8  # adaptive: weight of a request's earlier verified steps in its acceptance rate, per step
 INSTANCE_DECAY = 0.99  # the same for the instance's rate, per verified request step
 PRIOR_WEIGHT = 2.0  # verified steps' worth of the instance's rate in a request's
@@ -102,7 +103,8 @@ class Drafter:
         beta tokens (StepCostModel.draft_cost), so it gets the drafts i <= num_speculative_tokens with
         alpha^i > beta. alpha: its accepted drafts over accepted drafts plus rejections, counts decayed by
         SPEC_DECAY per verified step, with PRIOR_WEIGHT steps' worth of the instance's rate as prior. When no
-        draft pays, the request tries a single one every SPEC_REST_STEPS + 1 steps, which keeps alpha current."""
+        draft pays, the request tries a single one now and then, which keeps alpha current: after
+        SPEC_REST_STEPS * beta / alpha steps (at most MAX_REST_STEPS), the further from paying the rarer."""
         accepted, rejected = request.spec_num_accepted_ema, request.spec_num_rejected_ema
         alpha = (accepted + PRIOR_WEIGHT * self.acceptance_rate) / (accepted + rejected + PRIOR_WEIGHT)
         k = 0
@@ -111,7 +113,7 @@ class Drafter:
         if k > 0:
             return k
         request.spec_rest_steps += 1
-        if request.spec_rest_steps <= SPEC_REST_STEPS:
+        if request.spec_rest_steps <= min(SPEC_REST_STEPS * beta / alpha, MAX_REST_STEPS):
             return 0
         request.spec_rest_steps = 0
         return 1
