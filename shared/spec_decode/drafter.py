@@ -155,6 +155,7 @@ class StepCostModel:
 
     def __init__(self):
         self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+        self.fit: tuple[float, float] | None = None  # (a, b): seconds per step and per row
         self.draft_seconds_per_token = 0.0
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
@@ -169,15 +170,17 @@ class StepCostModel:
         """The cost of one draft token in a step of batch_size requests, in tokens: (b + a draft's seconds per
         token) / ((a + b * batch_size) / batch_size), the seconds an extra verified row (and drafting it) takes
         over the seconds per token of a step without drafts. A step with drafts gives more tokens per second iff
-        its drafts' expected accepted tokens exceed their summed cost. 0 until MIN_COST_STEPS steps with
-        different row counts were seen."""
-        if len(self.steps) < MIN_COST_STEPS:
+        its drafts' expected accepted tokens exceed their summed cost. The fit is redone when the window holds
+        MIN_COST_STEPS steps of different row counts, and kept while it does not (a batch that stopped
+        drafting has one row count); 0 until the first fit."""
+        if len(self.steps) >= MIN_COST_STEPS:
+            rows = np.array([r for r, _ in self.steps], dtype=np.float64)
+            if rows.std() >= 0.5:
+                seconds = np.array([t for _, t in self.steps], dtype=np.float64)
+                b, a = np.polyfit(rows, seconds, 1)
+                self.fit = max(a, 0.0), max(b, 0.0)
+        if self.fit is None:
             return 0.0
-        rows = np.array([r for r, _ in self.steps], dtype=np.float64)
-        seconds = np.array([t for _, t in self.steps], dtype=np.float64)
-        if rows.std() < 0.5:
-            return 0.0
-        b, a = np.polyfit(rows, seconds, 1)
-        b, a = max(b, 0.0), max(a, 0.0)
+        a, b = self.fit
         per_token = (a + b * batch_size) / batch_size
         return (b + self.draft_seconds_per_token) / per_token if per_token > 0 else 0.0

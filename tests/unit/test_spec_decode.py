@@ -308,5 +308,8 @@ def test_step_cost_model_prices_a_draft_token_by_the_batch_size():
     # an extra row costs 2 ms; a step of 32 costs 164 ms, 5.1 ms per token: 0.39 tokens per draft token
     assert cost.draft_cost(32) == pytest.approx(0.002 / (0.164 / 32), rel=1e-6)
     assert cost.draft_cost(1) == pytest.approx(0.002 / 0.102, rel=1e-6)  # weight reads dominate: drafts are cheap
+    for _ in range(64):  # a batch that stopped drafting: one row count, the fit stays
+        cost.observe_step(32, 0.5)
+    assert cost.draft_cost(32) == pytest.approx(0.002 / (0.164 / 32), rel=1e-6)
     cost.observe_drafts(4, 0.004)  # a draft model taking 1 ms per draft token
     assert cost.draft_cost(32) == pytest.approx(0.003 / (0.164 / 32), rel=1e-6)
