@@ -73,7 +73,6 @@ class Request:
     num_accepted_tokens: int = 0
     spec_num_accepted_ema: float = 0.0  # adaptive speculation: accepted drafts and rejections, decayed per step
     spec_num_rejected_ema: float = 0.0
-    spec_rest_steps: int = 0  # steps since its last draft, while no draft pays
     num_draft_computed_tokens: int = 0  # tokens with KV in a draft model's own pool (a prefix of the sequence)
 
     @property

@@ -7,6 +7,7 @@ batch size, as the engine's own step times show (StepCostModel)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
@@ -21,13 +22,13 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 
 log = logging.getLogger(__name__)
 
-SPEC_REST_STEPS = 8  # adaptive, while no draft pays: steps between single-draft tries, times beta / alpha
+SPEC_REST_STEPS = 8  # adaptive, while no draft pays: steps between single-draft tries, at least
 MAX_REST_STEPS = 64
 SPEC_DECAY = 0.8  # adaptive: weight of a request's earlier verified steps in its acceptance rate, per step
 INSTANCE_DECAY = 0.99  # the same for the instance's rate, per verified request step
 PRIOR_WEIGHT = 2.0  # verified steps' worth of the instance's rate in a request's
 COST_WINDOW = 64  # steps the cost model fits
-MIN_COST_STEPS = 16
+MIN_COST_STEPS = 8
 
 
 PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
@@ -44,6 +45,7 @@ class Drafter:
         self.proposer = self.draft_model = None
         self.cost = StepCostModel()
         self.accepted_ema = self.rejected_ema = 0.0  # over every request's verified steps, decayed
+        self.num_steps = 0  # steps proposed for
         target = model_runner.model_config
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
@@ -78,6 +80,7 @@ class Drafter:
         if not running or (config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size):
             return
         beta = self.cost.draft_cost(len(running)) if config.adaptive else 0.0
+        self.num_steps += 1
         for request in running:
             if not request.sampling_params.speculative or request.num_computed_tokens != request.num_tokens - 1:
                 continue
@@ -103,20 +106,20 @@ class Drafter:
         beta tokens (StepCostModel.draft_cost), so it gets the drafts i <= num_speculative_tokens with
         alpha^i > beta. alpha: its accepted drafts over accepted drafts plus rejections, counts decayed by
         SPEC_DECAY per verified step, with PRIOR_WEIGHT steps' worth of the instance's rate as prior. When no
-        draft pays, the request tries a single one now and then, which keeps alpha current: after
-        SPEC_REST_STEPS * beta / alpha steps (at most MAX_REST_STEPS), the further from paying the rarer."""
+        draft pays but one could (beta < 1), the request tries a single one now and then, which keeps alpha
+        current: every SPEC_REST_STEPS * 2^ceil(log2(beta / alpha)) steps (at most MAX_REST_STEPS), the
+        further from paying the rarer."""
         accepted, rejected = request.spec_num_accepted_ema, request.spec_num_rejected_ema
         alpha = (accepted + PRIOR_WEIGHT * self.acceptance_rate) / (accepted + rejected + PRIOR_WEIGHT)
         k = 0
         while k < self.config.num_speculative_tokens and alpha ** (k + 1) > beta:
             k += 1
-        if k > 0:
+        if k > 0 or beta >= 1:  # (beta >= 1: not even a sure draft pays, so none is tried)
             return k
-        request.spec_rest_steps += 1
-        if request.spec_rest_steps <= min(SPEC_REST_STEPS * beta / alpha, MAX_REST_STEPS):
-            return 0
-        request.spec_rest_steps = 0
-        return 1
+        # a single try every `rest` steps, rest a power of two so that the requests resting alike try in the
+        # same steps: a draft model's forward costs about the same for one request as for several
+        rest = min(SPEC_REST_STEPS * 2 ** max(0, math.ceil(math.log2(beta / alpha))), MAX_REST_STEPS)
+        return 1 if self.num_steps % rest == 0 else 0
 
     def draft(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """A draft model's turn, once the step is scheduled: replace the placeholder drafts of

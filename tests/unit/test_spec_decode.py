@@ -284,10 +284,10 @@ def test_draft_length_follows_acceptance_and_cost_and_large_batches_do_not_specu
     assert num_proposed(0.2) == 4  # all accepted lately: alpha 0.98
     for _ in range(12):
         drafter.record(r, 4, 0)
-    rests = 0  # rejected lately (alpha 0.21): no draft pays; a single try after 8 * 0.3 / 0.21 = 11.4 steps
-    while num_proposed(0.3) == 0:
-        rests += 1
-    assert rests == 11
+    tries = [num_proposed(0.3) for _ in range(64)]  # rejected lately (alpha 0.21): no draft pays; a single
+    assert sum(tries) == 4 and tries.index(1) < 16  # try every 8 * 2^ceil(log2(0.3 / 0.21)) = 16 steps
+    assert [i for i, n in enumerate(tries) if n] == [tries.index(1) + 16 * j for j in range(4)]
+    assert sum(num_proposed(1.0) for _ in range(64)) == 0  # beta >= 1: not even a sure draft pays
     drafter.record(r, 1, 1)
     assert num_proposed(0.3) == 1  # that try was accepted: alpha 0.34, a draft pays again
     assert num_proposed(0.0) == 4  # (free drafts always pay)
