@@ -73,6 +73,27 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> t
     return [outputs[r.request_id] for r in requests], seconds, spec
 
 
+def draft_prompt_cost(engine: LLMEngine, num_tokens: int = 1000) -> str:
+    """What the draft model's prompt KV costs on the decode: its forward over a num_tokens prompt (the catch-up
+    of a request's first speculative step) beside the target's prefill of it, and the bytes that KV would add
+    to a transfer instead."""
+    from shared.model_runner import run_model
+
+    runner, draft = engine.model_runner, engine.drafter.draft_model
+    block_size = runner.cache_config.block_size
+    table = list(range(-(-num_tokens // block_size)))
+    ids = torch.randint(100, runner.model_config.vocab_size, (num_tokens,)).tolist()
+    seconds = {}
+    for name, model, kv in (("target", runner.model, runner.kv_caches), ("draft", draft.model, draft.kv_caches)):
+        start = time.perf_counter()
+        run_model(model, kv, [(ids, 0, table, 1)], block_size, runner.device)
+        seconds[name] = time.perf_counter() - start
+    per_token = draft.kv_caches[:, :, 0, 0].numel() * draft.kv_caches.element_size()
+    return (f"draft prompt KV: a {num_tokens}-token prompt takes the draft {seconds['draft']:.2f} s on the decode "
+            f"(the target's prefill of it: {seconds['target']:.2f} s); shipping it instead would add "
+            f"{per_token * num_tokens / 1e6:.1f} MB to the transfer")
+
+
 def int8_copy(model_dir: str) -> str:
     """An INT8 RTN copy of the model (the default draft), made once."""
     from pathlib import Path
@@ -154,6 +175,8 @@ def main(argv=None) -> None:
                 length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
                 print(f"{task:<6}{batch:>6}  {name:<11}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
                       f"{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}", flush=True)
+    if "draft" in engines:
+        print(draft_prompt_cost(engines["draft"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

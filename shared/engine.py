@@ -248,8 +248,8 @@ class LLMEngine:
             self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
         start = time.perf_counter()
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
-        if self.drafter is not None and scheduler_output.scheduled_requests:
-            self.drafter.cost.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - start)
+        if self.drafter is not None:
+            self.drafter.observe_step(scheduler_output, time.perf_counter() - start)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
         return self.update_from_output(scheduler_output, model_output, kv_blocks)
 

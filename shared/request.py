@@ -71,8 +71,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
     num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)
     num_accepted_tokens: int = 0
-    spec_num_accepted_ema: float = 0.0  # adaptive speculation: accepted drafts and rejections, decayed per step
-    spec_num_rejected_ema: float = 0.0
+    spec_window: int | None = None  # its draft length now, with adaptive speculation (None: not started)
     num_draft_computed_tokens: int = 0  # tokens with KV in a draft model's own pool (a prefix of the sequence)
 
     @property

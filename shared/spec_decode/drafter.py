@@ -1,17 +1,14 @@
 """Drafter: the engine's speculative-decoding bookkeeping. Before each step it gives every decoding request that
 may speculate its draft tokens (spec_token_ids): the n-gram proposals, or for a draft model as many placeholder
 ids, whose slots the scheduler then allocates and budgets like any others, and which draft() fills in once the
-step is scheduled. After the step, record() counts the verified drafts. With SpeculativeConfig.adaptive each
-request gets the drafts that pay (draft_length): its acceptance rate against what a draft token costs at this
-batch size, as the engine's own step times show (StepCostModel)."""
+step is scheduled. After the step, record() counts the verified drafts and (SpeculativeConfig.adaptive) adapts
+the request's draft length (HF assisted generation's "heuristic" schedule); a draft model whose token costs at
+least the target's, by this engine's own timings (StepCostModel), proposes nothing."""
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections import deque
 
-import numpy as np
 import torch
 
 from shared.config import ModelConfig, SpeculativeConfig
@@ -22,13 +19,7 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 
 log = logging.getLogger(__name__)
 
-SPEC_REST_STEPS = 8  # adaptive, while no draft pays: steps between single-draft tries, at least
-MAX_REST_STEPS = 64
-SPEC_DECAY = 0.8  # adaptive: weight of a request's earlier verified steps in its acceptance rate, per step
-INSTANCE_DECAY = 0.99  # the same for the instance's rate, per verified request step
-PRIOR_WEIGHT = 2.0  # verified steps' worth of the instance's rate in a request's
-COST_WINDOW = 64  # steps the cost model fits
-MIN_COST_STEPS = 8
+SPEC_REST_STEPS = 8  # adaptive: steps without drafts after a rejection at draft length 1
 
 
 PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
@@ -44,8 +35,6 @@ class Drafter:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # since start
         self.proposer = self.draft_model = None
         self.cost = StepCostModel()
-        self.accepted_ema = self.rejected_ema = 0.0  # over every request's verified steps, decayed
-        self.num_steps = 0  # steps proposed for
         target = model_runner.model_config
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
@@ -74,18 +63,28 @@ class Drafter:
 
     def propose_drafts(self, running: list[Request], max_model_len: int) -> None:
         """Give each decoding request of the running batch that may speculate its draft tokens for this step: at
-        most its draft length (draft_length), and what its max_tokens and the context leave room for (the token
-        after the drafts included); none when the batch is over config.disable_by_batch_size."""
+        most its draft length, and what its max_tokens and the context leave room for (the token after the
+        drafts included). None when the batch is over config.disable_by_batch_size, nor (adaptive) when a draft
+        model's token costs at least a target's (StepCostModel.draft_cost): then no acceptance rate could pay."""
         config = self.config
         if not running or (config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size):
             return
-        beta = self.cost.draft_cost(len(running)) if config.adaptive else 0.0
-        self.num_steps += 1
+        if config.adaptive and self.draft_model is not None and self.cost.draft_cost() >= 1:
+            return
+        # NOTE: alone in the batch, a request with n-gram drafts always gets the full draft length: they cost no
+        # model call, and the forward is bound by reading the weights, so verifying k + 1 rows costs about what
+        # one does (measured: 2.15x plain on the copy task vs 1.82x with the adaptive length)
+        free_drafts = len(running) == 1 and self.draft_model is None
         for request in running:
             if not request.sampling_params.speculative or request.num_computed_tokens != request.num_tokens - 1:
                 continue
-            k = self.draft_length(request, beta) if config.adaptive else config.num_speculative_tokens
-            room = min(k, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+            if request.spec_window is None or free_drafts or not config.adaptive:
+                request.spec_window = config.num_speculative_tokens
+            if request.spec_window < 1:  # resting after rejections at draft length 1: one step nearer
+                request.spec_window += 1
+                if request.spec_window < 1:
+                    continue
+            room = min(request.spec_window, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
                        max_model_len - request.num_tokens - 1)  # fmt: skip
             if room <= 0:
                 continue
@@ -94,32 +93,11 @@ class Drafter:
             else:
                 request.spec_token_ids = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
 
-    @property
-    def acceptance_rate(self) -> float:
-        """The instance's recent per-draft acceptance rate (the prior of a request's own), 1/2 to begin with."""
-        return (self.accepted_ema + 1) / (self.accepted_ema + self.rejected_ema + 2)
-
-    def draft_length(self, request: Request, beta: float) -> int:
-        """The adaptive draft length: the drafts whose expected gain outweighs their cost (Leviathan et al.
-        2023, section 3.4, choose the draft length from the acceptance rate and the draft's relative cost; here
-        per request and step). The request's i-th draft is accepted with probability about alpha^i and costs
-        beta tokens (StepCostModel.draft_cost), so it gets the drafts i <= num_speculative_tokens with
-        alpha^i > beta. alpha: its accepted drafts over accepted drafts plus rejections, counts decayed by
-        SPEC_DECAY per verified step, with PRIOR_WEIGHT steps' worth of the instance's rate as prior. When no
-        draft pays but one could (beta < 1), the request tries a single one now and then, which keeps alpha
-        current: every SPEC_REST_STEPS * 2^ceil(log2(beta / alpha)) steps (at most MAX_REST_STEPS), the
-        further from paying the rarer."""
-        accepted, rejected = request.spec_num_accepted_ema, request.spec_num_rejected_ema
-        alpha = (accepted + PRIOR_WEIGHT * self.acceptance_rate) / (accepted + rejected + PRIOR_WEIGHT)
-        k = 0
-        while k < self.config.num_speculative_tokens and alpha ** (k + 1) > beta:
-            k += 1
-        if k > 0 or beta >= 1:  # (beta >= 1: not even a sure draft pays, so none is tried)
-            return k
-        # a single try every `rest` steps, rest a power of two so that the requests resting alike try in the
-        # same steps: a draft model's forward costs about the same for one request as for several
-        rest = min(SPEC_REST_STEPS * 2 ** max(0, math.ceil(math.log2(beta / alpha))), MAX_REST_STEPS)
-        return 1 if self.num_steps % rest == 0 else 0
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the cost model a step that only decoded (each request at most 1 + num_speculative_tokens rows)."""
+        num_requests = len(out.scheduled_requests)
+        if num_requests and out.total_num_scheduled_tokens <= num_requests * (1 + self.config.num_speculative_tokens):
+            self.cost.observe_step(num_requests, seconds)
 
     def draft(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """A draft model's turn, once the step is scheduled: replace the placeholder drafts of
@@ -138,12 +116,16 @@ class Drafter:
                 out.spec_draft_probs[r.request_id] = probs
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Count a verified step's drafts, for the request's acceptance rate and the totals."""
-        rejected = num_accepted < num_drafts
-        request.spec_num_accepted_ema = SPEC_DECAY * request.spec_num_accepted_ema + num_accepted
-        request.spec_num_rejected_ema = SPEC_DECAY * request.spec_num_rejected_ema + rejected
-        self.accepted_ema = INSTANCE_DECAY * self.accepted_ema + num_accepted
-        self.rejected_ema = INSTANCE_DECAY * self.rejected_ema + rejected
+        """Count a verified step's drafts, and (adaptive) adapt the request's draft length to them: one shorter
+        after a rejection, two longer after a step that accepted every draft (HF assisted generation's
+        "heuristic" schedule); after a rejection at length 1, no drafts for SPEC_REST_STEPS steps."""
+        if self.config.adaptive:
+            if num_accepted == num_drafts:
+                request.spec_window = min(request.spec_window + 2, self.config.num_speculative_tokens)
+            elif request.spec_window > 1:
+                request.spec_window -= 1
+            else:
+                request.spec_window = 1 - SPEC_REST_STEPS
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         self.num_drafts += 1
@@ -152,38 +134,28 @@ class Drafter:
 
 
 class StepCostModel:
-    """What a draft token costs, from the steps this engine ran: step seconds = a + b * rows, fitted by least
-    squares over the last COST_WINDOW steps, and a draft model's seconds per draft token (an average over its
-    recent calls; 0 for n-gram lookup)."""
+    """What a draft model's token costs against a target's, from this engine's own timings: the seconds per
+    request of its decode steps and the draft model's seconds per draft token (averages over recent steps and
+    calls)."""
 
     def __init__(self):
-        self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
-        self.fit: tuple[float, float] | None = None  # (a, b): seconds per step and per row
+        self.seconds_per_request = 0.0
         self.draft_seconds_per_token = 0.0
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        self.steps.append((num_rows, seconds))
+    def observe_step(self, batch_size: int, seconds: float) -> None:
+        self.seconds_per_request = _average(self.seconds_per_request, seconds / batch_size)
 
     def observe_drafts(self, num_draft_tokens: int, seconds: float) -> None:
-        per_token = seconds / num_draft_tokens
-        self.draft_seconds_per_token = 0.9 * self.draft_seconds_per_token + 0.1 * per_token if \
-            self.draft_seconds_per_token else per_token
+        self.draft_seconds_per_token = _average(self.draft_seconds_per_token, seconds / num_draft_tokens)
 
-    def draft_cost(self, batch_size: int) -> float:
-        """The cost of one draft token in a step of batch_size requests, in tokens: (b + a draft's seconds per
-        token) / ((a + b * batch_size) / batch_size), the seconds an extra verified row (and drafting it) takes
-        over the seconds per token of a step without drafts. A step with drafts gives more tokens per second iff
-        its drafts' expected accepted tokens exceed their summed cost. The fit is redone when the window holds
-        MIN_COST_STEPS steps of different row counts, and kept while it does not (a batch that stopped
-        drafting has one row count); 0 until the first fit."""
-        if len(self.steps) >= MIN_COST_STEPS:
-            rows = np.array([r for r, _ in self.steps], dtype=np.float64)
-            if rows.std() >= 0.5:
-                seconds = np.array([t for _, t in self.steps], dtype=np.float64)
-                b, a = np.polyfit(rows, seconds, 1)
-                self.fit = max(a, 0.0), max(b, 0.0)
-        if self.fit is None:
+    def draft_cost(self) -> float:
+        """A draft token's seconds over a target token's: at 1 or more not even a draft accepted every time
+        pays (the verification comes on top). 0 until both were measured."""
+        if not self.seconds_per_request or not self.draft_seconds_per_token:
             return 0.0
-        a, b = self.fit
-        per_token = (a + b * batch_size) / batch_size
-        return (b + self.draft_seconds_per_token) / per_token if per_token > 0 else 0.0
+        return self.draft_seconds_per_token / self.seconds_per_request
+
+
+def _average(mean: float, value: float) -> float:
+    """An exponential moving average (weight 0.1 for the new value); the first value as it is."""
+    return 0.9 * mean + 0.1 * value if mean else value

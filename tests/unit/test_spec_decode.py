@@ -12,7 +12,7 @@ from shared.engine import LLMEngine
 from shared.kv_cache_manager import KVCacheManager
 from shared.request import Request, SamplingParams
 from shared.scheduler import Scheduler
-from shared.spec_decode.drafter import MIN_COST_STEPS, StepCostModel
+from shared.spec_decode.drafter import SPEC_REST_STEPS, StepCostModel
 from shared.spec_decode.ngram_proposer import NgramProposer
 from shared.spec_decode.rejection_sampler import accept_draft_tokens
 
@@ -248,68 +248,67 @@ def test_chi_square_helper_rejects_a_wrong_distribution():
     assert chi_square_pvalue(samples, np.array([0.4, 0.4, 0.2])) < 1e-6
 
 
-class FixedCost(StepCostModel):
-    """A draft token's cost fixed at beta (the cost under test)."""
-
-    def __init__(self, beta):
-        super().__init__()
-        self.beta = beta
-
-    def draft_cost(self, batch_size):
-        return self.beta
-
-
-def test_draft_length_follows_acceptance_and_cost_and_large_batches_do_not_speculate(tiny_model):
+def test_draft_length_adapts_and_large_batches_do_not_speculate(tiny_model):
     path, _ = tiny_model
     config = SpeculativeConfig("ngram", 4, disable_by_batch_size=2)
     engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 64), SchedulerConfig(64, 8),
                        speculative_config=config)  # fmt: skip
-    drafter = engine.drafter
-    drafter.proposer = FixedProposer([1, 2, 1, 2, 1, 2])
+    engine.drafter.proposer = FixedProposer([1, 2, 1, 2, 1, 2])
 
-    def num_proposed(beta):
-        drafter.cost = FixedCost(beta)
-        r.spec_token_ids = []
-        drafter.propose_drafts(engine.scheduler.running, engine.model_config.max_model_len)
-        return len(r.spec_token_ids)
+    def propose():
+        engine.drafter.propose_drafts(engine.scheduler.running, engine.model_config.max_model_len)
 
-    r = Request("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=40, temperature=0.0))
+    r = Request("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=20, temperature=0.0))
     engine.add_request(r)
-    engine.add_request(Request("b", [3, 4, 5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0)))
-    engine.step()  # the prompts and the first tokens
-    assert num_proposed(0.0) == 4  # nothing measured yet: every draft
-    assert num_proposed(0.2) == 2  # the instance's prior rate 1/2: drafts i with 0.5^i > 0.2
-    for _ in range(6):
-        drafter.record(r, 2, 2)
-    assert num_proposed(0.2) == 4  # all accepted lately: alpha 0.98
-    for _ in range(12):
-        drafter.record(r, 4, 0)
-    tries = [num_proposed(0.3) for _ in range(64)]  # rejected lately (alpha 0.21): no draft pays; a single
-    assert sum(tries) == 4 and tries.index(1) < 16  # try every 8 * 2^ceil(log2(0.3 / 0.21)) = 16 steps
-    assert [i for i, n in enumerate(tries) if n] == [tries.index(1) + 16 * j for j in range(4)]
-    assert sum(num_proposed(1.0) for _ in range(64)) == 0  # beta >= 1: not even a sure draft pays
-    drafter.record(r, 1, 1)
-    assert num_proposed(0.3) == 1  # that try was accepted: alpha 0.34, a draft pays again
-    assert num_proposed(0.0) == 4  # (free drafts always pay)
-    for i in range(2):  # four running requests: over disable_by_batch_size, no drafts for anyone
+    engine.add_request(Request("b", [3, 4, 5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0)))
+    engine.step()  # the prompts and the first tokens (two running: the draft length adapts)
+    propose()
+    assert r.spec_window == 4 and len(r.spec_token_ids) == 4
+    for num_drafts, num_accepted, window in ((4, 4, 4), (3, 1, 3), (2, 0, 2), (2, 0, 1), (3, 3, 3), (3, 0, 2),
+                                             (2, 0, 1)):  # -1 on a rejection, +2 on none, at most 4
+        engine.drafter.record(r, num_drafts, num_accepted)
+        assert r.spec_window == window, (num_drafts, num_accepted, window)
+    engine.drafter.record(r, 1, 0)  # rejected at length 1: it rests SPEC_REST_STEPS steps, then tries 1 again
+    r.spec_token_ids = []
+    for _ in range(SPEC_REST_STEPS - 1):
+        propose()
+        assert r.spec_token_ids == []
+    propose()
+    assert r.spec_window == 1 and len(r.spec_token_ids) == 1
+    r.spec_token_ids = []
+    engine.abort_request("b")  # alone in the batch: always the full draft length
+    propose()
+    assert r.spec_window == 4 and len(r.spec_token_ids) == 4
+    r.spec_token_ids = []
+    for i in range(2):  # three running requests: over disable_by_batch_size, no drafts for anyone
         engine.add_request(Request(f"c{i}", [1, 2, 1, 2, 1], SamplingParams(max_tokens=20, temperature=0.0)))
     engine.step()
-    assert num_proposed(0.0) == 0
-    assert len(engine.scheduler.running) == 4 and all(not q.spec_token_ids for q in engine.scheduler.running)
+    propose()
+    assert len(engine.scheduler.running) == 3 and all(not q.spec_token_ids for q in engine.scheduler.running)
 
 
-def test_step_cost_model_prices_a_draft_token_by_the_batch_size():
+def test_a_draft_model_costing_a_target_token_or_more_proposes_nothing():
     cost = StepCostModel()
-    for i in range(MIN_COST_STEPS - 1):
-        cost.observe_step(32 + i % 9, 0.1 + 0.002 * (32 + i % 9))
-    assert cost.draft_cost(32) == 0.0  # too few steps yet
-    for i in range(40):
-        cost.observe_step(32 + i % 9, 0.1 + 0.002 * (32 + i % 9))
-    # an extra row costs 2 ms; a step of 32 costs 164 ms, 5.1 ms per token: 0.39 tokens per draft token
-    assert cost.draft_cost(32) == pytest.approx(0.002 / (0.164 / 32), rel=1e-6)
-    assert cost.draft_cost(1) == pytest.approx(0.002 / 0.102, rel=1e-6)  # weight reads dominate: drafts are cheap
-    for _ in range(64):  # a batch that stopped drafting: one row count, the fit stays
-        cost.observe_step(32, 0.5)
-    assert cost.draft_cost(32) == pytest.approx(0.002 / (0.164 / 32), rel=1e-6)
-    cost.observe_drafts(4, 0.004)  # a draft model taking 1 ms per draft token
-    assert cost.draft_cost(32) == pytest.approx(0.003 / (0.164 / 32), rel=1e-6)
+    assert cost.draft_cost() == 0.0  # nothing measured yet
+    cost.observe_step(8, 0.16)  # 20 ms per request
+    cost.observe_drafts(8, 0.08)  # 10 ms per draft token
+    assert cost.draft_cost() == pytest.approx(0.5)
+    for _ in range(60):
+        cost.observe_drafts(8, 0.2)  # 25 ms per draft token: more than a target token
+    assert cost.draft_cost() == pytest.approx(1.25, rel=1e-2)
+
+
+def test_early_exit_drafts_stop_when_they_cost_too_much(tiny_model):
+    path, _ = tiny_model
+    engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 64), SchedulerConfig(64, 8),
+                       speculative_config=SpeculativeConfig("early-exit", 2, draft_num_layers=1))  # fmt: skip
+    r = Request("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=30, temperature=0.0))
+    engine.add_request(r)
+    engine.step()
+    engine.drafter.propose_drafts(engine.scheduler.running, 64)
+    assert r.spec_token_ids == [-1, -1]  # placeholders, filled in once the step is scheduled
+    r.spec_token_ids = []
+    engine.drafter.cost.observe_step(1, 0.01)
+    engine.drafter.cost.observe_drafts(1, 0.02)  # a draft token at twice a target token's cost
+    engine.drafter.propose_drafts(engine.scheduler.running, 64)
+    assert r.spec_token_ids == []
