@@ -188,10 +188,11 @@ class SpeculativeConfig:
 
     method "ngram": prompt lookup (Saxena 2023; vLLM's ngram proposer): the last n tokens, n from
     prompt_lookup_max down to prompt_lookup_min, are looked up in the request's earlier tokens, and what followed
-    their latest earlier occurrence is proposed. adaptive: each request gets the drafts (up to
-    num_speculative_tokens) whose expected gain, by its acceptance rate so far, outweighs what a draft token
-    costs at this batch size by the engine's step times (spec_decode/drafter.py); off: always
-    num_speculative_tokens.
+    their latest earlier occurrence is proposed. adaptive: each request's draft length starts at
+    num_speculative_tokens, shrinks by one after a step that rejected a draft and grows by two (up to
+    num_speculative_tokens) after one that accepted all (HF assisted generation's "heuristic" schedule); after a
+    rejection at length 1 the request rests a few steps; n-gram drafts of a request alone in the batch always get
+    the full length; a draft model whose token costs at least a target token, as timed, proposes nothing.
     disable_by_batch_size: no drafts in a step whose running batch has more requests (vLLM's name).
 
     method "draft": draft_model, a checkpoint dir with the target's tokenizer, runs num_speculative_tokens times
@@ -280,8 +281,9 @@ class EngineArgs:
     num_speculative_tokens: int = _setting(4, "tokens proposed per step and request with --speculative-method")
     prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
     prompt_lookup_max: int = _setting(4, "ngram: the longest suffix looked up (tried first)")
-    speculative_adaptive: bool = _setting(True, "give each request the drafts that pay: its acceptance rate "
-                                          "against a draft's cost at this batch size, from measured step times")
+    speculative_adaptive: bool = _setting(True, "adapt each request's draft length to its acceptance (shrink "
+                                          "after a rejection, grow after a fully accepted step); a draft model "
+                                          "slower per token than the model proposes nothing")
     speculative_disable_by_batch_size: int | None = _setting(
         None, "no drafts in steps whose running batch has more requests than this (default: never off)", int)
     draft_model: str | None = _setting(None, "draft: a checkpoint dir with the model's tokenizer (e.g. a "
