@@ -20,6 +20,7 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 log = logging.getLogger(__name__)
 
 SPEC_REST_STEPS = 8  # adaptive: steps without drafts after a rejection at draft length 1
+GATE_RETRY_STEPS = 64  # adaptive: a draft model that costs too much drafts one step in this many
 
 
 PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
@@ -35,6 +36,7 @@ class Drafter:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # since start
         self.proposer = self.draft_model = None
         self.cost = StepCostModel()
+        self.num_gated_steps = 0  # steps without drafts because the draft model cost too much
         target = model_runner.model_config
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
@@ -65,12 +67,15 @@ class Drafter:
         """Give each decoding request of the running batch that may speculate its draft tokens for this step: at
         most its draft length, and what its max_tokens and the context leave room for (the token after the
         drafts included). None when the batch is over config.disable_by_batch_size, nor (adaptive) when a draft
-        model's token costs at least a target's (StepCostModel.draft_cost): then no acceptance rate could pay."""
+        model's token costs at least a target's (StepCostModel.draft_cost): then no acceptance rate could pay,
+        except one step in GATE_RETRY_STEPS, which keeps the draft's timing current."""
         config = self.config
         if not running or (config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size):
             return
         if config.adaptive and self.draft_model is not None and self.cost.draft_cost() >= 1:
-            return
+            self.num_gated_steps += 1
+            if self.num_gated_steps % GATE_RETRY_STEPS:  # (a step of drafts now and then measures it again)
+                return
         # NOTE: alone in the batch, a request with n-gram drafts always gets the full draft length: they cost no
         # model call, and the forward is bound by reading the weights, so verifying k + 1 rows costs about what
         # one does (measured: 2.15x plain on the copy task vs 1.82x with the adaptive length)
