@@ -114,6 +114,22 @@ def sample_all(engine, requests) -> dict[str, list[int]]:
     return outputs
 
 
+def second_and_third_tokens(engine, prompt, a, b, num_batches, temperature):
+    """num_batches x 64 requests sample 4 tokens of prompt: the second tokens of those whose first is a, and
+    the third tokens of those that begin (a, b)."""
+    seconds, thirds = [], []
+    for batch in range(num_batches):
+        params = SamplingParams(max_tokens=4, temperature=temperature)
+        outputs = sample_all(engine, [Request(f"{batch}-{i}", prompt, params) for i in range(64)])
+        for tokens in outputs.values():
+            assert len(tokens) == 4
+            if tokens[0] == a:
+                seconds.append(tokens[1])
+                if tokens[1] == b:
+                    thirds.append(tokens[2])
+    return seconds, thirds
+
+
 class FixedProposer:
     """Proposes the same draft tokens every step (the draft under test)."""
 
@@ -157,20 +173,7 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_model, quality)
     engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 600, enable_prefix_caching=False),
                        SchedulerConfig(2048, 64), speculative_config=SpeculativeConfig("ngram", 2))  # fmt: skip
     engine.drafter.proposer = FixedProposer([d0, d1])
-    seconds, thirds = [], []
-    for batch in range(64):
-        for i in range(64):
-            engine.add_request(Request(f"{batch}-{i}", prompt, SamplingParams(max_tokens=4, temperature=1.0)))
-        outputs = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        for tokens in outputs.values():
-            assert len(tokens) == 4
-            if tokens[0] == a:
-                seconds.append(tokens[1])
-                if tokens[1] == d0:
-                    thirds.append(tokens[2])
+    seconds, thirds = second_and_third_tokens(engine, prompt, a, d0, 64, temperature=1.0)
     assert len(seconds) > 500
     assert chi_square_pvalue(seconds, p1) > 1e-3
     if len(thirds) > 100:  # (rare with the bad draft: it is accepted with probability p1[d0])
@@ -201,16 +204,7 @@ def test_draft_model_sampling_keeps_the_target_distribution(tiny_model, tmp_path
     p1 = target_probs(hf_model, prompt + [a], temperature)
     b = int(p1.argmax())
     p2 = target_probs(hf_model, prompt + [a, b], temperature)
-    seconds, thirds = [], []
-    for batch in range(40):
-        outputs = sample_all(engine, [Request(f"{batch}-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.7))
-                                      for i in range(64)])  # fmt: skip
-        for tokens in outputs.values():
-            assert len(tokens) == 4
-            if tokens[0] == a:
-                seconds.append(tokens[1])
-                if tokens[1] == b:
-                    thirds.append(tokens[2])
+    seconds, thirds = second_and_third_tokens(engine, prompt, a, b, 40, temperature)
     assert len(seconds) > 300 and len(thirds) > 100, (len(seconds), len(thirds))
     assert chi_square_pvalue(seconds, p1) > 1e-3
     assert chi_square_pvalue(thirds, p2) > 1e-3
