@@ -5,18 +5,26 @@ from dataclasses import fields
 
 from shared.engine import EngineStats
 from shared.request import FinishReason, SamplingParams
+from shared.sampler import TokenLogprobs
 from tandem.v1 import common_pb2
 
+# The proto's optional scalar fields that map one to one onto SamplingParams.
+OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "speculative", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs")
 FINISH_TO_PROTO = {reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}") for reason in FinishReason}
 
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides) -> SamplingParams:
     """Proto -> engine SamplingParams: absent fields take SamplingParams' defaults, then overrides apply.
     InvalidRequestError (INVALID_ARGUMENT) on bad values."""
-    values = {name: getattr(p, name) for name in ("max_tokens", "temperature", "top_k", "top_p", "seed",
-                                                  "speculative") if p.HasField(name)}  # fmt: skip
+    values = {name: getattr(p, name) for name in OPTIONAL_FIELDS if p.HasField(name)}
     values.update(stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
     return SamplingParams(**(values | overrides))
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=logprobs.token_id, logprob=logprobs.logprob, rank=logprobs.rank,
+                                    top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top])
 
 
 def stats_to_proto(stats: EngineStats) -> common_pb2.InstanceLoad:

@@ -20,6 +20,7 @@ from shared.kv_cache_manager import KVCacheManager
 from shared.kv_events import KVEventBatch
 from shared.model_runner import ModelRunner, ModelRunnerOutput
 from shared.request import FinishReason, Request, RequestStatus
+from shared.sampler import TokenLogprobs
 from shared.scheduler import Scheduler, SchedulerOutput
 from shared.spec_decode.drafter import Drafter
 
@@ -50,6 +51,7 @@ class RequestOutput:
     kv: KVBlocks | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:
@@ -133,8 +135,11 @@ class LLMEngine:
         if request.num_prompt_tokens >= max_len:
             raise InvalidRequestError(
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
-        if any(not 0 <= t < self.model_config.vocab_size for t in request.prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in request.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in request.sampling_params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})")
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         if self.kv_cache_manager.num_blocks_for(total) > self.cache_config.num_blocks:
             raise InvalidRequestError(
@@ -276,6 +281,8 @@ class LLMEngine:
                 reason = request.append_output_token(token_id)
                 if reason is not None:
                     break
+            if request_id in model_output.logprobs:
+                out.logprobs = model_output.logprobs[request_id][: len(out.new_token_ids)]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
                 # accepted: the drafts emitted (a stop inside the run cuts it)

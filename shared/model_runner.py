@@ -9,7 +9,7 @@ import torch
 from shared.attention import AttentionMetadata
 from shared.config import CacheConfig, ModelConfig
 from shared.model import load_model
-from shared.sampler import sample
+from shared.sampler import TokenLogprobs, process_logits, sample, token_logprobs
 from shared.scheduler import SchedulerOutput
 from shared.spec_decode.rejection_sampler import accept_draft_tokens, rejection_sample
 
@@ -23,10 +23,12 @@ class ModelRunnerOutput:
     sampled_token_ids: request id -> the tokens sampled for it this step, for each request whose last scheduled
         token was computed: one token, or with draft tokens scheduled, the accepted drafts and one more.
     non_finite_request_ids: requests whose logits held NaN or inf; they get no token and are failed alone.
+    logprobs: request id -> one TokenLogprobs per sampled token, for requests that asked for logprobs.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     non_finite_request_ids: set[str] = field(default_factory=set)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -98,7 +100,8 @@ class ModelRunner:
         if not bool(finite.all()):
             logits = torch.nan_to_num(logits)
         finite = finite.tolist()
-        token_ids = sample(logits, row_requests, row_positions, skip=out.spec_draft_probs.keys())
+        processed = process_logits(logits, row_requests, row_positions)
+        token_ids = sample(processed, row_requests, row_positions, skip=out.spec_draft_probs.keys())
         row = 0
         for request in sampled_requests:
             request_id = request.request_id
@@ -107,11 +110,14 @@ class ModelRunner:
             row = rows.stop
             if not all(finite[rows]):
                 result.non_finite_request_ids.add(request_id)
-            elif request_id in out.spec_draft_probs:
-                result.sampled_token_ids[request_id] = rejection_sample(request, logits[rows], drafts,
-                                                                        out.spec_draft_probs[request_id])
+                continue
+            if request_id in out.spec_draft_probs:
+                sampled = rejection_sample(request, processed[rows], drafts, out.spec_draft_probs[request_id])
             else:
-                result.sampled_token_ids[request_id] = accept_draft_tokens(drafts, token_ids[rows])
+                sampled = accept_draft_tokens(drafts, token_ids[rows])
+            result.sampled_token_ids[request_id] = sampled
+            if request.sampling_params.logprobs is not None:  # (emitted token i is row rows.start + i)
+                result.logprobs[request_id] = token_logprobs(logits[rows], sampled, request.sampling_params.logprobs)
         return result
 
 

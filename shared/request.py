@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's cap)
+
 
 class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # decode tier: blocks reserved, prompt KV still arriving from prefill
@@ -22,7 +24,12 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
+    """Per-request sampling. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those filters.
+
+    Penalties (shared/sampler.py apply_penalties): presence_penalty and frequency_penalty in [-2, 2] are
+    OpenAI's (subtracted from the logit of every token already generated: once, and once per occurrence);
+    repetition_penalty > 0 is CTRL's (Keskar et al. 2019; HF's RepetitionPenaltyLogitsProcessor) over prompt and
+    output, 1 disables it. min_tokens: EOS and stop_token_ids cannot be sampled before that many tokens.
 
     These defaults are the server's (the public proto documents them; a test checks that it agrees).
     Raises InvalidRequestError (INVALID_ARGUMENT) on out-of-range values.
@@ -33,8 +40,14 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely (0..MAX_LOGPROBS)
     speculative: bool = True  # False: never speculate for this request, whatever the engine's setting
 
     def __post_init__(self):
@@ -46,10 +59,27 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise InvalidRequestError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5  # as vLLM: below this, sampling is argmax in all but name
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a token's logits depend on the tokens generated before it (such a request never
+        speculates: its drafts would need a penalty state per verified position)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(slots=True, eq=False)

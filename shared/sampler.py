@@ -1,10 +1,76 @@
-"""Token sampling: greedy, temperature, top-k, top-p (Holtzman et al. 2019), per-request seed."""
+"""Token sampling: penalties and min_tokens (process_logits), greedy, temperature, min-p (Nguyen et al. 2024),
+top-k, top-p (Holtzman et al. 2019), per-request seed; and the logprobs of sampled tokens.
+
+The order is vLLM's: penalties and min_tokens on the raw logits, then temperature, min-p, top-k, top-p.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from shared.request import Request, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the model's raw distribution (log_softmax of its logits before
+    penalties, temperature or filters: vLLM's default logprobs mode), its rank there (1 = the most likely), and
+    the top most likely tokens as (token id, logprob), most likely first (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """logits [n, vocab] fp32 raw, token_ids the n tokens chosen at those rows -> their TokenLogprobs."""
+    logprobs = logits[: len(token_ids)].log_softmax(-1)
+    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)]
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    top_values, top_ids = logprobs.topk(num_top, -1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprobs(t, lp, rank, tuple(zip(ids, values)))
+            for t, lp, rank, ids, values in zip(token_ids, chosen.tolist(), ranks.tolist(), top_ids.tolist(),
+                                                top_values.tolist())]  # fmt: skip
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[int], output_token_ids: list[int],
+                    params: SamplingParams) -> None:
+    """In place on logits [vocab] fp32: the repetition penalty over prompt and output tokens (CTRL, Keskar et al.
+    2019, as HF's RepetitionPenaltyLogitsProcessor: a positive logit is divided by it, a negative one multiplied),
+    then OpenAI's frequency and presence penalties over output tokens (logit -= frequency_penalty * count +
+    presence_penalty * (count > 0))."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(prompt_token_ids + output_token_ids, device=logits.device).unique()
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output_token_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_token_ids, device=logits.device), minlength=logits.numel())
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request], positions: list[int]) -> torch.Tensor:
+    """logits [num_rows, vocab] fp32 raw -> the logits the sampler draws from: row i (requests[i], sampling the
+    token at positions[i]) gets its penalties (apply_penalties, over the tokens before that position), and while
+    fewer than min_tokens tokens precede it in the output, EOS (unless ignore_eos) and stop_token_ids are masked
+    out. Returns logits itself when no row has any of these, else a processed copy."""
+    out = logits
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        num_output = positions[i] - request.num_prompt_tokens
+        mask_stops = num_output < params.min_tokens
+        if not (params.has_penalties or mask_stops):
+            continue
+        if out is logits:
+            out = logits.clone()
+        if params.has_penalties:
+            apply_penalties(out[i], request.prompt_token_ids, request.output_token_ids[:num_output], params)
+        if mask_stops:
+            stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+            out[i, stops] = float("-inf")
+    return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -22,9 +88,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [vocab] fp32 -> the distribution a sampled (not greedy) request draws from: [vocab] fp32, after
-    temperature, top-k and top-p."""
-    return apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+    """logits [vocab] fp32 (after process_logits) -> the distribution a sampled (not greedy) request draws from:
+    [vocab] fp32, after temperature, min-p (tokens less likely than min_p times the top token's probability are
+    dropped), top-k and top-p."""
+    logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return apply_top_k_top_p(logits, params.top_k, params.top_p).softmax(-1)
 
 
 def draw(probs: torch.Tensor, params: SamplingParams, position: int) -> int:

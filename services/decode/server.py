@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from services.convert import FINISH_TO_PROTO, sampling_params_from_proto
+from services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from services.engine_main import engine_main
 from services.grpc_errors import status_for
 from services.kv_wire import kv_from_message
@@ -41,7 +41,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "",
                                                 num_cached_tokens=req.num_cached_tokens or 0,
                                                 num_draft_tokens=out.num_draft_tokens,
-                                                num_accepted_tokens=out.num_accepted_tokens)  # fmt: skip
+                                                num_accepted_tokens=out.num_accepted_tokens,
+                                                logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()])  # fmt: skip
                 if out.finished:
                     msg.finish_reason = FINISH_TO_PROTO[out.finish_reason]
                     finished = True

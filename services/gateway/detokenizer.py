@@ -10,11 +10,13 @@ from shared.errors import InvalidRequestError
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
+        """include_stop: the text ends after the stop string that ended it instead of before."""
         if any(not s for s in stop):
             raise InvalidRequestError("stop strings must be non-empty")
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # window start: decoded again for context
         self._read_offset = 0  # tokens whose text has been released into _text
@@ -57,11 +59,11 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        for s in self.stop:
-            at = self._text.find(s, max(0, self._sent - len(s) + 1))
-            if at != -1:
-                self.stopped = True
-                self._text = self._text[:at]
+        found = [(at, -len(s), s) for s in self.stop if (at := self._text.find(s, max(0, self._sent - len(s) + 1))) != -1]
+        if found:  # the earliest stop string (the longest of those starting there) ends the text
+            at, _, s = min(found)
+            self.stopped = True
+            self._text = self._text[: at + len(s) if self.include_stop else at]
         end = len(self._text)
         if not (final or self.stopped) and self.stop:
             hold = max(len(s) for s in self.stop) - 1  # a stop string may be starting in this tail

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import AsyncIterator
 
 import grpc
 
@@ -38,7 +39,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
-        role."""
+        role. Chat turns give exactly apply_chat_template(..., add_generation_prompt=True, tokenize=True)'s ids
+        (the template writes any special tokens itself; nothing is added)."""
         kind = request.WhichOneof("input")
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -63,30 +65,51 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        async for msg in self.generate(prompt_ids, request.sampling_params, request.request_id, cache_salt,
+                                       context.time_remaining, t0):  # fmt: skip
+            yield msg
+
+    def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+        """Validate a request's prompt length and sampling parameters; return the parameters the tiers get
+        (max_tokens defaulted and clamped to the context). InvalidRequestError naming the field on bad input."""
         max_len = self.model_config.max_model_len
-        if len(prompt_ids) >= max_len:
-            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_len} tokens")
-        p = request.sampling_params
+        if num_prompt_tokens >= max_len:
+            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")
         defaults = {} if p.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
         params = sampling_params_from_proto(p, **defaults)
-        text = TextStream(self.tokenizer, tuple(p.stop))
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
+        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.model_config.vocab_size})")
+        if any(not s for s in p.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
         proto_params = common_pb2.SamplingParams()
         proto_params.CopyFrom(p)
-        proto_params.max_tokens = min(params.max_tokens, max_len - len(prompt_ids))
-        request_id = request.request_id or uuid.uuid4().hex
-        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        decode_call, first, route, prefill_reply = await self._start(request_id, prompt_ids, proto_params, cache_salt,
-                                                                     context)
+        proto_params.max_tokens = min(params.max_tokens, max_len - num_prompt_tokens)
+        return proto_params
+
+    async def generate(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
+                       cache_salt: str | None = None, time_remaining=lambda: None,
+                       t0: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One request through the cluster, as the public stream: text deltas with their token ids (and
+        logprobs), then a last message with finish_reason, usage and timings. Both public APIs (this service's
+        Generate and the OpenAI-compatible HTTP server) run through here. time_remaining() -> seconds left
+        before the client's deadline, or None; t0: when the request arrived (perf_counter seconds).
+        Raises InvalidRequestError on bad input and the errors of _start and _read."""
+        t0 = time.perf_counter() if t0 is None else t0
+        proto_params = self.check_params(len(prompt_ids), p)
+        text = TextStream(self.tokenizer, tuple(p.stop), p.include_stop_str_in_output)
+        request_id = request_id or uuid.uuid4().hex
+        decode_call, reply, route, prefill_reply = await self._start(request_id, prompt_ids, proto_params,
+                                                                     cache_salt, time_remaining)  # fmt: skip
         decode = route.decode
-        num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else first.num_cached_tokens
+        num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
+        num_draft_tokens = num_accepted_tokens = 0
+        ttft_ms = (time.perf_counter() - t0) * 1000
+        finish_reason = None
         try:
-            ttft_ms = (time.perf_counter() - t0) * 1000
-            tokens = list(first.token_ids)
-            yield gateway_pb2.GenerateResponse(request_id=request_id, text=text.push(tokens), token_ids=tokens)
-            finish_reason = first.finish_reason if first.HasField("finish_reason") else None
-            num_draft_tokens = num_accepted_tokens = 0
-            while finish_reason is None and not text.stopped:
-                reply = await self._read(decode_call, decode)
+            while True:  # reply: the first token's message, then each of the decode's
                 if reply.HasField("finish_reason"):
                     finish_reason = reply.finish_reason
                 if prefill_reply is None:
@@ -97,9 +120,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 num_draft_tokens += reply.num_draft_tokens
                 num_accepted_tokens += min(reply.num_accepted_tokens, len(new_ids))  # (those sent)
                 if new_ids:
-                    yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=new_ids)
-            if text.stopped:
-                finish_reason = common_pb2.FINISH_REASON_STOP
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=new_ids,
+                                                       logprobs=reply.logprobs[: len(new_ids)])  # fmt: skip
+                if text.stopped:
+                    finish_reason = common_pb2.FINISH_REASON_STOP
+                if finish_reason is not None:
+                    break
+                reply = await self._read(decode_call, decode)
         except BaseException as e:
             log.info("request %s ended early (%s)", request_id, type(e).__name__)
             raise
@@ -135,7 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return reply
 
     async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams,
-                     cache_salt: str | None, context):
+                     cache_salt: str | None, time_remaining):
         """Route, reserve on the decode, then prefill on the prefill naming that decode (only the blocks the
         decode lacks are sent), or let the decode compute the prompt itself (Route.prefill None). Returns
         (decode stream, the message carrying the first token, route, prefill reply or None); the first token
@@ -145,7 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         skipped: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            timeout = context.time_remaining()
+            timeout = time_remaining()
             if timeout is not None and timeout <= 0:
                 raise DeadlineError("the request's deadline passed before it was placed")
             try:
@@ -180,6 +207,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     timeout=timeout,
                 )  # fmt: skip
                 first = decode_pb2.DecodeResponse(token_ids=[prefill_reply.first_token_id])
+                if prefill_reply.HasField("first_token_logprobs"):
+                    first.logprobs.append(prefill_reply.first_token_logprobs)
                 return decode_call, first, route, prefill_reply
             except (grpc.aio.AioRpcError, UpstreamError) as e:
                 decode_call.cancel()

@@ -10,7 +10,7 @@ import time
 import grpc
 
 from services.channels import ChannelPool
-from services.convert import sampling_params_from_proto
+from services.convert import logprobs_to_proto, sampling_params_from_proto
 from services.engine_main import engine_main
 from services.grpc_errors import upstream_error
 from services.kv_wire import kv_to_messages
@@ -33,8 +33,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if not request.request_id or not request.decode_address:
             raise InvalidRequestError("request_id and decode_address are required")
         decode_id = request.decode_instance_id or "instance"
-        # The prefill samples exactly one token; EOS, stop ids and max_tokens are the decode's decisions.
-        params = sampling_params_from_proto(request.sampling_params, max_tokens=1, stop_token_ids=(), ignore_eos=True)
+        # The prefill samples exactly one token, with the request's own parameters (min_tokens, penalties, seed,
+        # logprobs mean here what they mean on the decode); whether it ends the request is the decode's decision.
+        params = sampling_params_from_proto(request.sampling_params, max_tokens=1)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt)
         block_size = self.engine.cache_config.block_size
@@ -46,7 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         stream = await self.engine.add_request(req)
         transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(_drain(outbox))
         transfer = asyncio.ensure_future(transfer_call)
-        first_token_id = None
+        first_token_id = first_logprobs = None
         num_blocks_sent = 0
         try:
             while (out := await stream.get()) is not None:
@@ -58,6 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     raise RequestFailedError(f"prefill failed: {out.error or 'aborted'}")
                 if out.new_token_ids:
                     first_token_id = out.new_token_ids[0]
+                    first_logprobs = out.logprobs[0] if out.logprobs else None
             outbox.put_nowait(decode_pb2.KVBlocksMessage(request_id=req.request_id, first_token_id=first_token_id))
             outbox.put_nowait(None)
         except BaseException:
@@ -75,7 +77,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         prefill_ms = (time.perf_counter() - start) * 1000
         return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
                                            num_cached_tokens=req.num_cached_tokens or 0,
-                                           num_blocks_sent=num_blocks_sent)
+                                           num_blocks_sent=num_blocks_sent,
+                                           first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs))
 
     def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int) -> None:
         self._transfers.discard(task)

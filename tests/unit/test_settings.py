@@ -44,11 +44,29 @@ def test_readme_gateway_default_max_tokens_is_the_code_default():
 
 def test_public_proto_defaults_are_the_sampling_defaults():
     proto = (REPO / "proto/tandem/v1/common.proto").read_text()
-    pairs = re.findall(r"Default (\d+(?:\.\d+)?)[^\n]*\n\s*optional \w+ (\w+) =", proto)
-    documented = {name: value for value, name in pairs}
-    assert set(documented) == {"max_tokens", "temperature", "top_k", "top_p"}
+    message = proto[proto.index("message SamplingParams {"):]
+    message = message[: message.index("\n}")]
+    # each field with the comment lines above it
+    fields = re.findall(r"((?:\s*//[^\n]*\n)+)\s*(?:optional |repeated )?\w+ (\w+) = \d+;", message)
+    documented = {}
+    for comment, name in fields:
+        assert "Default" in comment or "Absent" in comment or "absent" in comment, f"{name} documents no default"
+        if m := re.search(r"Default (-?\d+(?:\.\d+)?|true|false|none)", comment):
+            documented[name] = m.group(1)
+    assert {"max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "min_tokens"} <= set(documented)
+    gateway_only = {"stop": "none", "include_stop_str_in_output": "false"}  # (the engine never sees them)
     for name, value in documented.items():
-        assert float(value) == float(getattr(SamplingParams, name)), name
+        if name in gateway_only:
+            assert value == gateway_only[name], name
+            continue
+        code = getattr(SamplingParams, name)
+        if value in ("true", "false"):
+            assert code is (value == "true"), name
+        elif value == "none":
+            assert code == (), name
+        else:
+            assert float(value) == float(code), name
 
 
 @pytest.mark.parametrize("tier", ["prefill", "decode"])
