@@ -119,7 +119,8 @@ def _check_port_free(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise SystemExit(f"error: port {port} is in use; pass --port N (make serve PORT=N), or --port 0 for any")
+            raise SystemExit(f"error: port {port} is in use; pass --port N (make serve PORT=N) or --http-port N for the "
+                             "HTTP API, 0 for any free port")
 
 
 def _interrupt(signum, frame):
@@ -134,21 +135,25 @@ def cmd_up(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     port = args.port if args.port is not None else (0 if args.prompt is not None else 50051)
-    if port:
-        _check_port_free(port)
+    http_port = args.http_port if args.http_port is not None else (0 if args.prompt is not None else 8000)
+    for p in (port, http_port):
+        if p:
+            _check_port_free(p)
     engine_args = EngineArgs.from_namespace(args)
     model = engine_args.model or str(prepare_model())
     engine_args = dataclasses.replace(engine_args, model=None)  # LocalCluster gives --model to every process
     engine_flags = engine_argv(engine_args)
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
-    cluster = LocalCluster(model=model, gateway_port=port or free_port(), num_prefill=args.prefill,
+    cluster = LocalCluster(model=model, gateway_port=port or free_port(), http_port=http_port or free_port(),
+                           num_prefill=args.prefill,
                            num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
                            gateway_args=engine_argv(engine_args, groups=("model",)), log_dir=args.log_dir)  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
     try:
         cluster.start()
-        print(f"gateway listening on {cluster.gateway_address}", flush=True)
+        print(f"gateway listening on {cluster.gateway_address}; OpenAI-compatible API at {cluster.openai_base_url}",
+              flush=True)  # fmt: skip
         if args.prompt is not None:
             print(f"> {args.prompt}", file=sys.stderr)
             out = _stream_to_terminal(cluster.gateway_address, _request(args, args.prompt))
@@ -188,6 +193,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--port", type=port_number, default=None,
                    help="gateway port on 127.0.0.1 (default 50051; 0 = any free port, the default with --prompt)")
+    p.add_argument("--http-port", type=port_number, default=None,
+                   help="the gateway's OpenAI-compatible HTTP port on 127.0.0.1 (default 8000; 0 = any free port, "
+                        "the default with --prompt)")  # fmt: skip
     p.add_argument("--prefill", type=positive_int, default=1, help="prefill instances")
     p.add_argument("--decode", type=positive_int, default=1, help="decode instances")
     p.add_argument("--prefill-chunk", type=positive_int, default=None,

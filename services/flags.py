@@ -130,6 +130,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_registry_args(parser)
     parser.add_argument("--default-max-tokens", type=int, default=SamplingParams.max_tokens,
                         help="max_tokens of a request that does not set it")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="port of the OpenAI-compatible HTTP API on --host (0: any free port; -1: none)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name of the HTTP API (/v1/models; requests may name it); default: the model "
+                             "directory's name")  # fmt: skip
     parser.add_argument("--routing", choices=("cache-aware", "round-robin"), default="cache-aware",
                         help="cache-aware: the cost model of docs/prefix-caching.md; round-robin: ignore the prefix "
                              "index and queues")  # fmt: skip

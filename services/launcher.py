@@ -49,6 +49,7 @@ class LocalCluster:
         self,
         model: str | None = None,
         gateway_port: int | None = None,
+        http_port: int | None = None,
         num_prefill: int = 1,
         num_decode: int = 1,
         prefill_args: list[str] = (),
@@ -59,6 +60,7 @@ class LocalCluster:
     ):
         self.model = model
         self.gateway_port = gateway_port or free_port()
+        self.http_port = http_port or free_port()  # the gateway's OpenAI-compatible API
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.prefill_args, self.decode_args, self.gateway_args = list(prefill_args), list(decode_args), list(gateway_args)
         self.redis_url = redis_url or envs.REDIS_URL
@@ -70,6 +72,10 @@ class LocalCluster:
     @property
     def gateway_address(self) -> str:
         return f"127.0.0.1:{self.gateway_port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.log_dir / f"{name}.log", "a" if name in self.argv else "w")  # a restart appends
@@ -92,7 +98,8 @@ class LocalCluster:
                 self._spawn(f"{tier}{i}", [sys.executable, "-m", f"services.{tier}", "--port", str(port),
                                            "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", *common, *extra])  # fmt: skip
         self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--port", str(self.gateway_port),
-                                "--host", "127.0.0.1", *common, *self.gateway_args])  # fmt: skip
+                                "--http-port", str(self.http_port), "--host", "127.0.0.1", *common,
+                                *self.gateway_args])  # fmt: skip
         try:
             self.wait_ready(timeout_s)
         except BaseException:

@@ -7,9 +7,14 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
+import xxhash
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
 
 from services.channels import ChannelPool
 from services.convert import sampling_params_from_proto
@@ -27,6 +32,24 @@ log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant")
 MAX_ATTEMPTS = 3
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+MAX_N = 16  # most completions of one prompt per request
+
+
+def seed_for(seed: int, index: int) -> int:
+    """The seed of completion index > 0 of a seeded request with n completions: a 64-bit hash of (seed, index),
+    so the n completions differ and each is reproducible."""
+    return xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
+
+
+@dataclass
+class SharedPrompt:
+    """The n completions of one prompt (generate_n): ready is set once completion 0's decode (decode) holds the
+    prompt's KV, or once completion 0 failed (decode None: the others place themselves)."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    decode: InstanceInfo | None = None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -66,8 +89,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         t0 = time.perf_counter()
         prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        async for msg in self.generate(prompt_ids, request.sampling_params, request.request_id, cache_salt,
-                                       context.time_remaining, t0):  # fmt: skip
+        async for msg in self.generate_n(prompt_ids, request.sampling_params, request.request_id, cache_salt,
+                                         context.time_remaining, t0):  # fmt: skip
             yield msg
 
     def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
@@ -89,21 +112,83 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         proto_params.max_tokens = min(params.max_tokens, max_len - num_prompt_tokens)
         return proto_params
 
+    async def generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
+                         cache_salt: str | None = None, time_remaining=lambda: None,
+                         t0: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """p.n completions of one prompt (default 1), as one stream of generate()'s messages with their index
+        set; each completion ends with its own finish message, and the stream ends when all have. Completion 0
+        places the prompt; the others wait until its decode holds the prompt's KV and then go to that decode,
+        which reuses the prompt's blocks from its prefix cache (computing only the last partial block): the
+        prompt is computed once, not n times. Completion i > 0 of a seeded request uses seed_for(seed, i).
+        Completion ids are request_id, then request_id-1, request_id-2, ..."""
+        n = p.n if p.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
+        self.check_params(len(prompt_ids), p)  # (fail before anything starts)
+        request_id = request_id or uuid.uuid4().hex
+        if n == 1:
+            async for msg in self.generate(prompt_ids, p, request_id, cache_salt, time_remaining, t0):
+                yield msg
+            return
+        shared = SharedPrompt()
+        messages: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(p)
+            if index and params.HasField("seed"):
+                params.seed = seed_for(params.seed, index)
+            try:
+                async for msg in self.generate(prompt_ids, params, f"{request_id}-{index}" if index else request_id,
+                                               cache_salt, time_remaining, t0, shared, index):  # fmt: skip
+                    msg.index = index
+                    messages.put_nowait(msg)
+            except BaseException as e:
+                messages.put_nowait(e)
+                raise
+            messages.put_nowait(None)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(n)]
+        try:
+            for _ in range(n):
+                while (msg := await messages.get()) is not None:
+                    if isinstance(msg, BaseException):
+                        raise msg
+                    yield msg
+        finally:
+            for task in tasks:
+                task.cancel()  # (each one's generate() cancels its decode call)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def generate(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
-                       cache_salt: str | None = None, time_remaining=lambda: None,
-                       t0: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                       cache_salt: str | None = None, time_remaining=lambda: None, t0: float | None = None,
+                       shared: SharedPrompt | None = None, index: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One request through the cluster, as the public stream: text deltas with their token ids (and
         logprobs), then a last message with finish_reason, usage and timings. Both public APIs (this service's
         Generate and the OpenAI-compatible HTTP server) run through here. time_remaining() -> seconds left
-        before the client's deadline, or None; t0: when the request arrived (perf_counter seconds).
+        before the client's deadline, or None; t0: when the request arrived (perf_counter seconds); shared and
+        index: completion index of n sharing one prompt (generate_n).
         Raises InvalidRequestError on bad input and the errors of _start and _read."""
         t0 = time.perf_counter() if t0 is None else t0
         proto_params = self.check_params(len(prompt_ids), p)
         text = TextStream(self.tokenizer, tuple(p.stop), p.include_stop_str_in_output)
         request_id = request_id or uuid.uuid4().hex
-        decode_call, reply, route, prefill_reply = await self._start(request_id, prompt_ids, proto_params,
-                                                                     cache_salt, time_remaining)  # fmt: skip
+        pinned = None
+        if shared is not None and index:
+            await shared.ready.wait()
+            pinned = shared.decode
+        try:
+            decode_call, reply, route, prefill_reply = await self._start(request_id, prompt_ids, proto_params,
+                                                                         cache_salt, time_remaining, pinned)  # fmt: skip
+        except BaseException:
+            if shared is not None:
+                shared.ready.set()  # (the others place themselves)
+            raise
         decode = route.decode
+        if shared is not None and not index:
+            shared.decode = decode
+            if prefill_reply is None:  # the decode computed the prompt: its blocks are cached now
+                shared.ready.set()
         num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
         num_draft_tokens = num_accepted_tokens = 0
         ttft_ms = (time.perf_counter() - t0) * 1000
@@ -127,11 +212,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if finish_reason is not None:
                     break
                 reply = await self._read(decode_call, decode)
+                if shared is not None:  # a decode message: the prompt's KV arrived and is in its prefix cache
+                    shared.ready.set()
         except BaseException as e:
             log.info("request %s ended early (%s)", request_id, type(e).__name__)
             raise
         finally:
             decode_call.cancel()  # no-op when finished; otherwise aborts on the decode and frees its blocks
+            if shared is not None:
+                shared.ready.set()
         e2e_ms = (time.perf_counter() - t0) * 1000
         where = (f"prefill {prefill_reply.prefill_ms:.0f} ms on {route.prefill.instance_id}, "
                  f"{prefill_reply.num_blocks_sent} KV blocks sent" if prefill_reply else "prompt computed on the decode")
@@ -162,13 +251,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return reply
 
     async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams,
-                     cache_salt: str | None, time_remaining):
+                     cache_salt: str | None, time_remaining, pinned: InstanceInfo | None = None):
         """Route, reserve on the decode, then prefill on the prefill naming that decode (only the blocks the
         decode lacks are sent), or let the decode compute the prompt itself (Route.prefill None). Returns
         (decode stream, the message carrying the first token, route, prefill reply or None); the first token
         comes from the prefill reply or the decode's stream. An instance that is unreachable (dead but still in
         the registry until its TTL) or full is skipped and the request is placed again, up to MAX_ATTEMPTS
-        times. The client's deadline, if it set one, bounds every call."""
+        times. The client's deadline, if it set one, bounds every call. pinned: a decode to try first, computing
+        the prompt there (it holds the prompt's blocks: generate_n)."""
         skipped: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -176,7 +266,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if timeout is not None and timeout <= 0:
                 raise DeadlineError("the request's deadline passed before it was placed")
             try:
-                route = await self.router.route(prompt_ids, len(prompt_ids) + params.max_tokens, cache_salt, skipped)
+                if pinned is not None and attempt == 1:
+                    route = Route(pinned, None, explanation=[f"decode {pinned.instance_id}: holds this prompt"])
+                else:
+                    route = await self.router.route(prompt_ids, len(prompt_ids) + params.max_tokens, cache_salt,
+                                                    skipped)  # fmt: skip
             except NoInstanceError:
                 if last_error is not None:  # every instance left was tried: say why the last one failed
                     raise last_error from None
@@ -244,13 +338,25 @@ async def serve(args) -> None:
     server = Server("gateway", new_instance_id("gateway"), args.host, args.port)
     servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
+    reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
+                                         health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
+    http = None
+    if args.http_port >= 0:  # (up before health says SERVING)
+        from services.gateway.openai_api import create_app, serve_http
+
+        app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id)
+        http, http_port, _ = await serve_http(app, args.host, args.http_port)
     await server.start()
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
     print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
+    if http is not None:
+        print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1", flush=True)
     try:
         await server.serve_until_signal()
     finally:
         cleanup.cancel()
+        if http is not None:
+            http.should_exit = True
 
 
 async def _every(interval_s: float, job) -> None:
