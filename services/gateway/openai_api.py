@@ -112,7 +112,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Any  # a string, a list of strings, token ids, or a list of token id lists (prompts())
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -208,21 +208,13 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
                 raise APIError(400, f"{name} is not supported", name)
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
-        prompts = body.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise APIError(400, "prompt is empty", "prompt")
         params = sampling_params(body, body.max_tokens, body.logprobs)
         prompt_ids = []
-        for prompt in prompts:
+        for prompt in prompts(body.prompt, servicer.model_config.vocab_size):
             if isinstance(prompt, str):
                 prompt_ids.append(await tokenize(gateway_pb2.GenerateRequest(prompt=prompt), "prompt"))
-            elif not prompt or any(not 0 <= t < servicer.model_config.vocab_size for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {servicer.model_config.vocab_size}) and "
-                                    "not empty", "prompt")  # fmt: skip
             else:
-                prompt_ids.append(list(prompt))
+                prompt_ids.append(prompt)
         return await respond(body, prompt_ids, params, "text_completion", request)
 
     async def tokenize(grpc_request: gateway_pb2.GenerateRequest, param: str) -> list[int]:
@@ -280,6 +272,26 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         return JSONResponse(base | {"choices": out, "usage": usage.as_json()})
 
     return app
+
+
+def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
+    """The completions API's prompt field as a list of prompts: a string, a list of strings, a list of token
+    ids (one prompt) or a list of token id lists. APIError 400 for anything else or an empty prompt."""
+    def is_ids(x) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str) or (is_ids(prompt) and prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not (all(isinstance(p, str) for p in prompt)
+                                                          or all(is_ids(p) for p in prompt)):  # fmt: skip
+        raise APIError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of token "
+                            "id lists", "prompt")  # fmt: skip
+    for p in prompt:
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        if not isinstance(p, str) and any(not 0 <= t < vocab_size for t in p):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    return prompt
 
 
 def _param_named(message: str) -> str | None:
