@@ -20,7 +20,8 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.client import finish_name
 from services.grpc_errors import status_for
@@ -160,6 +161,10 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):  # (unknown paths, unreadable bodies, ...)
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):

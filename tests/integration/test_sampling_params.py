@@ -208,3 +208,37 @@ def test_bad_parameters_are_invalid_argument_naming_the_field(cluster, field, va
 def _stream(cluster, req):
     with grpc.insecure_channel(cluster.gateway_address) as channel:
         yield from gateway_pb2_grpc.GatewayStub(channel).Generate(req, timeout=300)
+
+
+def test_logprobs_and_min_tokens_with_speculation_equal_plain_and_penalties_do_not_speculate(model_config, tokenizer):
+    """Speculative decoding (n-gram) keeps logprobs and min_tokens exactly as plain decoding; a request with
+    penalties never speculates (its drafts would need a penalty state per position) and still decodes right."""
+    from shared.config import SpeculativeConfig
+
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog."
+    ids = prompt_token_ids(tokenizer, "chat", text)
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+
+    def run_engine(speculative: bool, params: SamplingParams):
+        engine = LLMEngine(model_config, CacheConfig(block_size=16, num_blocks=128), SchedulerConfig(256, 8),
+                           speculative_config=spec if speculative else None)  # fmt: skip
+        engine.add_request(Request("r", ids, params))
+        tokens, logprobs, drafts = [], [], 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens += o.new_token_ids
+                logprobs += o.logprobs or []
+                drafts += o.num_draft_tokens
+        return tokens, logprobs, drafts
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, min_tokens=24)
+    plain, plain_logprobs, _ = run_engine(False, params)
+    tokens, logprobs, drafts = run_engine(True, params)
+    assert drafts > 0 and tokens == plain and len(tokens) == 24
+    assert [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in logprobs] == \
+        [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in plain_logprobs]
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in plain_logprobs], abs=1e-4)
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
+    plain, _, _ = run_engine(False, penalized)
+    tokens, _, drafts = run_engine(True, penalized)
+    assert drafts == 0 and tokens == plain
