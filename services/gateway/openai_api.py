@@ -10,8 +10,11 @@ type; a client that disconnects mid-stream aborts the request on both tiers.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import socket
 import time
 import uuid
 from typing import Any, Literal
@@ -197,7 +200,7 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         chat = gateway_pb2.ChatMessages()
-        for i, m in enumerate(body.messages):
+        for m in body.messages:
             content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or ())
             chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=content)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -223,8 +226,6 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         return await respond(body, prompt_ids, params, "text_completion", request)
 
     async def tokenize(grpc_request: gateway_pb2.GenerateRequest, param: str) -> list[int]:
-        import asyncio
-
         try:
             return await asyncio.to_thread(servicer.tokenize, grpc_request)
         except InvalidRequestError as e:
@@ -240,7 +241,8 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
             try:
                 servicer.check_params(len(prompt_ids), params)
             except InvalidRequestError as e:
-                raise APIError(400, str(e), _param_named(str(e))) from None
+                param = _param_named(str(e))
+                raise APIError(400, str(e), "messages" if chat and param == "prompt" else param) from None
         streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", cache_salt)
                    for i, prompt_ids in enumerate(prompts)]  # fmt: skip
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": model_name}
@@ -411,9 +413,6 @@ async def serve_http(app: FastAPI, host: str, port: int):
     """Start uvicorn for app on host:port (0: any free port) inside the running event loop, without its own
     signal handling (the gateway's Server handles SIGTERM). Returns (uvicorn.Server, bound port, serving task).
     OSError if the address cannot be bound."""
-    import asyncio
-    import socket
-
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -431,6 +430,4 @@ async def serve_http(app: FastAPI, host: str, port: int):
 
 
 def _no_signals():
-    import contextlib
-
     return contextlib.nullcontext()
