@@ -17,18 +17,18 @@ import logging
 import socket
 import time
 import uuid
-from typing import Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.client import finish_name
 from services.grpc_errors import status_for
 from shared.errors import InvalidRequestError, TandemError
+from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                              Totals, format_logprobs, param_named, prompts, sampling_params)
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -40,18 +40,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 def api_error(error: Exception, instance_id: str) -> APIError:
@@ -62,95 +51,6 @@ def api_error(error: Exception, instance_id: str) -> APIError:
     if code == grpc.StatusCode.INTERNAL and not isinstance(error, TandemError):
         log.error("unhandled error", exc_info=error)
     return APIError(HTTP_STATUS.get(code, 500), message, code=code.name.lower())
-
-
-# -- request bodies ------------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class SamplingFields(BaseModel):
-    """The fields both endpoints share (OpenAI's, then vLLM's extensions). Unknown fields are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[TextPart] | None = None
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionRequest(SamplingFields):
-    prompt: Any  # a string, a list of strings, token ids, or a list of token id lists (prompts())
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
-    """The request's fields as the gRPC API's SamplingParams (validated there: generate_n raises
-    InvalidRequestError naming the field)."""
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
-    p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    p.stop.extend(stop)
-    for t in body.stop_token_ids or ():
-        if t < 0:
-            raise APIError(400, f"stop_token_ids must be >= 0, got {t}", "stop_token_ids")
-        p.stop_token_ids.append(t)
-    fields = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-              "min_p": body.min_p, "presence_penalty": body.presence_penalty,
-              "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
-              "min_tokens": body.min_tokens, "logprobs": logprobs}  # fmt: skip
-    for name, value in fields.items():
-        if value is None:
-            continue
-        if isinstance(value, int) and not -(2**31) <= value < 2**31:
-            raise APIError(400, f"{name} is out of range: {value}", name)
-        setattr(p, name, value)
-    if body.seed is not None:
-        p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
-    if body.n < 1 or body.n > 2**31:
-        raise APIError(400, f"n must be >= 1, got {body.n}", "n")
-    p.n = body.n
-    return p
 
 
 # -- the app -------------------------------------------------------------------------------------------------
@@ -241,7 +141,7 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
             try:
                 servicer.check_params(len(prompt_ids), params)
             except InvalidRequestError as e:
-                param = _param_named(str(e))
+                param = param_named(str(e))
                 raise APIError(400, str(e), "messages" if chat and param == "prompt" else param) from None
         streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", cache_salt)
                    for i, prompt_ids in enumerate(prompts)]  # fmt: skip
@@ -279,71 +179,6 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         return JSONResponse(base | {"choices": out, "usage": usage.as_json()})
 
     return app
-
-
-def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
-    """The completions API's prompt field as a list of prompts: a string, a list of strings, a list of token
-    ids (one prompt) or a list of token id lists. APIError 400 for anything else or an empty prompt."""
-    def is_ids(x) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(prompt, str) or (is_ids(prompt) and prompt):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt or not (all(isinstance(p, str) for p in prompt)
-                                                          or all(is_ids(p) for p in prompt)):  # fmt: skip
-        raise APIError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of token "
-                            "id lists", "prompt")  # fmt: skip
-    for p in prompt:
-        if not p:
-            raise APIError(400, "prompt is empty", "prompt")
-        if not isinstance(p, str) and any(not 0 <= t < vocab_size for t in p):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    return prompt
-
-
-def _param_named(message: str) -> str | None:
-    """The field an InvalidRequestError's message starts with or names ("min_p must be ...")."""
-    word = message.split(" ", 1)[0].strip("(),:")
-    return word if word.replace("_", "").isalpha() and word.islower() else None
-
-
-class Totals:
-    """OpenAI usage over a response's completions: each prompt counted once, every completion's tokens."""
-
-    def __init__(self):
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
-
-    def add(self, usage: gateway_pb2.Usage, count_prompt: bool) -> None:
-        self.completion_tokens += usage.completion_tokens
-        if count_prompt:
-            self.prompt_tokens += usage.prompt_tokens
-            self.cached_tokens += usage.cached_tokens
-
-    def as_json(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
-
-
-def format_logprobs(logprobs, chat: bool, tokenizer) -> dict:
-    """TokenLogprobs protos -> OpenAI's logprobs object: chat's {"content": [{token, logprob, bytes,
-    top_logprobs}]}, or the completions API's {tokens, token_logprobs, top_logprobs, text_offset}."""
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    if chat:
-        return {"content": [{"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
-                             "top_logprobs": [{"token": text(t.token_id), "logprob": t.logprob,
-                                               "bytes": list(text(t.token_id).encode())} for t in lp.top]}
-                            for lp in logprobs]}  # fmt: skip
-    tokens = [text(lp.token_id) for lp in logprobs]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
-            "text_offset": offsets}  # fmt: skip
 
 
 async def _first_messages(streams, instance_id: str) -> list:
