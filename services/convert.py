@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from shared.engine import EngineStats
-from shared.request import FinishReason, SamplingParams
+from shared.errors import InvalidRequestError
+from shared.request import FinishReason, SamplingParams, StructuredOutputParams
 from shared.sampler import TokenLogprobs
 from tandem.v1 import common_pb2
 
@@ -19,7 +20,21 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides) -> Sam
     InvalidRequestError (INVALID_ARGUMENT) on bad values."""
     values = {name: getattr(p, name) for name in OPTIONAL_FIELDS if p.HasField(name)}
     values.update(stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    if p.HasField("structured_output"):
+        values["structured_output"] = structured_output_from_proto(p.structured_output)
     return SamplingParams(**(values | overrides))
+
+
+def structured_output_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutputParams:
+    """InvalidRequestError when no kind is set (or a kind's value is empty)."""
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_output must set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "choice":
+        return StructuredOutputParams(choice=tuple(p.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=p.json_object or None)
+    return StructuredOutputParams(**{"json" if kind == "json_schema" else kind: getattr(p, kind)})
 
 
 def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -23,6 +23,7 @@ from shared.request import FinishReason, Request, RequestStatus
 from shared.sampler import TokenLogprobs
 from shared.scheduler import Scheduler, SchedulerOutput
 from shared.spec_decode.drafter import Drafter
+from shared.structured_output import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -124,6 +125,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
         self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
+        self.structured_output_manager = StructuredOutputManager(model_config.path, model_config.vocab_size,
+                                                                 model_config.eos_token_ids)
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -148,6 +151,8 @@ class LLMEngine:
             )
         request.eos_token_ids = self.model_config.eos_token_ids
         request.max_model_len = max_len
+        if request.sampling_params.structured_output is not None:
+            request.grammar = self.structured_output_manager.matcher(request.sampling_params.structured_output)
         self.requests[request.request_id] = request
 
     def add_request(self, request: Request) -> None:
@@ -201,6 +206,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
+        if request.grammar is not None and not request.grammar.num_valid([first_token_id]):
+            raise InvalidRequestError(f"first token id {first_token_id} violates the request's structured_output")
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv_cache_manager.cache_full_blocks(request)
         reason = request.append_output_token(first_token_id)
@@ -251,6 +258,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if self.drafter is not None:
             self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
+        scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
         start = time.perf_counter()
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         if self.drafter is not None:

@@ -12,6 +12,7 @@ from shared.model import load_model
 from shared.sampler import TokenLogprobs, process_logits, sample, token_logprobs
 from shared.scheduler import SchedulerOutput
 from shared.spec_decode.rejection_sampler import accept_draft_tokens, rejection_sample
+from shared.structured_output import apply_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class ModelRunner:
             start = request.num_computed_tokens
             token_ids = request.token_ids(start, start + n - len(drafts)) + list(drafts)
             num_logits = 0
-            if start + n == request.num_tokens + len(drafts):  # one row per draft, and one after them
+            if out.samples(request):  # one row per draft, and one after them
                 num_logits = len(drafts) + 1
                 sampled_requests.append(request)
                 row_requests += [request] * num_logits
@@ -101,6 +102,8 @@ class ModelRunner:
             logits = torch.nan_to_num(logits)
         finite = finite.tolist()
         processed = process_logits(logits, row_requests, row_positions)
+        if out.grammar_bitmask:
+            processed = apply_grammar_bitmask(processed, logits, sampled_requests, out)
         token_ids = sample(processed, row_requests, row_positions, skip=out.spec_draft_probs.keys())
         row = 0
         for request in sampled_requests:
@@ -119,6 +122,21 @@ class ModelRunner:
             if request.sampling_params.logprobs is not None:  # (emitted token i is row rows.start + i)
                 result.logprobs[request_id] = token_logprobs(logits[rows], sampled, request.sampling_params.logprobs)
         return result
+
+
+def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled_requests: list,
+                          out: SchedulerOutput) -> torch.Tensor:
+    """processed [num_rows, vocab] fp32 (rows in sampled_requests' order, num_drafts + 1 each) with each
+    constrained request's rows masked by its out.grammar_bitmask; a copy when processed is the raw logits."""
+    if processed is logits:
+        processed = logits.clone()
+    row = 0
+    for request in sampled_requests:
+        rows = slice(row, row + len(out.scheduled_spec_decode_tokens.get(request.request_id, ())) + 1)
+        row = rows.stop
+        if request.request_id in out.grammar_bitmask:
+            apply_bitmask(processed[rows], out.grammar_bitmask[request.request_id], logits[rows])
+    return processed
 
 
 def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int], int]], block_size: int,

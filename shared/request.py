@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from shared.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from shared.structured_output import GrammarMatcher
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's cap)
 
@@ -17,9 +23,39 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS or a stop token id
+    STOP = "stop"  # EOS, a stop token id, or a structured output that is complete
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # client cancel, error or shutdown
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """A constraint on the generated text, enforced token by token (shared/structured_output.py): exactly one of
+    json (a JSON schema, as JSON text), json_object (any JSON object), regex, choice (one of these strings) or
+    grammar (a Lark grammar in llguidance's dialect). The names are vLLM's StructuredOutputsParams'.
+    Raises InvalidRequestError unless exactly one is set, json is a JSON object and choices are non-empty."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequestError(f"structured_output must set exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {kinds or 'none'}")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise InvalidRequestError(f"structured_output.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("structured_output.json must be a JSON schema object")
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise InvalidRequestError("structured_output.choice must be a non-empty list of non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -49,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely (0..MAX_LOGPROBS)
     speculative: bool = True  # False: never speculate for this request, whatever the engine's setting
+    structured_output: StructuredOutputParams | None = None  # a constraint on the text (None: unconstrained)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -98,6 +135,7 @@ class Request:
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
     kv_skip_blocks: int = 0  # prefill tier: leading blocks the receiving decode holds already (not sent)
+    grammar: GrammarMatcher | None = None  # with structured_output: the grammar's state after the output so far
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
     num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)
     num_accepted_tokens: int = 0
@@ -124,9 +162,12 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int) -> FinishReason | None:
-        """Append a sampled token and return why the request stops now, or None to continue."""
+        """Append a sampled token and return why the request stops now, or None to continue. With a grammar, the
+        grammar consumes it, and a grammar that is complete stops the request (an EOS is not needed)."""
         self.output_token_ids.append(token_id)
         params = self.sampling_params
+        if self.grammar is not None and self.grammar.accept(token_id):
+            return FinishReason.STOP
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return FinishReason.STOP
         if len(self.output_token_ids) >= params.max_tokens:

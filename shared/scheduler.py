@@ -33,10 +33,19 @@ class SchedulerOutput:
     # sampled requests with a draft model's drafts: the distribution each draft came from, [num_drafts, vocab]
     spec_draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     preempted_requests: list[Request] = field(default_factory=list)
+    # requests with a grammar that sample this step: the allowed tokens of each sampled row, [num_drafts + 1,
+    # ceil(vocab / 32)] int32 bitmasks (shared/structured_output.py)
+    grammar_bitmask: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    def samples(self, request: Request) -> bool:
+        """Whether this step computes the request's last token (its drafts included), and so samples the next."""
+        num_drafts = len(self.scheduled_spec_decode_tokens.get(request.request_id, ()))
+        return request.num_computed_tokens + self.num_scheduled_tokens[request.request_id] == (
+            request.num_tokens + num_drafts)
 
 
 class Scheduler:

@@ -95,8 +95,6 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported yet", "response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         chat = gateway_pb2.ChatMessages()
@@ -142,6 +140,8 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
                 servicer.check_params(len(prompt_ids), params)
             except InvalidRequestError as e:
                 param = param_named(str(e))
+                if param == "structured_output":
+                    param = "structured_outputs" if body.structured_outputs else "response_format"
                 raise APIError(400, str(e), "messages" if chat and param == "prompt" else param) from None
         streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", cache_salt)
                    for i, prompt_ids in enumerate(prompts)]  # fmt: skip

@@ -4,9 +4,10 @@ Field names and shapes follow OpenAI's API reference plus vLLM's extensions (ser
 serves them)."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.v1 import common_pb2, gateway_pb2
 
@@ -26,6 +27,31 @@ class APIError(Exception):
 # -- request bodies ------------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extension: exactly one of these (common.proto StructuredOutput)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(BaseModel):
@@ -53,6 +79,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class TextPart(BaseModel):
@@ -71,7 +99,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -109,7 +136,36 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     if body.n < 1 or body.n > 2**31:
         raise APIError(400, f"n must be >= 1, got {body.n}", "n")
     p.n = body.n
+    constraint = structured_output(body)
+    if constraint is not None:
+        p.structured_output.CopyFrom(constraint)
     return p
+
+
+def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | None:
+    """response_format (json_object, json_schema) or vLLM's structured_outputs as the gRPC API's constraint;
+    None for text. APIError 400 naming the field when a schema is missing or both fields constrain."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise APIError(400, "set response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None and fmt.type == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+        return common_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+    if so is None:
+        return None
+    kinds = {name: value for name, value in so.model_dump().items() if value not in (None, False)}
+    if len(kinds) != 1:
+        raise APIError(400, "structured_outputs must set exactly one of json, json_object, regex, choice, grammar",
+                       "structured_outputs")  # fmt: skip
+    kind, value = kinds.popitem()
+    if kind == "json_":
+        return common_pb2.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.StructuredOutput.Choices(choices=value))
+    return common_pb2.StructuredOutput(**{kind: value})
 
 
 def prompts(prompt, vocab_size: int) -> list[str | list[int]]:

@@ -26,6 +26,7 @@ from services.server import Server, new_instance_id
 from shared.config import EngineArgs, ModelConfig
 from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
 from shared.registry import InstanceInfo
+from shared.structured_output import check_grammar
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.model_config.vocab_size})")
         if any(not s for s in p.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if params.structured_output is not None:
+            check_grammar(params.structured_output)
         proto_params = common_pb2.SamplingParams()
         proto_params.CopyFrom(p)
         proto_params.max_tokens = min(params.max_tokens, max_len - num_prompt_tokens)

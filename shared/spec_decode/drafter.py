@@ -97,7 +97,10 @@ class Drafter:
             if self.draft_model is not None:
                 request.spec_token_ids = [PLACEHOLDER] * room
             else:
-                request.spec_token_ids = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
+                drafts = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
+                if request.grammar is not None:  # (a draft the grammar refuses could never be accepted)
+                    drafts = drafts[: request.grammar.num_valid(drafts)]
+                request.spec_token_ids = drafts
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the cost model a step that only decoded (each request at most 1 + num_speculative_tokens rows)."""

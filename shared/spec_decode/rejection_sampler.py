@@ -51,7 +51,7 @@ def rejection_sample(request: Request, target_logits: torch.Tensor, draft_token_
     params = request.sampling_params
     for i, draft in enumerate(draft_token_ids):
         p, q = sampling_probs(target_logits[i], params), draft_probs[i]
-        if float(torch.rand(())) * float(q[draft]) <= float(p[draft]):  # u < p(d) / q(d); q(d) > 0: d came from q
+        if float(torch.rand(())) * float(q[draft]) < float(p[draft]):  # u < p(d) / q(d); q(d) > 0: d came from q
             continue
         residual = (p - q).clamp_min(0)
         if float(residual.sum()) <= 0:  # (p <= q everywhere means p == q: no rejection happens in exact math)

@@ -68,3 +68,36 @@ class RedisServer:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
             self.proc.wait(10)
+
+
+def hf_constrained(hf_model, model_config, ids: list[int], grammar: str, max_new_tokens: int) -> list[int]:
+    """The reference for structured output: HF transformers fp32 greedy under llguidance's own mask of grammar (a
+    processor reading LLMatcher.compute_logit_bias, not the engine's bitmask path), cut where the grammar is
+    complete (the engine stops there; HF goes on to the EOS the grammar then allows)."""
+    from pathlib import Path
+
+    import llguidance
+    import torch
+
+    vocab = model_config.vocab_size
+    tokenizer = llguidance.LLTokenizer((Path(model_config.path) / "tokenizer.json").read_text(), n_vocab=vocab,
+                                       eos_token=list(model_config.eos_token_ids))  # fmt: skip
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    consumed = []
+
+    def mask(input_ids, scores):
+        for t in input_ids[0, len(ids) + len(consumed):].tolist():
+            assert matcher.consume_token(t), matcher.get_error()
+            consumed.append(t)
+        allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:vocab] > 0
+        return scores.masked_fill(~allowed, float("-inf"))
+
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                logits_processor=[mask])[0, len(ids):].tolist()  # fmt: skip
+    replay = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    for i, t in enumerate(out):
+        replay.consume_token(t)
+        if replay.is_stopped():
+            return out[: i + 1]
+    return out

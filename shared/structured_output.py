@@ -1,0 +1,143 @@
+"""Structured output: a grammar constrains each sampled token, on both tiers, with llguidance.
+
+Why llguidance (over xgrammar and outlines-core): it computes a token mask for JSON schemas, regexes and Lark
+grammars lazily from a token trie in tens of microseconds on CPU, with no precompilation per grammar (a schema
+arriving with a request costs nothing up front), it can roll back consumed tokens (what speculative decoding's
+verification needs), and it is a small self-contained wheel (no torch or compiler at run time); vLLM and SGLang
+ship it as a backend.
+
+The grammar's state is a function of the output tokens alone, so the tiers never exchange it: the prefill tier
+samples the first token under the grammar's initial mask, and the decode tier builds the same grammar and
+replays that token into it (Request.append_output_token) before decoding on.
+
+Masks (vLLM's StructuredOutputManager.grammar_bitmask): each sampled row of a constrained request gets the
+grammar's bitmask of allowed tokens after the tokens before that row; rows of a speculative step follow the
+drafts, consumed tentatively and rolled back. A row after a draft the grammar refuses is left unmasked: the
+target's token at the refused draft's row differs from it (the draft is masked out there), so the run ends
+before that row is used.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import torch
+
+from shared.errors import InvalidRequestError
+from shared.request import StructuredOutputParams
+from shared.scheduler import SchedulerOutput
+
+# JSON is generated in json.dumps' default layout ({"a": 1, "b": [2, 3]}): with free whitespace a small model can
+# loop on newlines until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_for(params: StructuredOutputParams) -> str:
+    """StructuredOutputParams -> an llguidance grammar (its serialized form). A choice is a Lark alternation of
+    string literals (JSON escapes are Lark's), so no choice text is read as regex syntax."""
+    if params.json is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+    if params.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if params.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+
+def check_grammar(params: StructuredOutputParams) -> str:
+    """The grammar for params, checked without a tokenizer (a gateway's early validation). InvalidRequestError
+    with llguidance's message when it does not compile."""
+    try:
+        grammar = grammar_for(params)
+    except ValueError as e:
+        raise InvalidRequestError(f"structured_output: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError(f"structured_output: {error.splitlines()[0]}")
+    return grammar
+
+
+class GrammarMatcher:
+    """One request's grammar state: an llguidance LLMatcher advanced over the tokens generated so far."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Consume a generated token; True when the grammar is complete after it (nothing but EOS may follow).
+        ValueError for a token the grammar refuses (a sampler that ignored the mask, or a bad first token)."""
+        if not self.matcher.consume_token(token_id):
+            raise ValueError(f"token {token_id} violates the grammar: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of token_ids, from the first, the grammar allows next (the state does not change)."""
+        return self.matcher.validate_tokens(token_ids) if token_ids else 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor, draft_token_ids: list[int]) -> None:
+        """bitmask [len(draft_token_ids) + 1, ceil(vocab / 32)] int32, all ones on entry -> row i holds the
+        tokens allowed after the first i drafts (bit t % 32 of word t // 32); rows after a refused draft stay all
+        ones. The state is as before on return."""
+        # NOTE: a refused token puts an LLMatcher in its error state for good: only valid drafts are consumed
+        num_valid = self.num_valid(draft_token_ids)
+        for i in range(num_valid + 1):
+            row = bitmask[i]
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if i < num_valid:
+                self.matcher.consume_token(draft_token_ids[i])
+        if num_valid:
+            self.matcher.rollback(num_valid)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, raw_logits: torch.Tensor) -> None:
+    """In place on logits [num_rows, vocab] fp32 (processed: penalties, min_tokens): tokens whose bit is 0 in
+    bitmask [num_rows, ceil(vocab / 32)] int32 get -inf. A row left with no token (min_tokens or stop_token_ids
+    masked every token the grammar allows) takes raw_logits [num_rows, vocab] under the grammar's mask alone:
+    the grammar wins."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    refused = ~((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]].to(logits.device)
+    logits.masked_fill_(refused, float("-inf"))
+    empty = logits.amax(-1) == float("-inf")
+    if bool(empty.any()):
+        logits[empty] = raw_logits[empty].masked_fill(refused[empty], float("-inf"))
+
+
+class StructuredOutputManager:
+    """An engine's grammars: the llguidance tokenizer of the model (built from its tokenizer.json on the first
+    constrained request, about a second), a matcher per constrained request, and each step's bitmasks."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, eos_token_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            text = (Path(self.model_dir) / "tokenizer.json").read_text()
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
+        return self._tokenizer
+
+    def matcher(self, params: StructuredOutputParams) -> GrammarMatcher:
+        """A new request's grammar in its initial state. InvalidRequestError when the grammar does not compile
+        (a bad schema, regex or Lark text), with llguidance's message."""
+        matcher = llguidance.LLMatcher(self.tokenizer, check_grammar(params), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"structured_output: {matcher.get_error().splitlines()[0]}")
+        return GrammarMatcher(matcher)
+
+    def grammar_bitmask(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """The bitmasks of this step's constrained requests that sample: request id -> [num_drafts + 1,
+        ceil(vocab / 32)] int32 (GrammarMatcher.fill_bitmask), for the rows ModelRunner.execute_model samples."""
+        masks = {}
+        for request in out.scheduled_requests:
+            if request.grammar is None or not out.samples(request):
+                continue
+            drafts = out.scheduled_spec_decode_tokens.get(request.request_id, [])
+            bitmask = torch.full((len(drafts) + 1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            request.grammar.fill_bitmask(bitmask, drafts)
+            masks[request.request_id] = bitmask
+        return masks
+
