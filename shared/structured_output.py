@@ -63,8 +63,8 @@ def check_grammar(params: StructuredOutputParams) -> str:
 class GrammarMatcher:
     """One request's grammar state: an llguidance LLMatcher advanced over the tokens generated so far."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
-        self.matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: tuple[int, ...]):
+        self.matcher, self.eos_token_ids = matcher, eos_token_ids
 
     def accept(self, token_id: int) -> bool:
         """Consume a generated token; True when the grammar is complete after it (nothing but EOS may follow).
@@ -79,10 +79,12 @@ class GrammarMatcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, draft_token_ids: list[int]) -> None:
         """bitmask [len(draft_token_ids) + 1, ceil(vocab / 32)] int32, all ones on entry -> row i holds the
-        tokens allowed after the first i drafts (bit t % 32 of word t // 32); rows after a refused draft stay all
-        ones. The state is as before on return."""
-        # NOTE: a refused token puts an LLMatcher in its error state for good: only valid drafts are consumed
+        tokens allowed after the first i drafts (bit t % 32 of word t // 32); rows after a refused draft or an
+        EOS stay all ones. The state is as before on return."""
+        # NOTE: a refused token puts an LLMatcher in its error state for good, and an EOS consumed does not roll
+        # back cleanly: only the valid drafts before any EOS are consumed (a row after an EOS is never used)
         num_valid = self.num_valid(draft_token_ids)
+        num_valid = next((i for i, t in enumerate(draft_token_ids[:num_valid]) if t in self.eos_token_ids), num_valid)
         for i in range(num_valid + 1):
             row = bitmask[i]
             self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
@@ -126,7 +128,7 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(self.tokenizer, check_grammar(params), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"structured_output: {matcher.get_error().splitlines()[0]}")
-        return GrammarMatcher(matcher)
+        return GrammarMatcher(matcher, self.eos_token_ids)
 
     def grammar_bitmask(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """The bitmasks of this step's constrained requests that sample: request id -> [num_drafts + 1,

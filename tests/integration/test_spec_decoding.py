@@ -209,6 +209,32 @@ def test_cluster_stop_string_inside_an_accepted_run(spec_cluster, references, to
     wait_all_blocks_free(spec_cluster)
 
 
+def test_cluster_structured_output_with_speculation(spec_cluster, model_config, tokenizer):
+    """Constrained requests (greedy and seeded, JSON and a regex) mixed with a plain one, through a speculating
+    decode: the same tokens as a plain colocated engine (itself equal to HF under the grammar,
+    test_structured_output.py), and the JSON validates."""
+    from tests.integration.helpers import generate_all
+    from tests.integration.test_structured_output import CASES, check_text, constrained_request, run_engine
+
+    names = ["person", "colors", "date"]
+    requests = [constrained_request(n) for n in names] + [constrained_request(n, temperature=1.0, seed=5)
+                                                          for n in names]  # fmt: skip
+    requests.append(make_request(EXTRA[0][2], max_tokens=NUM_REFERENCE_TOKENS, temperature=0.0))
+    outs = generate_all(spec_cluster.gateway_address, requests)
+    plain = run_engine(model_config, [
+        Request(f"{n}-{i}", prompt_token_ids(tokenizer, "chat", CASES[n][0]), SamplingParams(
+            max_tokens=r.sampling_params.max_tokens, temperature=r.sampling_params.temperature,
+            seed=r.sampling_params.seed if r.sampling_params.HasField("seed") else None,
+            structured_output=CASES[n][1]))
+        for i, (n, r) in enumerate(zip(names * 2, requests))])  # fmt: skip
+    for i, (name, out) in enumerate(zip(names * 2, outs)):
+        assert out.token_ids == plain[f"{name}-{i}"], (name, i)
+        if out.finish_reason == "stop":
+            check_text(name, out.text)
+    assert sum(o.num_draft_tokens for o in outs) > 0
+    wait_all_blocks_free(spec_cluster)
+
+
 def test_bad_speculative_flags_are_refused(model_dir):
     from services.launcher import LocalCluster
 

@@ -32,6 +32,11 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_state(manager, tokenizer, 
     assert please in second and yes not in second
     assert third == set(model_config.eos_token_ids)  # complete: only EOS may follow
     assert grammar.num_valid([yes, please]) == 2  # rolled back: the state is the initial one
+    eos = model_config.eos_token_ids[0]
+    past_eos = full_bitmask(5, vocab)
+    grammar.fill_bitmask(past_eos, [yes, please, eos, yes])  # (an EOS consumed would not roll back cleanly)
+    assert allowed(past_eos[2], vocab) == third and bool((past_eos[3:] == -1).all())
+    assert grammar.num_valid([yes, please, eos]) == 3
     refused = full_bitmask(3, vocab)
     grammar.fill_bitmask(refused, [please, yes])  # a refused first draft: later rows stay unmasked
     assert allowed(refused[0], vocab) == first and bool((refused[1:] == -1).all())
