@@ -11,7 +11,7 @@ from tandem.v1 import common_pb2
 
 # The proto's optional scalar fields that map one to one onto SamplingParams.
 OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "speculative", "min_p", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs")
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 FINISH_TO_PROTO = {reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}") for reason in FinishReason}
 
 

@@ -53,6 +53,8 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    # with the first token, when the request asked for prompt logprobs: prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -163,14 +165,18 @@ class LLMEngine:
     def reserve(self, request: Request) -> int:
         """Decode tier: hold blocks for the prompt, to be filled by import_kv, reusing the longest cached prefix.
         Returns the prompt tokens already cached here (a multiple of block_size): KV for them need not come.
+        Without room, running requests of lower priority are preempted (newest first) until it fits.
         InvalidRequestError on bad input, NoCapacityError if the pool has no room now."""
         self._admit(request)
         computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-        if not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
-                                                    computed_block_ids):
-            self.kv_cache_manager.free(request)
-            del self.requests[request.request_id]
-            raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
+        while not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
+                                                       computed_block_ids):  # fmt: skip
+            victim = self.scheduler.lowest_priority_running()
+            if victim is None or victim.priority <= request.priority:
+                self.kv_cache_manager.free(request)
+                del self.requests[request.request_id]
+                raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
+            self.scheduler.preempt(victim)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached
         return num_cached
@@ -282,7 +288,10 @@ class LLMEngine:
                 self._finish(request, FinishReason.ABORT, out, error="the model produced non-finite logits")
                 outputs.append(out)
                 continue
+            request.prompt_logprobs += model_output.prompt_logprobs.get(request_id, ())
             token_ids = model_output.sampled_token_ids.get(request_id, ())
+            if token_ids and not request.output_token_ids and request.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs = request.prompt_logprobs
             reason = None
             for token_id in token_ids:
                 out.new_token_ids.append(token_id)

@@ -25,11 +25,14 @@ class ModelRunnerOutput:
         token was computed: one token, or with draft tokens scheduled, the accepted drafts and one more.
     non_finite_request_ids: requests whose logits held NaN or inf; they get no token and are failed alone.
     logprobs: request id -> one TokenLogprobs per sampled token, for requests that asked for logprobs.
+    prompt_logprobs: request id -> the TokenLogprobs of the prompt tokens whose logits this step computed (those
+        after request.prompt_logprobs' last), for requests that asked for prompt logprobs.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     non_finite_request_ids: set[str] = field(default_factory=set)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -75,24 +78,42 @@ class ModelRunner:
         request whose last token was computed; a request with draft tokens scheduled gets the target's token at
         each of their positions too, and keeps the drafts that pass the acceptance rule
         (spec_decode.rejection_sampler: with out.spec_draft_probs, the rule with the draft's probabilities).
-        Nothing scheduled: nothing runs."""
+        A request with prompt logprobs also gets the logits of each prompt position it computes (position p
+        scores prompt token p + 1). Nothing scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
         seqs, sampled_requests, row_requests, row_positions = [], [], [], []
+        prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows
+        num_rows = 0
         for request in out.scheduled_requests:
             n = out.num_scheduled_tokens[request.request_id]
             drafts = out.scheduled_spec_decode_tokens.get(request.request_id, ())
             start = request.num_computed_tokens
             token_ids = request.token_ids(start, start + n - len(drafts)) + list(drafts)
-            num_logits = 0
-            if out.samples(request):  # one row per draft, and one after them
-                num_logits = len(drafts) + 1
+            num_logits = num_prompt = 0
+            if request.sampling_params.prompt_logprobs is not None:  # positions from the first not scored yet
+                first = max(start, len(request.prompt_logprobs))
+                num_prompt = max(0, min(start + n, request.num_prompt_tokens - 1) - first)
+                num_logits = start + n - first if num_prompt else 0
+            if num_prompt:
+                prompt_rows.append((request, num_rows, first, num_prompt))
+            if out.samples(request):  # one row per draft, and one after them (the last rows of the sequence)
+                num_sampled = len(drafts) + 1
+                num_logits = max(num_logits, num_sampled)
                 sampled_requests.append(request)
-                row_requests += [request] * num_logits
-                row_positions.extend(range(request.num_tokens, request.num_tokens + num_logits))
+                row_requests += [request] * num_sampled
+                row_positions.extend(range(request.num_tokens, request.num_tokens + num_sampled))
+                sample_rows.extend(range(num_rows + num_logits - num_sampled, num_rows + num_logits))
+            num_rows += num_logits
             seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
         logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device)
         result = ModelRunnerOutput()
+        if prompt_rows:
+            for request, row, position, count in prompt_rows:
+                targets = request.prompt_token_ids[position + 1 : position + 1 + count]
+                result.prompt_logprobs[request.request_id] = token_logprobs(
+                    logits[row : row + count], targets, request.sampling_params.prompt_logprobs)
+            logits = logits[sample_rows]
         if not sampled_requests:
             return result
         # NOTE: a row's sum is finite iff every logit is (|logit| is far below fp32's range / vocab): one reduction

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from shared.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from shared.sampler import TokenLogprobs
     from shared.structured_output import GrammarMatcher
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's cap)
@@ -84,6 +85,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely (0..MAX_LOGPROBS)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (computed on the prefill)
     speculative: bool = True  # False: never speculate for this request, whatever the engine's setting
     structured_output: StructuredOutputParams | None = None  # a constraint on the text (None: unconstrained)
 
@@ -105,8 +107,10 @@ class SamplingParams:
             raise InvalidRequestError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -133,8 +137,12 @@ class Request:
     finish_reason: FinishReason | None = None
     max_model_len: int | None = None
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    priority: int = 0  # lower is scheduled first (vLLM's priority policy); equal priorities: first come first
+    arrival_seq: int = 0  # the scheduler's admission counter: the tie-break among equal priorities
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
     kv_skip_blocks: int = 0  # prefill tier: leading blocks the receiving decode holds already (not sent)
+    # with sampling_params.prompt_logprobs: prompt tokens 1, 2, ... as computed so far (TokenLogprobs)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # with structured_output: the grammar's state after the output so far
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
     num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)

@@ -5,7 +5,9 @@ min(num_tokens + len(spec_token_ids) - num_computed_tokens, remaining token budg
 than the budget is prefilled in chunks across steps; a decoding request asks for 1 token, plus its proposed
 draft tokens when it speculates (verified in the same forward); prefill and decode share one batch.
 When the pool runs out of blocks, the most recently admitted running request is preempted (its blocks are
-freed and it is recomputed later). A request admitted from scratch first takes its longest cached prefix
+freed and it is recomputed later). Priorities (Request.priority, lower first; vLLM's priority policy) order both
+queues each step, stably, so equal priorities keep first-come-first-served: the preempted request is the newest
+of the lowest priority, and a waiting request that finds no room preempts a running one of lower priority. A request admitted from scratch first takes its longest cached prefix
 (KVCacheManager.get_computed_blocks) and is scheduled only for the rest; one whose next block a running
 request is computing right now waits for it (a step or two) instead of computing it again.
 """
@@ -76,6 +78,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.running.sort(key=_priority)  # (stable: admission order within a priority)
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=_priority))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -103,13 +108,19 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             computed_block_ids, num_cached = [], 0
-            if request.num_computed_tokens == 0:
+            # (prompt logprobs need the logits of every prompt position: such a prompt is computed in full)
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
                 if in_flight and self.kv_cache_manager.next_block_hash(request, len(computed_block_ids)) in in_flight:
                     continue  # its next block is being computed: take it from the cache when it is
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids):
-                break
+            while not self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids):
+                victim = self.lowest_priority_running()
+                if victim is None or victim.priority <= request.priority:
+                    return out
+                budget += self._unschedule(victim, out)
+                self.running.remove(victim)
+                self._preempt(victim, out)
             request.num_computed_tokens += num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
@@ -122,10 +133,32 @@ class Scheduler:
             in_flight |= self.kv_cache_manager.blocks_in_flight([request])
         return out
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def lowest_priority_running(self) -> Request | None:
+        """The running request to preempt for a request of better priority: the newest of the worst priority."""
+        return max(reversed(self.running), key=_priority, default=None)
+
+    def preempt(self, request: Request) -> None:
+        """Take a running request out of the batch between steps (its blocks freed; recomputed later)."""
+        self.running.remove(request)
+        self._preempt(request, None)
+
+    def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
+        """Drop a request from this step's batch, if it is in it; returns the token budget it had."""
+        if request.request_id not in out.num_scheduled_tokens:
+            return 0
+        out.scheduled_requests.remove(request)
+        out.scheduled_spec_decode_tokens.pop(request.request_id, None)
+        return out.num_scheduled_tokens.pop(request.request_id)
+
+    def _preempt(self, request: Request, out: SchedulerOutput | None) -> None:
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         request.num_computed_tokens = request.num_draft_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        out.preempted_requests.append(request)
+        if out is not None:
+            out.preempted_requests.append(request)
+
+
+def _priority(request: Request) -> int:
+    return request.priority

@@ -26,9 +26,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):
         if not request.request_id:
             raise InvalidRequestError("request_id is required")
-        params = sampling_params_from_proto(request.sampling_params)
+        # (prompt logprobs come from the prefill, which computes the whole prompt; nothing here scores it again)
+        params = sampling_params_from_proto(request.sampling_params, prompt_logprobs=None)
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt)
+        req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt,
+                      priority=request.priority)
         if request.compute_prompt:  # (conditional disaggregation: no prefill; the prompt is computed here)
             stream = await self.engine.add_request(req)
         else:

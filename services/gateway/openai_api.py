@@ -28,7 +28,8 @@ from services.client import finish_name
 from services.grpc_errors import status_for
 from shared.errors import InvalidRequestError, TandemError
 from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                              Totals, format_logprobs, param_named, prompts, sampling_params)
+                                              Totals, format_logprobs, format_prompt_logprobs, param_named, prompts,
+                                              sampling_params)
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
             return StreamingResponse(_sse(streams, first, base, params.n, chat, include_usage, tokenizer,
                                           instance_id), media_type="text/event-stream")  # fmt: skip
         choices: dict[int, dict] = {}
+        prompt_logprobs: dict[int, list] = {}
         usage = Totals()
         try:
             for p, stream in enumerate(streams):
@@ -161,6 +163,8 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
                                                         "finish_reason": None})  # fmt: skip
                     choice["text"] += msg.text
                     choice["logprobs"].extend(msg.logprobs)
+                    if msg.prompt_logprobs:  # (completion 0 of each prompt; every choice of that prompt shows them)
+                        prompt_logprobs[p] = format_prompt_logprobs(msg.prompt_logprobs, tokenizer)
                     if msg.HasField("finish_reason"):
                         choice["finish_reason"] = finish_name(msg.finish_reason)
                         usage.add(msg.usage, msg.index == 0)
@@ -176,6 +180,8 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
             else:
                 out.append({"index": index, "text": c["text"], "logprobs": logprobs,
                             "finish_reason": c["finish_reason"]})  # fmt: skip
+            if params.HasField("prompt_logprobs"):
+                out[-1]["prompt_logprobs"] = prompt_logprobs.get(index // params.n)
         return JSONResponse(base | {"choices": out, "usage": usage.as_json()})
 
     return app
@@ -230,9 +236,11 @@ async def _sse(streams, first: list, base: dict, n: int, chat: bool, include_usa
                     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 else:
                     choice = {"index": index, "text": msg.text, "logprobs": logprobs, "finish_reason": finish}
+                if msg.prompt_logprobs:
+                    choice["prompt_logprobs"] = format_prompt_logprobs(msg.prompt_logprobs, tokenizer)
                 if finish is not None:
                     usage.add(msg.usage, msg.index == 0)
-                if msg.text or msg.token_ids or finish is not None:
+                if msg.text or msg.token_ids or msg.prompt_logprobs or finish is not None:
                     yield chunk([choice])
         if include_usage:
             yield chunk([], usage.as_json())

@@ -81,6 +81,7 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
 
 class TextPart(BaseModel):
@@ -124,7 +125,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     fields = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "min_p": body.min_p, "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
-              "min_tokens": body.min_tokens, "logprobs": logprobs}  # fmt: skip
+              "min_tokens": body.min_tokens, "logprobs": logprobs, "prompt_logprobs": body.prompt_logprobs}  # fmt: skip
     for name, value in fields.items():
         if value is None:
             continue
@@ -231,3 +232,17 @@ def format_logprobs(logprobs, chat: bool, tokenizer) -> dict:
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
             "text_offset": offsets}  # fmt: skip
+
+
+def format_prompt_logprobs(prompt_logprobs, tokenizer) -> list:
+    """GenerateResponse.prompt_logprobs -> vLLM's prompt_logprobs: None for the first prompt token, then per token
+    {token id: {logprob, rank, decoded_token}} holding the prompt token and the top alternatives."""
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    out: list = [None]
+    for lp in prompt_logprobs:
+        ranked = {str(t.token_id): entry(t.token_id, t.logprob, r) for r, t in enumerate(lp.top, 1)}
+        out.append({str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)} | {
+            k: v for k, v in ranked.items() if k != str(lp.token_id)})
+    return out

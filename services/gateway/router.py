@@ -70,8 +70,9 @@ class Router:
         return found
 
     async def route(self, prompt_ids: list[int], max_total_tokens: int, cache_salt: str | None = None,
-                    skip: set[str] = frozenset()) -> Route:
-        """Pick a decode (with room for max_total_tokens when one has it) and a prefill (or none) for a prompt.
+                    skip: set[str] = frozenset(), local: bool = True) -> Route:
+        """Pick a decode (with room for max_total_tokens when one has it) and a prefill (or none) for a prompt;
+        local False: always a prefill (the request needs what only the prefill computes: prompt logprobs).
         NoInstanceError when a tier has no live instance outside skip."""
         decodes = await self.instances("decode", skip)
         prefills = await self.instances("prefill", skip)
@@ -95,7 +96,7 @@ class Router:
         explanation = [f"decode {d.instance_id}: {cached[d.instance_id]} cached{routed(d)}, "
                        f"{d.num_running + d.num_waiting} requests -> {decode_score(d)}" for d in roomy]  # fmt: skip
         decode = self._turn("decode", _best(roomy, decode_score, max))
-        if n - cached[decode.instance_id] <= self.local_prefill_tokens:
+        if local and n - cached[decode.instance_id] <= self.local_prefill_tokens:
             explanation.append(f"-> decode {decode.instance_id} computes the {n - cached[decode.instance_id]} "
                                f"uncached tokens itself (<= {self.local_prefill_tokens})")
             return Route(decode, None, 0, cached[decode.instance_id], explanation)

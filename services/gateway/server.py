@@ -90,8 +90,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         t0 = time.perf_counter()
         prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        time_remaining = deadline_clock(context.time_remaining,
+                                        request.deadline_ms if request.HasField("deadline_ms") else None)
         async for msg in self.generate_n(prompt_ids, request.sampling_params, request.request_id, cache_salt,
-                                         context.time_remaining, t0):  # fmt: skip
+                                         time_remaining, t0, request.priority):  # fmt: skip
             yield msg
 
     def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
@@ -117,7 +119,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                          cache_salt: str | None = None, time_remaining=lambda: None,
-                         t0: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                         t0: float | None = None, priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """p.n completions of one prompt (default 1), as one stream of generate()'s messages with their index
         set; each completion ends with its own finish message, and the stream ends when all have. Completion 0
         places the prompt; the others wait until its decode holds the prompt's KV and then go to that decode,
@@ -130,7 +132,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.check_params(len(prompt_ids), p)  # (fail before anything starts)
         request_id = request_id or uuid.uuid4().hex
         if n == 1:
-            async for msg in self.generate(prompt_ids, p, request_id, cache_salt, time_remaining, t0):
+            async for msg in self.generate(prompt_ids, p, request_id, cache_salt, time_remaining, t0,
+                                           priority=priority):  # fmt: skip
                 yield msg
             return
         shared = SharedPrompt()
@@ -141,9 +144,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             params.CopyFrom(p)
             if index and params.HasField("seed"):
                 params.seed = seed_for(params.seed, index)
+            if index:  # (the prompt's logprobs come once, with completion 0)
+                params.ClearField("prompt_logprobs")
             try:
                 async for msg in self.generate(prompt_ids, params, f"{request_id}-{index}" if index else request_id,
-                                               cache_salt, time_remaining, t0, shared, index):  # fmt: skip
+                                               cache_salt, time_remaining, t0, shared, index, priority):  # fmt: skip
                     msg.index = index
                     messages.put_nowait(msg)
             except BaseException as e:
@@ -165,12 +170,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def generate(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                        cache_salt: str | None = None, time_remaining=lambda: None, t0: float | None = None,
-                       shared: SharedPrompt | None = None, index: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                       shared: SharedPrompt | None = None, index: int = 0,
+                       priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One request through the cluster, as the public stream: text deltas with their token ids (and
         logprobs), then a last message with finish_reason, usage and timings. Both public APIs (this service's
         Generate and the OpenAI-compatible HTTP server) run through here. time_remaining() -> seconds left
         before the client's deadline, or None; t0: when the request arrived (perf_counter seconds); shared and
-        index: completion index of n sharing one prompt (generate_n).
+        index: completion index of n sharing one prompt (generate_n); priority: the engines' scheduling priority
+        (lower first).
         Raises InvalidRequestError on bad input and the errors of _start and _read."""
         t0 = time.perf_counter() if t0 is None else t0
         proto_params = self.check_params(len(prompt_ids), p)
@@ -182,7 +189,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             pinned = shared.decode
         try:
             decode_call, reply, route, prefill_reply = await self._start(request_id, prompt_ids, proto_params,
-                                                                         cache_salt, time_remaining, pinned)  # fmt: skip
+                                                                         cache_salt, time_remaining, pinned,
+                                                                         priority)  # fmt: skip
         except BaseException:
             if shared is not None:
                 shared.ready.set()  # (the others place themselves)
@@ -196,6 +204,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         num_draft_tokens = num_accepted_tokens = 0
         ttft_ms = (time.perf_counter() - t0) * 1000
         finish_reason = None
+        prompt_logprobs = prefill_reply.prompt_logprobs if prefill_reply else ()  # (sent with the first message)
         try:
             while True:  # reply: the first token's message, then each of the decode's
                 if reply.HasField("finish_reason"):
@@ -207,9 +216,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 new_ids = text.token_ids[num_before:]  # (none past a stop string)
                 num_draft_tokens += reply.num_draft_tokens
                 num_accepted_tokens += min(reply.num_accepted_tokens, len(new_ids))  # (those sent)
-                if new_ids:
+                if new_ids or prompt_logprobs:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=new_ids,
-                                                       logprobs=reply.logprobs[: len(new_ids)])  # fmt: skip
+                                                       logprobs=reply.logprobs[: len(new_ids)],
+                                                       prompt_logprobs=prompt_logprobs)  # fmt: skip
+                    prompt_logprobs = ()
                 if text.stopped:
                     finish_reason = common_pb2.FINISH_REASON_STOP
                 if finish_reason is not None:
@@ -254,7 +265,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return reply
 
     async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams,
-                     cache_salt: str | None, time_remaining, pinned: InstanceInfo | None = None):
+                     cache_salt: str | None, time_remaining, pinned: InstanceInfo | None = None, priority: int = 0):
         """Route, reserve on the decode, then prefill on the prefill naming that decode (only the blocks the
         decode lacks are sent), or let the decode compute the prompt itself (Route.prefill None). Returns
         (decode stream, the message carrying the first token, route, prefill reply or None); the first token
@@ -273,7 +284,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     route = Route(pinned, None, explanation=[f"decode {pinned.instance_id}: holds this prompt"])
                 else:
                     route = await self.router.route(prompt_ids, len(prompt_ids) + params.max_tokens, cache_salt,
-                                                    skipped)  # fmt: skip
+                                                    skipped, local=not params.HasField("prompt_logprobs"))
             except NoInstanceError:
                 if last_error is not None:  # every instance left was tried: say why the last one failed
                     raise last_error from None
@@ -282,7 +293,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             decode, prefill = route.decode, route.prefill
             decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
                 decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                                         cache_salt=cache_salt, compute_prompt=prefill is None),
+                                         cache_salt=cache_salt, compute_prompt=prefill is None, priority=priority),
                 timeout=timeout,
             )  # fmt: skip
             failed, doing = decode, "reserving KV blocks"
@@ -300,7 +311,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                sampling_params=params, decode_address=decode.address,
                                                decode_instance_id=decode.instance_id, num_skip_blocks=skip_blocks,
-                                               cache_salt=cache_salt),
+                                               cache_salt=cache_salt, priority=priority),
                     timeout=timeout,
                 )  # fmt: skip
                 first = decode_pb2.DecodeResponse(token_ids=[prefill_reply.first_token_id])
@@ -319,6 +330,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except BaseException:
                 decode_call.cancel()
                 raise
+
+
+def deadline_clock(time_remaining, deadline_ms: int | None):
+    """time_remaining() -> seconds left (or None) folded with a request's own deadline_ms from now: a function
+    giving the earlier of the two. InvalidRequestError for a deadline_ms that is not positive."""
+    if deadline_ms is None:
+        return time_remaining
+    if deadline_ms <= 0:
+        raise InvalidRequestError(f"deadline_ms must be > 0, got {deadline_ms}")
+    deadline = time.monotonic() + deadline_ms / 1000
+
+    def remaining() -> float:
+        left, call_left = deadline - time.monotonic(), time_remaining()
+        return left if call_left is None else min(left, call_left)
+
+    return remaining
 
 
 async def serve(args) -> None:

@@ -37,7 +37,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # logprobs mean here what they mean on the decode); whether it ends the request is the decode's decision.
         params = sampling_params_from_proto(request.sampling_params, max_tokens=1)
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt)
+        req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt,
+                      priority=request.priority)
         block_size = self.engine.cache_config.block_size
         if request.num_skip_blocks and request.num_skip_blocks > (len(req.prompt_token_ids) - 1) // block_size:
             raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "
@@ -48,6 +49,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(_drain(outbox))
         transfer = asyncio.ensure_future(transfer_call)
         first_token_id = first_logprobs = None
+        prompt_logprobs = []
         num_blocks_sent = 0
         try:
             while (out := await stream.get()) is not None:
@@ -60,6 +62,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if out.new_token_ids:
                     first_token_id = out.new_token_ids[0]
                     first_logprobs = out.logprobs[0] if out.logprobs else None
+                    prompt_logprobs = out.prompt_logprobs or []
             outbox.put_nowait(decode_pb2.KVBlocksMessage(request_id=req.request_id, first_token_id=first_token_id))
             outbox.put_nowait(None)
         except BaseException:
@@ -78,7 +81,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
                                            num_cached_tokens=req.num_cached_tokens or 0,
                                            num_blocks_sent=num_blocks_sent,
-                                           first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs))
+                                           first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
+                                           prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
 
     def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int) -> None:
         self._transfers.discard(task)

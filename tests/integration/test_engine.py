@@ -5,7 +5,7 @@ import torch
 
 from shared.config import CacheConfig, SchedulerConfig
 from shared.engine import LLMEngine
-from shared.request import FinishReason, Request, SamplingParams
+from shared.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 
 
@@ -115,3 +115,43 @@ def test_weight_dtype_is_chosen_and_named_in_the_model_id(model_dir, model_confi
     outs = run_to_end(engine, [request])
     assert len(outs["r"]) == 4 and outs["r"][0] == expected[0]  # bf16 rounding may change later tokens
     assert engine.num_free_blocks == 64
+
+
+def test_priority_goes_first_and_a_reservation_preempts_lower_priority(model_config, hf_references):
+    """On a decode: a high-priority request's reserve() preempts the newest low-priority running request when
+    the pool is full; priorities then order admission; every output still equals HF (preempted ones are
+    recomputed), and the high-priority request finishes first."""
+    names = ["haiku", "raw_story", "raw_chinese"]
+    engine = LLMEngine(model_config, CacheConfig(block_size=8, num_blocks=12), SchedulerConfig(32, 8))
+    low = [Request(n, hf_references[n][0], greedy(), priority=5) for n in names[:2]]
+    for r in low:
+        engine.add_request(r)
+    outs = {n: [] for n in names}
+    for _ in range(8):  # the low-priority pair prefills and decodes, filling most of the pool
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    ids, expected = hf_references["capital"]
+    prefill = LLMEngine(model_config, CacheConfig(8, 64), SchedulerConfig(256, 8), export_kv=True)
+    prefill.add_request(Request("capital", ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    kv, first = [], None
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            kv += [o.kv] if o.kv is not None else []
+            first = o.new_token_ids[0] if o.new_token_ids else first
+    assert engine.num_free_blocks * 8 < len(ids), "the pool was meant to be too full for the prompt"
+    engine.reserve(Request("capital", ids, greedy(), priority=0, cache_salt="no prefix hit"))
+    assert low[1].status == RequestStatus.WAITING and low[1].num_computed_tokens == 0  # the newest low one
+    for blocks in kv:
+        engine.import_kv("capital", blocks)
+    assert engine.finish_kv_import("capital", first) is None
+    engine.add_request(Request(names[2], hf_references[names[2]][0], greedy(), priority=1))
+    finished = []
+    outs["capital"] = [first]
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+            finished += [o.request_id] if o.finished else []
+    assert finished[0] == "capital" and finished.index(names[2]) < finished.index(names[1])
+    for n in names + ["capital"]:
+        assert outs[n] == hf_references[n][1], n
+    assert engine.num_free_blocks == 12

@@ -108,6 +108,37 @@ def test_logprobs_equal_hf_log_softmax(cluster, tokenizer, hf_model):
     assert not any(m.logprobs for m in _stream(cluster, request(CAPITAL, max_tokens=4, temperature=0.0)))
 
 
+def test_prompt_logprobs_equal_hf_over_the_whole_prompt(cluster, tokenizer, hf_model):
+    """Every prompt token after the first, computed on the prefill in several chunks (the prompt spans 64-token
+    chunks) though its prefix is cached by then, against HF's log_softmax of one forward; once per prompt with n;
+    over HTTP in vLLM's shape."""
+    import openai
+
+    text = STORY * 8
+    ids = prompt_token_ids(tokenizer, "raw", text)
+    assert len(ids) > 2 * 64
+    run(cluster, text, raw=True, max_tokens=2, temperature=0.0)  # (its prefix is cached on both tiers now)
+    msgs = list(_stream(cluster, request(text, raw=True, max_tokens=2, temperature=0.0, prompt_logprobs=3, n=2)))
+    carrying = [m for m in msgs if m.prompt_logprobs]
+    assert len(carrying) == 1 and carrying[0].index == 0
+    prompt_logprobs = carrying[0].prompt_logprobs
+    with torch.inference_mode():
+        reference = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert [lp.token_id for lp in prompt_logprobs] == ids[1:]
+    for p, lp in enumerate(prompt_logprobs):  # (position p scores prompt token p + 1)
+        assert lp.logprob == pytest.approx(float(reference[p, ids[p + 1]]), abs=2e-3)
+        assert lp.rank == int((reference[p] > reference[p, ids[p + 1]]).sum()) + 1
+        assert [t.token_id for t in lp.top] == reference[p].topk(3).indices.tolist()
+    assert not any(m.prompt_logprobs for m in _stream(cluster, request(text, raw=True, max_tokens=2, temperature=0.0)))
+    client = openai.OpenAI(base_url=cluster.openai_base_url, api_key="unused")
+    reply = client.completions.create(model="", prompt=ids, max_tokens=2, temperature=0,
+                                      extra_body={"prompt_logprobs": 1})  # fmt: skip
+    http = reply.choices[0].model_extra["prompt_logprobs"]
+    assert http[0] is None and len(http) == len(ids)
+    assert [float(http[p + 1][str(ids[p + 1])]["logprob"]) for p in range(len(ids) - 1)] == \
+        pytest.approx([lp.logprob for lp in prompt_logprobs], abs=1e-5)
+
+
 def test_min_p_one_keeps_only_the_top_token(cluster):
     greedy = run(cluster, STORY, raw=True, max_tokens=16, temperature=0.0)
     sampled = run(cluster, STORY, raw=True, max_tokens=16, temperature=1.5, seed=11)
@@ -196,7 +227,7 @@ def test_n_completions_share_the_prompt_kv(cluster, tokenizer):
 @pytest.mark.parametrize("field,value,words", [
     ("min_p", 1.5, "min_p"), ("presence_penalty", 3.0, "presence_penalty"), ("frequency_penalty", -2.5, "frequency_penalty"),
     ("repetition_penalty", 0.0, "repetition_penalty"), ("min_tokens", -1, "min_tokens"), ("min_tokens", 99, "min_tokens"),
-    ("logprobs", 21, "logprobs"), ("n", 0, "n must"), ("n", 17, "n must"), ("stop_token_ids", [10**6], "stop_token_ids"),
+    ("logprobs", 21, "logprobs"), ("prompt_logprobs", -1, "prompt_logprobs"), ("n", 0, "n must"), ("n", 17, "n must"), ("stop_token_ids", [10**6], "stop_token_ids"),
 ])  # fmt: skip
 def test_bad_parameters_are_invalid_argument_naming_the_field(cluster, field, value, words):
     with pytest.raises(grpc.RpcError) as e:
