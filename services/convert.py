@@ -19,7 +19,8 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams, **overrides) -> Sam
     """Proto -> engine SamplingParams: absent fields take SamplingParams' defaults, then overrides apply.
     InvalidRequestError (INVALID_ARGUMENT) on bad values."""
     values = {name: getattr(p, name) for name in OPTIONAL_FIELDS if p.HasField(name)}
-    values.update(stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    values.update(stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                  logit_bias=tuple(sorted(p.logit_bias.items())))
     if p.HasField("structured_output"):
         values["structured_output"] = structured_output_from_proto(p.structured_output)
     return SamplingParams(**(values | overrides))

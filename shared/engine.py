@@ -145,6 +145,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
         if any(not 0 <= t < vocab_size for t in request.sampling_params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t, _ in request.sampling_params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})")
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         if self.kv_cache_manager.num_blocks_for(total) > self.cache_config.num_blocks:
             raise InvalidRequestError(

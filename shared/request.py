@@ -67,6 +67,7 @@ class SamplingParams:
     OpenAI's (subtracted from the logit of every token already generated: once, and once per occurrence);
     repetition_penalty > 0 is CTRL's (Keskar et al. 2019; HF's RepetitionPenaltyLogitsProcessor) over prompt and
     output, 1 disables it. min_tokens: EOS and stop_token_ids cannot be sampled before that many tokens.
+    logit_bias: OpenAI's, added to the raw logits before anything else.
 
     These defaults are the server's (the public proto documents them; a test checks that it agrees).
     Raises InvalidRequestError (INVALID_ARGUMENT) on out-of-range values.
@@ -86,6 +87,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely (0..MAX_LOGPROBS)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (computed on the prefill)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the raw logits
     speculative: bool = True  # False: never speculate for this request, whatever the engine's setting
     structured_output: StructuredOutputParams | None = None  # a constraint on the text (None: unconstrained)
 
@@ -105,6 +107,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty < float("inf"):
             raise InvalidRequestError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):  # (also rejects NaN)
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -53,7 +53,8 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[int], output_to
 
 def process_logits(logits: torch.Tensor, requests: list[Request], positions: list[int]) -> torch.Tensor:
     """logits [num_rows, vocab] fp32 raw -> the logits the sampler draws from: row i (requests[i], sampling the
-    token at positions[i]) gets its penalties (apply_penalties, over the tokens before that position), and while
+    token at positions[i]) gets its logit_bias, its penalties (apply_penalties, over the tokens before that
+    position), and while
     fewer than min_tokens tokens precede it in the output, EOS (unless ignore_eos) and stop_token_ids are masked
     out. Returns logits itself when no row has any of these, else a processed copy."""
     out = logits
@@ -61,10 +62,13 @@ def process_logits(logits: torch.Tensor, requests: list[Request], positions: lis
         params = request.sampling_params
         num_output = positions[i] - request.num_prompt_tokens
         mask_stops = num_output < params.min_tokens
-        if not (params.has_penalties or mask_stops):
+        if not (params.has_penalties or mask_stops or params.logit_bias):
             continue
         if out is logits:
             out = logits.clone()
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            out[i, list(ids)] += torch.tensor(biases, dtype=out.dtype, device=out.device)
         if params.has_penalties:
             apply_penalties(out[i], request.prompt_token_ids, request.output_token_ids[:num_output], params)
         if mask_stops:

@@ -113,9 +113,11 @@ class CompletionRequest(SamplingFields):
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     """The request's fields as the gRPC API's SamplingParams (validated there: generate_n raises
     InvalidRequestError naming the field)."""
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
     p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
+    for token, bias in (body.logit_bias or {}).items():
+        if not token.isdigit() or int(token) >= 2**32:
+            raise APIError(400, f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
+        p.logit_bias[int(token)] = bias
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     p.stop.extend(stop)
     for t in body.stop_token_ids or ():

@@ -108,6 +108,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
         if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.model_config.vocab_size})")
+        if any(t >= self.model_config.vocab_size for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.model_config.vocab_size})")
         if any(not s for s in p.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         if params.structured_output is not None:

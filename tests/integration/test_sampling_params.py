@@ -114,7 +114,7 @@ def test_prompt_logprobs_equal_hf_over_the_whole_prompt(cluster, tokenizer, hf_m
     over HTTP in vLLM's shape."""
     import openai
 
-    text = STORY * 8
+    text = STORY * 12
     ids = prompt_token_ids(tokenizer, "raw", text)
     assert len(ids) > 2 * 64
     run(cluster, text, raw=True, max_tokens=2, temperature=0.0)  # (its prefix is cached on both tiers now)
@@ -137,6 +137,48 @@ def test_prompt_logprobs_equal_hf_over_the_whole_prompt(cluster, tokenizer, hf_m
     assert http[0] is None and len(http) == len(ids)
     assert [float(http[p + 1][str(ids[p + 1])]["logprob"]) for p in range(len(ids) - 1)] == \
         pytest.approx([lp.logprob for lp in prompt_logprobs], abs=1e-5)
+
+
+def test_deadline_ms_ends_the_stream_and_frees_both_tiers(cluster):
+    """A request that would run for minutes (2,000 tokens, ignore_eos) with deadline_ms 1,500: DEADLINE_EXCEEDED
+    long before it could finish, and every block free at once after; a priority is accepted on the way."""
+    import time
+
+    from tests.integration.helpers import wait_all_blocks_free
+
+    r = request(STORY, raw=True, max_tokens=2000, temperature=0.0, ignore_eos=True)
+    r.deadline_ms, r.priority = 1500, -3
+    start = time.monotonic()
+    received = []
+    with pytest.raises(grpc.RpcError) as e:
+        for msg in _stream(cluster, r):
+            received += msg.token_ids
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < len(received) < 2000 and time.monotonic() - start < 60
+    loads = wait_all_blocks_free(cluster, timeout_s=5)
+    assert all(load.num_free_blocks == load.num_blocks for load in loads.values())
+    r.deadline_ms = 0
+    with pytest.raises(grpc.RpcError) as e:
+        list(_stream(cluster, r))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline_ms" in e.value.details()
+
+
+def test_logit_bias_equals_hf_sequence_bias(cluster, tokenizer, hf_model):
+    ids = prompt_token_ids(tokenizer, "chat", CAPITAL)
+    plain = run(cluster, CAPITAL, max_tokens=8, temperature=0.0).token_ids
+    bias = {plain[0]: -100.0, plain[2]: -3.0}
+    bias.setdefault(28, 2.5)
+    r = request(CAPITAL, max_tokens=8, temperature=0.0)
+    r.sampling_params.logit_bias.update(bias)
+    got = generate(cluster.gateway_address, r, timeout=300).token_ids
+    assert got[0] != plain[0]
+    assert got == hf_generate(hf_model, ids, 8, sequence_bias={(t,): b for t, b in bias.items()})
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.openai_base_url, api_key="unused")
+    reply = client.chat.completions.create(model="", messages=[{"role": "user", "content": CAPITAL}], max_tokens=8,
+                                           temperature=0, logit_bias={str(t): b for t, b in bias.items()})
+    assert reply.choices[0].message.content == generate(cluster.gateway_address, r, timeout=300).text
 
 
 def test_min_p_one_keeps_only_the_top_token(cluster):
