@@ -82,6 +82,8 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
+    use_beam_search: bool = False  # vLLM's: beam search with n beams, the n best returned
+    length_penalty: float | None = None
 
 
 class TextPart(BaseModel):
@@ -139,6 +141,12 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     if body.n < 1 or body.n > 2**31:
         raise APIError(400, f"n must be >= 1, got {body.n}", "n")
     p.n = body.n
+    if body.use_beam_search and body.n > 1:
+        p.beam_width = min(body.n, 2**31)
+    if body.length_penalty is not None:
+        if not body.use_beam_search:
+            raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
+        p.length_penalty = body.length_penalty
     constraint = structured_output(body)
     if constraint is not None:
         p.structured_output.CopyFrom(constraint)

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from services.channels import ChannelPool
 from services.convert import sampling_params_from_proto
 from services.flags import HelpFormatter, add_gateway_args
+from services.gateway.beam_search import run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router
 from services.grpc_errors import upstream_error
@@ -128,6 +129,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         which reuses the prompt's blocks from its prefix cache (computing only the last partial block): the
         prompt is computed once, not n times. Completion i > 0 of a seeded request uses seed_for(seed, i).
         Completion ids are request_id, then request_id-1, request_id-2, ..."""
+        if p.beam_width > 1:
+            async for msg in run_beam_search(self, prompt_ids, p, request_id or uuid.uuid4().hex, cache_salt,
+                                             time_remaining, t0 or time.perf_counter(), priority):  # fmt: skip
+                yield msg
+            return
         n = p.n if p.HasField("n") else 1
         if not 1 <= n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")

@@ -1,0 +1,152 @@
+"""Beam search (greedy, deterministic), scored exactly as HF transformers' GenerationMixin._beam_search with its
+defaults (early_stopping=False, length_penalty as given), so a cluster returns the beams HF generate(num_beams=...)
+returns on the same weights.
+
+The gateway drives it one token at a time: each step asks the decode for every running beam's next-token
+logprobs (the top num_candidates of the raw log_softmax, one request per beam: prompt + beam, max_tokens 1), and
+BeamSearch.step picks the next beams. Beams share their common prefix's KV blocks through the decode's prefix
+cache: every full block is computed once and referenced by each beam that extends it; a beam's last, partial
+block is recomputed (at most block_size - 1 tokens per beam and step) rather than copied.
+
+HF's rule, per step (batch of one prompt; B beams; K = max(2, 1 + number of EOS ids) * B candidates):
+1. Every running beam's score plus each token's logprob, in fp32; the K best (beam, token) pairs overall.
+2. A candidate "hits" when its token is an EOS or it reaches max_tokens. Hits among the first B candidates
+   become finished hypotheses with score / generated_length ** length_penalty (unless the early-stop heuristic
+   already holds); the B best finished are kept.
+3. The B best candidates that do not hit are the next running beams.
+4. The early-stop heuristic (early_stopping=False): once B hypotheses are finished and the best running score,
+   normalized by the current length, is not above the worst finished one, no more hypotheses are taken and the
+   search ends. It also ends when every candidate hits.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from services.gateway.detokenizer import TextStream
+from shared.errors import InvalidRequestError
+from tandem.v1 import common_pb2, gateway_pb2
+
+NEG = -1.0e9  # HF's stand-in for "impossible"
+MAX_BEAM_WIDTH = 8  # 2 * width candidates per beam must fit MAX_LOGPROBS (shared/request.py)
+
+
+@dataclass(slots=True)
+class Hypothesis:
+    token_ids: list[int]
+    score: float  # fp32: the sum of logprobs over generated_length ** length_penalty
+    finished_by_eos: bool
+
+
+class BeamSearch:
+    """The state of one prompt's beam search. eos_token_ids: the model's EOS ids; max_tokens: generated tokens
+    at most (HF's max_new_tokens)."""
+
+    def __init__(self, beam_width: int, eos_token_ids: tuple[int, ...], max_tokens: int, length_penalty: float = 1.0):
+        self.beam_width, self.eos_token_ids = beam_width, set(eos_token_ids)
+        self.max_tokens, self.length_penalty = max_tokens, length_penalty
+        self.num_candidates = max(2, 1 + len(eos_token_ids)) * beam_width
+        self.running: list[list[int]] = [[]]  # HF's other initial beams score NEG: they are never chosen
+        self.running_scores = torch.zeros(1)  # fp32
+        self.finished: list[Hypothesis] = []  # best first, at most beam_width
+        self.improvement_possible = True
+        self.done = False
+
+    def step(self, top_logprobs: list[list[tuple[int, float]]]) -> None:
+        """Advance by one token. top_logprobs[b]: running beam b's num_candidates most likely next tokens as
+        (token id, raw logprob), most likely first."""
+        flat = [(b, token, logprob) for b, top in enumerate(top_logprobs) for token, logprob in top]
+        scores = self.running_scores[torch.tensor([b for b, _, _ in flat])] + torch.tensor([lp for *_, lp in flat])
+        order = sorted(range(len(flat)), key=lambda i: (-float(scores[i]), flat[i][0], flat[i][1]))
+        top = order[: self.num_candidates]
+        length = len(self.running[0]) + 1
+        candidates = [(self.running[flat[i][0]] + [flat[i][1]], scores[i]) for i in top]
+        hits = [tokens[-1] in self.eos_token_ids or length >= self.max_tokens for tokens, _ in candidates]
+        if self.improvement_possible:
+            normalized = [score / (length**self.length_penalty) for _, score in candidates[: self.beam_width]]
+            new = [Hypothesis(tokens, float(s), tokens[-1] in self.eos_token_ids)
+                   for (tokens, _), s, hit in zip(candidates, normalized, hits) if hit]  # fmt: skip
+            # (a stable sort keeps earlier hypotheses first among equal scores, as HF's topk over [old, new])
+            self.finished = sorted(self.finished + new, key=lambda h: -h.score)[: self.beam_width]
+        running = sorted(range(len(candidates)), key=lambda i: (hits[i], -float(candidates[i][1]), i))
+        running = running[: self.beam_width]
+        self.running = [candidates[i][0] for i in running]
+        self.running_scores = torch.stack([candidates[i][1] + (NEG if hits[i] else 0.0) for i in running])
+        if len(self.finished) == self.beam_width:
+            best_possible = self.running_scores[0] / (length**self.length_penalty)
+            self.improvement_possible &= bool(best_possible > torch.tensor(self.finished[-1].score))
+        self.done = not self.improvement_possible or all(hits)
+
+    def best(self, n: int) -> list[Hypothesis]:
+        """The n best finished hypotheses, best first (after done)."""
+        return self.finished[:n]
+
+
+# SamplingParams fields that mean something with beam search; any other set field is refused
+BEAM_FIELDS = {"max_tokens", "beam_width", "length_penalty", "n", "temperature", "speculative"}
+
+
+def check_beam_params(p: common_pb2.SamplingParams) -> None:
+    """InvalidRequestError unless p is a valid beam search: beam_width in [2, MAX_BEAM_WIDTH], n <= beam_width,
+    temperature 0 if set, and no sampling or stopping field beam search does not define (penalties, stop
+    strings, logprobs, structured output, ...)."""
+    if not 2 <= p.beam_width <= MAX_BEAM_WIDTH:
+        raise InvalidRequestError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {p.beam_width}")
+    if p.HasField("n") and not 1 <= p.n <= p.beam_width:
+        raise InvalidRequestError(f"n must be in [1, beam_width = {p.beam_width}] with beam search, got {p.n}")
+    if p.HasField("temperature") and p.temperature != 0:
+        raise InvalidRequestError("beam search is deterministic: temperature must be 0 (or unset) with beam_width")
+    if p.HasField("length_penalty") and not math.isfinite(p.length_penalty):
+        raise InvalidRequestError("length_penalty must be finite")
+    extra = sorted(f.name for f, _ in p.ListFields() if f.name not in BEAM_FIELDS)
+    if extra:
+        raise InvalidRequestError(f"beam search (beam_width > 1) does not combine with {', '.join(extra)}")
+
+
+async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str,
+                          cache_salt: str | None, time_remaining, t0: float,
+                          priority: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Beam search for one prompt through the cluster (servicer: the GatewayServicer). Step 0 places the prompt
+    (prefill -> decode); each later step sends every running beam to that decode (compute_prompt: its prefix
+    cache holds the beams' common blocks). Yields, for each of the n best beams (index i, best first), one
+    message with its text and tokens and one with finish_reason (STOP when it ended with EOS, else LENGTH),
+    usage and timings. InvalidRequestError (check_beam_params, GatewayServicer.check_params) on bad input."""
+    from services.gateway.server import SharedPrompt
+
+    check_beam_params(p)
+    max_tokens = servicer.check_params(len(prompt_ids), p).max_tokens
+    search = BeamSearch(p.beam_width, servicer.model_config.eos_token_ids, max_tokens,
+                        p.length_penalty if p.HasField("length_penalty") else 1.0)  # fmt: skip
+    step_params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                            logprobs=search.num_candidates)  # fmt: skip
+    placed = SharedPrompt()  # (its decode, once step 0 placed the prompt)
+    step = 0
+
+    async def next_tokens(b: int, tokens: list[int]) -> list[tuple[int, float]]:
+        top = None
+        async for msg in servicer.generate(prompt_ids + tokens, step_params, f"{request_id}-beam{step}-{b}",
+                                           cache_salt, time_remaining, None, placed, int(step > 0), priority):
+            top = msg.logprobs[0].top if msg.logprobs else top
+        return [(t.token_id, t.logprob) for t in top]
+
+    while not search.done:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(next_tokens(b, tokens)) for b, tokens in enumerate(search.running)]
+        search.step([task.result() for task in tasks])
+        step += 1
+    e2e_ms = (time.perf_counter() - t0) * 1000
+    for i, hypothesis in enumerate(search.best(p.n if p.HasField("n") else 1)):
+        text = TextStream(servicer.tokenizer, (), False)
+        delta = text.push(hypothesis.token_ids)
+        yield gateway_pb2.GenerateResponse(request_id=request_id, index=i, text=delta + text.finish(),
+                                           token_ids=hypothesis.token_ids)  # fmt: skip
+        reason = common_pb2.FINISH_REASON_STOP if hypothesis.finished_by_eos else common_pb2.FINISH_REASON_LENGTH
+        yield gateway_pb2.GenerateResponse(
+            request_id=request_id, index=i, finish_reason=reason,
+            usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(hypothesis.token_ids)),
+            timings=gateway_pb2.Timings(ttft_ms=e2e_ms, e2e_ms=e2e_ms))  # fmt: skip
