@@ -29,6 +29,7 @@ from typing import AsyncIterator
 import torch
 
 from services.gateway.detokenizer import TextStream
+from services.gateway.router import SharedPrompt
 from shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
@@ -116,8 +117,6 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
     cache holds the beams' common blocks). Yields, for each of the n best beams (index i, best first), one
     message with its text and tokens and one with finish_reason (STOP when it ended with EOS, else LENGTH),
     usage and timings. InvalidRequestError (check_beam_params, GatewayServicer.check_params) on bad input."""
-    from services.gateway.server import SharedPrompt
-
     check_beam_params(p)
     max_tokens = servicer.check_params(len(prompt_ids), p).max_tokens
     search = BeamSearch(p.beam_width, servicer.model_config.eos_token_ids, max_tokens,

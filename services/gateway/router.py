@@ -17,6 +17,7 @@ index and queues (the baseline the benchmark compares against).
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -32,6 +33,16 @@ log = logging.getLogger(__name__)
 DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as much as 256 cached prompt tokens
 ROUTING_POLICIES = ("cache-aware", "round-robin")
 ROUTED_HINT_S = 10.0  # seconds a routed prompt's blocks count as held where it went, before the index shows them
+
+
+@dataclass
+class SharedPrompt:
+    """Requests that follow one placed prompt (generate_n's completions, beam search's steps): ready is set once
+    the first request's decode (decode) holds the prompt's KV, or once it failed (decode None: the others place
+    themselves); the others then go to that decode, whose prefix cache holds the prompt's blocks."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    decode: InstanceInfo | None = None
 
 
 @dataclass

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -21,7 +20,7 @@ from services.convert import sampling_params_from_proto
 from services.flags import HelpFormatter, add_gateway_args
 from services.gateway.beam_search import run_beam_search
 from services.gateway.detokenizer import TextStream
-from services.gateway.router import Route, Router
+from services.gateway.router import Route, Router, SharedPrompt
 from services.grpc_errors import upstream_error
 from services.server import Server, new_instance_id
 from shared.config import EngineArgs, ModelConfig
@@ -43,15 +42,6 @@ def seed_for(seed: int, index: int) -> int:
     """The seed of completion index > 0 of a seeded request with n completions: a 64-bit hash of (seed, index),
     so the n completions differ and each is reproducible."""
     return xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
-
-
-@dataclass
-class SharedPrompt:
-    """The n completions of one prompt (generate_n): ready is set once completion 0's decode (decode) holds the
-    prompt's KV, or once completion 0 failed (decode None: the others place themselves)."""
-
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    decode: InstanceInfo | None = None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

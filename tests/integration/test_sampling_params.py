@@ -10,7 +10,7 @@ from services.client import generate, make_request
 from shared.config import CacheConfig, SchedulerConfig
 from shared.engine import LLMEngine
 from shared.request import Request, SamplingParams
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.prompts import prompt_token_ids
 
 CAPITAL = "What is the capital of France?"  # its greedy answer ends with EOS after 8 tokens

@@ -55,7 +55,8 @@ def test_public_proto_defaults_are_the_sampling_defaults():
             documented[name] = m.group(1)
     assert {"max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "min_tokens"} <= set(documented)
-    gateway_only = {"stop": "none", "include_stop_str_in_output": "false", "n": "1"}  # (the engine never sees them)
+    gateway_only = {"stop": "none", "include_stop_str_in_output": "false", "n": "1",
+                    "length_penalty": "1.0"}  # (the engine never sees them)
     for name, value in documented.items():
         if name in gateway_only:
             assert value == gateway_only[name], name
