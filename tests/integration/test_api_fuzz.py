@@ -13,7 +13,8 @@ from services.client import generate, make_request
 from tests.integration.helpers import wait_all_blocks_free
 
 FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_tokens", "logprobs", "n", "seed")  # fmt: skip
+          "repetition_penalty", "min_tokens", "logprobs", "n", "seed", "prompt_logprobs", "beam_width",
+          "length_penalty")  # fmt: skip
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 numbers = st.one_of(st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True, width=32),
@@ -65,6 +66,30 @@ def test_http_random_chat_bodies(cluster, body, messages):
     if isinstance(body.get("n"), int) and body["n"] > 3:
         body["n"] = 3
     r = httpx.post(cluster.openai_base_url + "/chat/completions", json=body, timeout=120)
+    if r.status_code != 200:
+        assert r.status_code in (400, 404), (body, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["param"], (body, error)
+    elif not body.get("stream"):
+        assert r.json()["choices"], body
+    _still_serving(cluster)
+
+
+@given(body=st.dictionaries(st.sampled_from(("prompt", "max_tokens", "temperature", "n", "logprobs", "echo", "seed",
+                                             "logit_bias", "prompt_logprobs", "use_beam_search", "length_penalty",
+                                             "structured_outputs", "response_format", "stop", "stream")),
+                            st.one_of(values, st.dictionaries(st.sampled_from(("1", "x", "99999999", "json", "regex",
+                                                                               "choice", "type")),
+                                                              values, max_size=2)),
+                            max_size=5),  # fmt: skip
+       prompt=st.one_of(st.text(max_size=12), st.lists(st.integers(-2, 60000), max_size=4)))
+@FUZZ
+def test_http_random_completions_bodies(cluster, body, prompt):
+    body = {"prompt": prompt} | body
+    body["max_tokens"] = 3  # (short examples; the other fields as drawn)
+    if isinstance(body.get("n"), int) and body["n"] > 3:
+        body["n"] = 3
+    r = httpx.post(cluster.openai_base_url + "/completions", json=body, timeout=120)
     if r.status_code != 200:
         assert r.status_code in (400, 404), (body, r.status_code, r.text)
         error = r.json()["error"]
