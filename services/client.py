@@ -40,8 +40,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
     sampling = fields
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
-        raise TypeError(f"unknown sampling parameter(s) {', '.join(unknown)}; SamplingParams has "
-                        f"{', '.join(sorted(SAMPLING_FIELDS))}")  # fmt: skip
+        raise TypeError(f"unknown parameter(s) {', '.join(unknown)}; a request takes {', '.join(REQUEST_FIELDS)} "
+                        f"and the SamplingParams fields {', '.join(sorted(SAMPLING_FIELDS))}")  # fmt: skip
     values = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
@@ -193,8 +193,8 @@ class Client:
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  timeout: float | None = None, **fields: Any) -> Completion:
-        """Run one request to the end and return its Completion (text, token_ids, finish_reason, usage, timings,
-        logprobs when asked). ValueError for n > 1 (use stream()); see build_request for the other arguments."""
+        """Run one request to the end and return its Completion (text, token_ids, finish_reason, the usage counts
+        and timings of the last message, logprobs when asked). ValueError for n > 1 (use stream()); see build_request for the other arguments."""
         request = build_request(prompt, messages=messages, **fields)
         _check_single(request)
         return _collect(self.stream_request(request, timeout))

@@ -141,8 +141,13 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     if body.n < 1 or body.n > 2**31:
         raise APIError(400, f"n must be >= 1, got {body.n}", "n")
     p.n = body.n
-    if body.use_beam_search and body.n > 1:
-        p.beam_width = min(body.n, 2**31)
+    if body.use_beam_search:  # (one beam is greedy search, as HF's num_beams=1)
+        if body.n > 1:
+            p.beam_width = min(body.n, 2**31)
+        elif body.temperature not in (None, 0):
+            raise APIError(400, "beam search is deterministic: temperature must be 0 (or unset)", "temperature")
+        else:
+            p.temperature = 0.0
     if body.length_penalty is not None:
         if not body.use_beam_search:
             raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")

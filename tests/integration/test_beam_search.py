@@ -97,3 +97,8 @@ def test_openai_use_beam_search_returns_the_same_beams(cluster):
     reply = http.chat.completions.create(model="", messages=[{"role": "user", "content": text}], n=width,
                                          max_tokens=max_tokens, temperature=0, extra_body={"use_beam_search": True})
     assert [c.message.content for c in reply.choices] == texts and len(set(texts)) == width
+    one = http.chat.completions.create(model="", messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
+                                       extra_body={"use_beam_search": True})  # (one beam: greedy, HF num_beams=1)
+    greedy = http.chat.completions.create(model="", messages=[{"role": "user", "content": text}],
+                                          max_tokens=max_tokens, temperature=0)
+    assert one.choices[0].message.content == greedy.choices[0].message.content
