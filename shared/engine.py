@@ -295,11 +295,17 @@ class LLMEngine:
             if token_ids and not request.output_token_ids and request.sampling_params.prompt_logprobs is not None:
                 out.prompt_logprobs = request.prompt_logprobs
             reason = None
-            for token_id in token_ids:
-                out.new_token_ids.append(token_id)
-                reason = request.append_output_token(token_id)
-                if reason is not None:
-                    break
+            try:
+                for token_id in token_ids:
+                    out.new_token_ids.append(token_id)
+                    reason = request.append_output_token(token_id)
+                    if reason is not None:
+                        break
+            except ValueError as e:  # its grammar failed (llguidance's limits on a huge grammar): it alone fails
+                out.new_token_ids.clear()
+                self._finish(request, FinishReason.ABORT, out, error=f"structured_output failed: {e}".split("\n")[0])
+                outputs.append(out)
+                continue
             if request_id in model_output.logprobs:
                 out.logprobs = model_output.logprobs[request_id][: len(out.new_token_ids)]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)

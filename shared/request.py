@@ -51,7 +51,7 @@ class StructuredOutputParams:
         if self.json is not None:
             try:
                 schema = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise InvalidRequestError(f"structured_output.json is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise InvalidRequestError("structured_output.json must be a JSON schema object")

@@ -18,6 +18,7 @@ before that row is used.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -47,9 +48,11 @@ def grammar_for(params: StructuredOutputParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(params.grammar)
 
 
+@functools.lru_cache(maxsize=256)
 def check_grammar(params: StructuredOutputParams) -> str:
     """The grammar for params, checked without a tokenizer (a gateway's early validation). InvalidRequestError
-    with llguidance's message when it does not compile."""
+    with llguidance's message when it does not compile. Cached: the same constraint (n completions, a gateway's
+    second check, a schema many requests share) is compiled once per process."""
     try:
         grammar = grammar_for(params)
     except ValueError as e:

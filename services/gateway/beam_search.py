@@ -21,7 +21,6 @@ HF's rule, per step (batch of one prompt; B beams; K = max(2, 1 + number of EOS 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -35,6 +34,7 @@ from tandem.v1 import common_pb2, gateway_pb2
 
 NEG = -1.0e9  # HF's stand-in for "impossible"
 MAX_BEAM_WIDTH = 8  # 2 * width candidates per beam must fit MAX_LOGPROBS (shared/request.py)
+MAX_LENGTH_PENALTY = 10.0  # (length ** penalty stays inside a float64 for any context length)
 
 
 @dataclass(slots=True)
@@ -102,8 +102,8 @@ def check_beam_params(p: common_pb2.SamplingParams) -> None:
         raise InvalidRequestError(f"n must be in [1, beam_width = {p.beam_width}] with beam search, got {p.n}")
     if p.HasField("temperature") and p.temperature != 0:
         raise InvalidRequestError("beam search is deterministic: temperature must be 0 (or unset) with beam_width")
-    if p.HasField("length_penalty") and not math.isfinite(p.length_penalty):
-        raise InvalidRequestError("length_penalty must be finite")
+    if p.HasField("length_penalty") and not -MAX_LENGTH_PENALTY <= p.length_penalty <= MAX_LENGTH_PENALTY:
+        raise InvalidRequestError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")
     extra = sorted(f.name for f, _ in p.ListFields() if f.name not in BEAM_FIELDS)
     if extra:
         raise InvalidRequestError(f"beam search (beam_width > 1) does not combine with {', '.join(extra)}")
@@ -134,8 +134,11 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
         return [(t.token_id, t.logprob) for t in top]
 
     while not search.done:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(next_tokens(b, tokens)) for b, tokens in enumerate(search.running)]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(next_tokens(b, tokens)) for b, tokens in enumerate(search.running)]
+        except BaseExceptionGroup as e:  # the first beam's error is the request's (a deadline, a failed decode)
+            raise e.exceptions[0] from None
         search.step([task.result() for task in tasks])
         step += 1
     e2e_ms = (time.perf_counter() - t0) * 1000

@@ -117,7 +117,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     InvalidRequestError naming the field)."""
     p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
     for token, bias in (body.logit_bias or {}).items():
-        if not token.isdigit() or int(token) >= 2**32:
+        if not (token.isascii() and token.isdigit()) or int(token) >= 2**32:
             raise APIError(400, f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
         p.logit_bias[int(token)] = bias
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []

@@ -127,7 +127,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         n = p.n if p.HasField("n") else 1
         if not 1 <= n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
-        self.check_params(len(prompt_ids), p)  # (fail before anything starts)
+        # (fail before anything starts; off the event loop: a huge grammar takes seconds to check)
+        await asyncio.to_thread(self.check_params, len(prompt_ids), p)
         request_id = request_id or uuid.uuid4().hex
         if n == 1:
             async for msg in self.generate(prompt_ids, p, request_id, cache_salt, time_remaining, t0,

@@ -78,6 +78,7 @@ def test_beam_search_shares_the_prompt_blocks(cluster, tokenizer):
     ({"beam_width": 2, "stop": ["x"]}, "stop"),
     ({"beam_width": 2, "logprobs": 2}, "logprobs"),
     ({"beam_width": 2, "length_penalty": float("nan")}, "length_penalty"),
+    ({"beam_width": 2, "length_penalty": 1e6}, "length_penalty"),
 ])  # fmt: skip
 def test_bad_beam_search_requests_are_invalid_argument(cluster, fields, words):
     with Client(cluster.gateway_address) as client, pytest.raises(grpc.RpcError) as e:
@@ -102,3 +103,10 @@ def test_openai_use_beam_search_returns_the_same_beams(cluster):
     greedy = http.chat.completions.create(model="", messages=[{"role": "user", "content": text}],
                                           max_tokens=max_tokens, temperature=0)
     assert one.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_a_deadline_ends_a_beam_search_with_deadline_exceeded(cluster):
+    with Client(cluster.gateway_address) as client, pytest.raises(grpc.RpcError) as e:
+        list(client.stream("Once upon a time", max_tokens=200, beam_width=4, deadline_ms=1500, timeout=120))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_all_blocks_free(cluster)

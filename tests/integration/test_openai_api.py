@@ -150,6 +150,7 @@ def test_n_and_logprobs(cluster, client):
     ({"messages": [{"role": "user", "content": CAPITAL}], "top_logprobs": 3}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": CAPITAL}], "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": CAPITAL}], "logit_bias": {"one": 5}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": CAPITAL}], "logit_bias": {"²": 5}}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": CAPITAL}], "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
     ({"messages": [{"role": "wizard", "content": CAPITAL}]}, 400, "messages"),
     ({"messages": []}, 400, "messages"),

@@ -243,3 +243,23 @@ def test_openai_response_format_and_structured_outputs(cluster, references):
                                        extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
     assert e.value.body["param"] == "structured_outputs"
     wait_all_blocks_free(cluster)
+
+
+def test_a_grammar_past_llguidance_limits_fails_alone(model_config, tokenizer, references):
+    """A choice of 2,500 strings compiles but breaks llguidance's row limit once decoding: that request ends
+    ABORT with the error, and the request batched with it still equals HF."""
+    engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(256, 16))
+    ids, expected = references["person"]
+    engine.add_request(Request("plain", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                            structured_output=CASES["person"][1])))  # fmt: skip
+    engine.add_request(Request("huge", prompt_token_ids(tokenizer, "chat", "Pick a number."), SamplingParams(
+        max_tokens=8, structured_output=StructuredOutputParams(choice=tuple(str(i) for i in range(2500))))))
+    outs, errors = {"plain": [], "huge": []}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.finished:
+                errors[o.request_id] = o.error
+    assert outs["plain"] == expected and errors["plain"] is None
+    assert errors["huge"] and "structured_output" in errors["huge"]
+    assert engine.num_free_blocks == 256
