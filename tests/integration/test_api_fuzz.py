@@ -66,12 +66,7 @@ def test_http_random_chat_bodies(cluster, body, messages):
     if isinstance(body.get("n"), int) and body["n"] > 3:
         body["n"] = 3
     r = httpx.post(cluster.openai_base_url + "/chat/completions", json=body, timeout=120)
-    if r.status_code != 200:
-        assert r.status_code in (400, 404), (body, r.status_code, r.text)
-        error = r.json()["error"]
-        assert error["message"] and error["param"], (body, error)
-    elif not body.get("stream"):
-        assert r.json()["choices"], body
+    _check_http_answer(r, body)
     _still_serving(cluster)
 
 
@@ -90,12 +85,7 @@ def test_http_random_completions_bodies(cluster, body, prompt):
     if isinstance(body.get("n"), int) and body["n"] > 3:
         body["n"] = 3
     r = httpx.post(cluster.openai_base_url + "/completions", json=body, timeout=120)
-    if r.status_code != 200:
-        assert r.status_code in (400, 404), (body, r.status_code, r.text)
-        error = r.json()["error"]
-        assert error["message"] and error["param"], (body, error)
-    elif not body.get("stream"):
-        assert r.json()["choices"], body
+    _check_http_answer(r, body)
     _still_serving(cluster)
 
 
@@ -105,6 +95,16 @@ def test_http_garbage_bodies(cluster, raw):
     r = httpx.post(cluster.openai_base_url + "/completions", content=raw, timeout=60,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and "error" in r.json()
+
+
+def _check_http_answer(r, body: dict) -> None:
+    """A success with choices (a JSON body) or a 400 / 404 in OpenAI's shape whose param names the field."""
+    if r.status_code != 200:
+        assert r.status_code in (400, 404), (body, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["param"], (body, error)
+    elif not body.get("stream"):
+        assert r.json()["choices"], body
 
 
 def _still_serving(cluster):
