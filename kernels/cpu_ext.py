@@ -1,5 +1,6 @@
-"""Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized GEMM, paged decode attention) as one torch
-extension; kernels/cpu_qgemm.py and kernels/cpu_attention.py wrap them.
+"""Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized GEMM, paged decode attention, the elementwise
+layer ops) as one torch extension; kernels/cpu_qgemm.py, kernels/cpu_attention.py and kernels/cpu_layer_ops.py
+wrap them.
 
 The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
 cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "attention.cpp", "module.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "attention.cpp", "layer_ops.cpp",
+                                                               "thread_pool.cpp", "module.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h")]
 log = logging.getLogger(__name__)
 
 
@@ -33,13 +36,22 @@ def extension():
     try:
         # NOTE: read here, not through shared.envs (kernels import nothing from shared); listed there.
         arch = os.environ.get("TANDEM_CPU_ARCH") or "native"
-        # the header is not a source ninja tracks: its digest in the name rebuilds when it changes
-        digest = hashlib.sha256((Path(__file__).parent / "cpu" / "simd.h").read_bytes()).hexdigest()[:8]
+        # headers are not sources ninja tracks: their digest in the name rebuilds when they change
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:8]
         return load(name=f"tandem_cpu_kernels_{arch.replace('-', '_')}_{digest}", sources=[str(s) for s in SOURCES],
-                    extra_cflags=["-O3", f"-march={arch}"], verbose=False)
+                    # (no contraction of a * b + c into FMA unless written so: layer_ops rounds as torch does)
+                    extra_cflags=["-O3", f"-march={arch}", "-ffp-contract=off"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: serve with the torch path
         log.warning("CPU kernels disabled: building %s failed: %s", ", ".join(s.name for s in SOURCES), e)
         return None
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Threads the GEMM and attention kernels use, the caller's included (kernels/cpu/thread_pool.h: helpers that
+    claim work from a shared counter, so a descheduled one never stalls the caller). torch's own thread count is
+    separate. No effect when the kernels are not available."""
+    if available():
+        extension().set_num_threads(max(1, num_threads))
 
 
 def available() -> bool:

@@ -130,7 +130,8 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     print(f"{tier} {instance_id} serving {model_config.model_id} on {info.address}"
           f"{'' if registry else ' (standalone)'}: {cache_config.num_blocks} KV blocks of {cache_config.block_size} "
           f"tokens ({cache_config.kv_dtype}), {scheduler_config.max_num_batched_tokens} tokens and "
-          f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} threads, {engine_args.device}, "
+          f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} torch threads, "
+          f"{engine_args.resolved_kernel_threads(tier)} kernel threads, {engine_args.device}, "
           f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}",
           flush=True)  # fmt: skip
     try:

@@ -264,17 +264,23 @@ class AsyncEngine:
 def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: bool = False,
                  kv_events: bool = False) -> LLMEngine:
     """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None), built to be stepped on
-    AsyncEngine's thread with engine_args.threads torch threads (set here, for that thread to take).
+    AsyncEngine's thread with engine_args.threads torch threads (set here, for that thread to take) and the tier's
+    kernel threads (kernels/cpu_ext.py set_num_threads; they serve whichever thread calls the kernels).
 
     NOTE: built with one torch thread: built with several on this thread, its steps on the engine thread ran about
     2x slower at 2 threads (measured 69-71 vs 38-43 ms per decode step at batch 1)."""
     import torch
 
+    from kernels import cpu_ext
+
     model_config, cache_config, scheduler_config = engine_args.create_configs(tier, model_dir)
+    kernel_threads = engine_args.resolved_kernel_threads(tier)
     torch.set_num_threads(1)
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
                        kv_events=kv_events, speculative_config=engine_args.create_speculative_config())
     torch.set_num_threads(engine_args.threads)
+    if engine.model_runner.device.type == "cpu":
+        cpu_ext.set_num_threads(kernel_threads)
     return engine
 
 

@@ -235,8 +235,8 @@ def _setting(default, help: str, kind: type | None = None, env: str | None = Non
 
 # The settings whose default depends on the tier; everything else has one default for both, in EngineArgs.
 TIER_DEFAULTS = {
-    "prefill": {"num_blocks": 1024, "max_num_batched_tokens": 512},
-    "decode": {"num_blocks": 2048, "max_num_batched_tokens": 256},
+    "prefill": {"num_blocks": 1024, "max_num_batched_tokens": 512, "kernel_threads": 1},
+    "decode": {"num_blocks": 2048, "max_num_batched_tokens": 256, "kernel_threads": 2},
 }
 
 
@@ -246,7 +246,7 @@ class EngineArgs:
 
     services/flags.py makes one command-line flag per field (--block-size for block_size), for the engine
     services and `tandem up`; a field with env reads that variable (shared/envs.py) when the flag is absent.
-    None for num_blocks / max_num_batched_tokens means the tier's default (TIER_DEFAULTS). A test checks that
+    None for num_blocks / max_num_batched_tokens / kernel_threads means the tier's default (TIER_DEFAULTS). A test checks that
     the defaults the README and the protos document equal these.
     """
 
@@ -274,6 +274,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
     threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")
+    kernel_threads: int | None = _setting(
+        None, "threads of the C++ CPU kernels (quantized GEMM, decode attention), the engine's own included; "
+        "helpers claim work from a shared counter, so a busy neighbour process never stalls a step", int)
     speculative_method: str | None = _setting(
         None, "speculative decoding on this engine: 'ngram' (prompt lookup), 'draft' (--draft-model), "
         "'early-exit' (the model's first layers draft); decode tier only (default: off)", str,
@@ -305,6 +308,13 @@ class EngineArgs:
         return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype, self.memory_utilization,
                                                self.enable_prefix_caching),
                 SchedulerConfig(budget, self.max_num_seqs))
+
+    def resolved_kernel_threads(self, tier: str) -> int:
+        """kernel_threads, or the tier's default. ValueError below 1."""
+        threads = self.kernel_threads if self.kernel_threads is not None else TIER_DEFAULTS[tier]["kernel_threads"]
+        if threads < 1:
+            raise ValueError(f"--kernel-threads must be at least 1, got {threads}")
+        return threads
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The SpeculativeConfig of these settings, None with speculation off. ValueError on bad values."""

@@ -10,6 +10,15 @@ in the free queue, in LRU order, until an allocation needs it (then it is evicte
 request takes its longest run of cached leading blocks whose stored token ids equal its own (a hash collision
 never serves another prompt's KV) and computes only the rest, always at least its last token. Blocks in use
 (ref_cnt > 0) are never in the free queue, so never evicted.
+
+Hits inside a block, copy on write (the PagedAttention paper's block sharing for beams and parallel samples;
+SGLang's radix cache matches prefixes to the token the same way): every cached full block, and the computed,
+partly filled last block a request leaves behind when it ends, is a continuation of the prefix before it (keyed
+by the hash of the full blocks before it). A request that takes all those full blocks and shares some leading
+tokens of its next block with a continuation gets a new block holding a copy of that block's KV (copied before
+the step's forward, so the copy is private and the source is never written by it) and computes only what follows.
+A cached full block stays a continuation until evicted; a partial one until its block is allocated again. Used by
+the scheduler only: the decode tier's reserve (KV that comes over the wire) counts in whole blocks.
 """
 from __future__ import annotations
 
@@ -43,6 +52,10 @@ class BlockPool:
         # NOTE: every block with ref_cnt 0 is here (cached or not); the front is evicted first.
         self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[BlockHash, int] = {}
+        # blocks a hit inside a block can copy, by the prefix they continue (KVCacheManager.continuation_key):
+        # cached full blocks, and free partly filled blocks whose KV is intact -> {block id: token ids held}
+        self.continuations: dict[tuple, dict[int, tuple[int, ...]]] = {}
+        self.continuation_of: dict[int, tuple] = {}  # block id -> its key in continuations
         self.num_evictions = 0
         self._events: list[BlockStored | BlockRemoved] = []
 
@@ -62,6 +75,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict(block)
+            self._drop_continuation(block_id)  # (a partial one: its KV is about to be overwritten)
             block.ref_cnt = 1
             block_ids.append(block_id)
         return block_ids
@@ -91,19 +105,57 @@ class BlockPool:
             return None
         return block_id
 
-    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Publish a full, computed block under its hash. When another block already holds this hash, that one
-        stays the cached copy and this block stays private (freed as an ordinary block)."""
+    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...],
+                    continuation_key: tuple | None = None) -> None:
+        """Publish a full, computed block under its hash (and as a continuation of the prefix named by
+        continuation_key, while cached). When another block already holds this hash, that one stays the cached
+        copy and this block stays private (freed as an ordinary block)."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached_blocks[block_hash] = block_id
+        if continuation_key is not None:
+            self._add_continuation(block_id, continuation_key, token_ids)
         if self.record_events:
             self._events.append(BlockStored((block_hash,)))
 
+    def keep_partial(self, block_id: int, key: tuple, token_ids: tuple[int, ...]) -> None:
+        """Record a free (ref_cnt 0), partly filled block holding the KV of token_ids after the prefix named by
+        key as a continuation, until an allocation takes the block."""
+        assert self.blocks[block_id].ref_cnt == 0 and self.blocks[block_id].block_hash is None
+        self._add_continuation(block_id, key, token_ids)
+
+    def _add_continuation(self, block_id: int, key: tuple, token_ids: tuple[int, ...]) -> None:
+        assert block_id not in self.continuation_of
+        self.continuations.setdefault(key, {})[block_id] = token_ids
+        self.continuation_of[block_id] = key
+
+    def _drop_continuation(self, block_id: int) -> None:
+        key = self.continuation_of.pop(block_id, None)
+        if key is not None:
+            entries = self.continuations[key]
+            del entries[block_id]
+            if not entries:
+                del self.continuations[key]
+
+    def find_continuation(self, key: tuple, token_ids: list[int]) -> tuple[int, int] | None:
+        """The continuation of the prefix named by key sharing the longest run of leading tokens with token_ids:
+        (block id, length of that run), or None when none shares even one."""
+        best = None
+        for block_id, held in self.continuations.get(key, {}).items():
+            n = 0
+            for a, b in zip(held, token_ids):
+                if a != b:
+                    break
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block_id, n)
+        return best
+
     def _evict(self, block: KVCacheBlock) -> None:
         del self.cached_blocks[block.block_hash]
+        self._drop_continuation(block.block_id)
         if self.record_events:
             self._events.append(BlockRemoved((block.block_hash,)))
         block.block_hash = block.token_ids = None
@@ -136,6 +188,7 @@ class KVCacheManager:
         self.block_hashes: dict[str, list[BlockHash]] = {}  # full blocks' hashes per request, grown as it runs
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already published
         self.num_queries = self.num_hits = 0  # prompt tokens looked up / found, for the hit rate
+        self.block_copies: list[tuple[int, int]] = []  # (src, dst) block ids to copy before the next forward
 
     @property
     def enable_caching(self) -> bool:
@@ -175,6 +228,33 @@ class KVCacheManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
 
+    def continuation_key(self, request: Request, i: int) -> tuple:
+        """What identifies the prefix before logical block i of a request: the hash of its block i - 1, or the
+        contract's root and the cache salt for the first block."""
+        if i == 0:
+            return self.hash_contract.root_hash, request.cache_salt
+        return self._hashes(request, i)[i - 1], None
+
+    def get_partial_block(self, request: Request, num_full_blocks: int) -> tuple[int, int] | None:
+        """For a request whose first num_full_blocks blocks are a prefix hit (get_computed_blocks): a block that
+        continues that prefix with some of the request's next tokens (a cached full block, or a partly filled
+        one a finished request left), as (block id, how many of those tokens it holds), at most up to the
+        request's second-to-last token. The request computes from there on a copy of it. None without one
+        (or with caching off)."""
+        if not self.enable_caching:
+            return None
+        start = num_full_blocks * self.block_size
+        end = min(start + self.block_size - 1, request.num_tokens - 1)
+        if end <= start:
+            return None
+        return self.block_pool.find_continuation(self.continuation_key(request, num_full_blocks),
+                                            request.token_ids(start, end))
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies that partial hits need, in order, to run before the next forward."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
+
     def blocks_in_flight(self, requests: list[Request]) -> set[BlockHash]:
         """Hashes of the full prompt blocks these (running) requests hold but have not computed yet: a waiting
         request whose next block is among them finds it cached after a step or two, instead of computing it
@@ -209,13 +289,17 @@ class KVCacheManager:
             return None
         return self._hashes(request, num_cached_blocks + 1)[num_cached_blocks]
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_block_ids: list[int] = (),
+                       partial_block: tuple[int, int] | None = None) -> bool:
         """Grow the block table to hold num_computed_tokens + num_new_tokens, first taking computed_block_ids
-        (a prefix hit from get_computed_blocks, on a request with no blocks yet) as its leading blocks. False
-        (nothing taken) if the pool cannot hold it."""
+        (a prefix hit from get_computed_blocks, on a request with no blocks yet) as its leading blocks and,
+        with partial_block (get_partial_block: (block id, tokens)), a copy of that block as the next one, its
+        tokens counted as computed (num_new_tokens excludes them). False (nothing taken) if the pool cannot
+        hold it."""
         block_table = self.block_tables.setdefault(request.request_id, [])
         assert not (computed_block_ids and block_table), "a prefix hit is taken only by a request with no blocks"
-        num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
+        num_partial = partial_block[1] if partial_block else 0
+        num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_partial
         needed = self.num_blocks_for(num_computed + num_new_tokens) - len(block_table) - len(computed_block_ids)
         # cached blocks nobody uses count as free until touched
         reusable = sum(self.block_pool.blocks[b].ref_cnt == 0 for b in computed_block_ids)
@@ -223,13 +307,15 @@ class KVCacheManager:
             return False
         if not block_table and self.enable_caching:  # its first allocation: count the lookup
             self.num_queries += request.num_tokens
-            self.num_hits += len(computed_block_ids) * self.block_size
+            self.num_hits += len(computed_block_ids) * self.block_size + num_partial
         if computed_block_ids:
             self.block_pool.touch(list(computed_block_ids))
             block_table.extend(computed_block_ids)
             self.num_cached_blocks[request.request_id] = len(computed_block_ids)
         if needed > 0:
             block_table.extend(self.block_pool.allocate(needed))
+        if partial_block:  # (a free source is intact until this step's forward: the copy runs before it)
+            self.block_copies.append((partial_block[0], block_table[len(computed_block_ids)]))
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -243,7 +329,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         for i, block_hash in enumerate(self._hashes(request, num_full)[start:], start):
-            self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i))
+            self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i),
+                                        self.continuation_key(request, i))
         self.num_cached_blocks[rid] = num_full
 
     def free_excess_blocks(self, request: Request) -> None:
@@ -259,10 +346,17 @@ class KVCacheManager:
         """Return the request's blocks to the pool at once (finish, abort or preemption); cached ones stay
         reusable until evicted."""
         block_table = self.block_tables.pop(request.request_id, None)
+        i, num_partial = divmod(request.num_computed_tokens, self.block_size)
+        partial = None
+        if self.enable_caching and block_table and num_partial and i < len(block_table):
+            partial = (block_table[i], self.continuation_key(request, i),
+                       tuple(request.token_ids(i * self.block_size, request.num_computed_tokens)))
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_hashes.pop(request.request_id, None)
         if block_table:
             self.block_pool.free(block_table[::-1])
+        if partial and self.block_pool.blocks[partial[0]].ref_cnt == 0:  # (a partial block is private)
+            self.block_pool.keep_partial(*partial)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]

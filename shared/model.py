@@ -2,13 +2,18 @@
 
 Our own forward (not transformers' modeling code), with HF module names so an HF safetensors checkpoint loads
 with load_state_dict and quantized linears can replace nn.Linear by name. Numerics follow the HF Llama reference
-(RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP) so greedy tokens match it.
+(RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP) so greedy tokens match it. The residual stream is carried
+beside each layer's output (vLLM's layout) so that its add fuses into the next RMSNorm. On the CPU in fp32 the
+elementwise ops run as the C++ kernels of kernels/cpu_layer_ops.py (one call each); elsewhere as their torch
+references.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import cpu_layer_ops
+from kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
 from shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from shared.config import ModelConfig, torch_dtype
 from shared.model_files import read_safetensors
@@ -21,16 +26,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x) [T, H]; with residual: (RMSNorm(x + residual), x + residual), on the CPU in place in x and
+        residual (both fresh tensors of the layer's own)."""
+        fast = cpu_layer_ops.supports(x) and self.weight.dtype == torch.float32
+        if residual is None:
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps) if fast else rms_norm_ref(x, self.weight, self.eps)
+        if fast and x.is_contiguous() and residual.is_contiguous():
+            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,9 +46,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] int64 -> cos, sin [num_tokens, 1, head_dim] fp32."""
+        """positions [num_tokens] int64 -> cos, sin [num_tokens, head_dim] fp32."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
 
@@ -67,13 +71,18 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [num_tokens, hidden]; kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (this layer)."""
+        """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim] fp32; kv_cache [2, num_blocks, block_size,
+        num_kv_heads, head_dim] (this layer)."""
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = qkv[:, : self.num_heads + self.num_kv_heads]  # RoPE on query and key heads at once
-        qk = (qk * cos + rotate_half(qk) * sin).to(x.dtype)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        write_kv_cache(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if cpu_layer_ops.supports(qkv) and kv_cache.dtype == torch.float32:
+            q = cpu_layer_ops.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                            self.num_heads)  # fmt: skip
+        else:
+            qk = qkv[:, : self.num_heads + self.num_kv_heads]  # RoPE on query and key heads at once
+            qk = (qk * cos[:, None] + rotate_half(qk) * sin[:, None]).to(x.dtype)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.num_heads + self.num_kv_heads :]
+            write_kv_cache(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = paged_attention(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.to(x.dtype).flatten(1))
 
@@ -91,8 +100,10 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if cpu_layer_ops.supports(gate_up):
+            return self.down_proj(cpu_layer_ops.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -103,9 +114,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous layer's output (the embeddings, with residual None, for the first layer); residual:
+        the residual stream before it. Returns (this layer's MLP output, the residual stream before it); the
+        stream after the layer is their sum."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,11 +156,14 @@ class LlamaForCausalLM(nn.Module):
         LayerSkip, Elhoushi et al. 2024); kv_caches needs only those layers.
         Returns logits [num_sampled, vocab_size] fp32.
         """
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.model.rotary_emb(positions)
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.model.norm(x[logits_indices])
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if residual is None:
+            x = self.model.norm(x[logits_indices])
+        else:
+            x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
 
 

@@ -79,9 +79,11 @@ class ModelRunner:
         each of their positions too, and keeps the drafts that pass the acceptance rule
         (spec_decode.rejection_sampler: with out.spec_draft_probs, the rule with the draft's probabilities).
         A request with prompt logprobs also gets the logits of each prompt position it computes (position p
-        scores prompt token p + 1). Nothing scheduled: nothing runs."""
+        scores prompt token p + 1). out.block_copies run first. Nothing scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
+        for src, dst in out.block_copies:  # (in order: a copy may read a block an earlier one wrote)
+            self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
         seqs, sampled_requests, row_requests, row_positions = [], [], [], []
         prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows
         num_rows = 0

@@ -8,7 +8,8 @@ When the pool runs out of blocks, the most recently admitted running request is 
 freed and it is recomputed later). Priorities (Request.priority, lower first; vLLM's priority policy) order both
 queues each step, stably, so equal priorities keep first-come-first-served: the preempted request is the newest
 of the lowest priority, and a waiting request that finds no room preempts a running one of lower priority. A request admitted from scratch first takes its longest cached prefix
-(KVCacheManager.get_computed_blocks) and is scheduled only for the rest; one whose next block a running
+(KVCacheManager.get_computed_blocks, then a copy of a partial block that continues it) and is scheduled only
+for the rest; one whose next block a running
 request is computing right now waits for it (a step or two) instead of computing it again.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ class SchedulerOutput:
     # requests with a grammar that sample this step: the allowed tokens of each sampled row, [num_drafts + 1,
     # ceil(vocab / 32)] int32 bitmasks (shared/structured_output.py)
     grammar_bitmask: dict[str, torch.Tensor] = field(default_factory=dict)
+    # KV block copies (src, dst) to run, in order, before the forward: partial-block prefix hits (copy-on-write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -77,6 +80,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._schedule(out)
+        out.block_copies = self.kv_cache_manager.take_block_copies()
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=_priority)  # (stable: admission order within a priority)
         if len(self.waiting) > 1:
@@ -102,22 +110,24 @@ class Scheduler:
             budget -= num_new
             i += 1
         if out.preempted_requests:
-            return out  # no admissions in a step that had to preempt
+            return  # no admissions in a step that had to preempt
         in_flight = self.kv_cache_manager.blocks_in_flight(self.running) if self.waiting else set()
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            computed_block_ids, num_cached = [], 0
+            computed_block_ids, num_cached, partial = [], 0, None
             # (prompt logprobs need the logits of every prompt position: such a prompt is computed in full)
             if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
                 if in_flight and self.kv_cache_manager.next_block_hash(request, len(computed_block_ids)) in in_flight:
                     continue  # its next block is being computed: take it from the cache when it is
+                partial = self.kv_cache_manager.get_partial_block(request, len(computed_block_ids))
+                num_cached += partial[1] if partial else 0
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            while not self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids):
+            while not self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids, partial):
                 victim = self.lowest_priority_running()
                 if victim is None or victim.priority <= request.priority:
-                    return out
+                    return
                 budget += self._unschedule(victim, out)
                 self.running.remove(victim)
                 self._preempt(victim, out)
@@ -131,7 +141,6 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             in_flight |= self.kv_cache_manager.blocks_in_flight([request])
-        return out
 
     def lowest_priority_running(self) -> Request | None:
         """The running request to preempt for a request of better priority: the newest of the worst priority."""

@@ -10,13 +10,13 @@
 // block_tables int32 [S, max_blocks]; context_lens int32 [S]; Hq % Hkv == 0 (the query heads of KV head h are
 // h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as in HF's repeat_kv); D % LANES == 0.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
 #include <vector>
 
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace {
 using namespace tandem_simd;
@@ -96,7 +96,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const float* vp = value_cache.data_ptr<float>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  tandem_pool::parallel_for(S * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / Hkv, h = i % Hkv;

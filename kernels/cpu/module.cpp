@@ -1,14 +1,28 @@
-// The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, attention.cpp and this file).
+// The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, attention.cpp, layer_ops.cpp,
+// thread_pool.cpp and this file).
 #include <torch/extension.h>
+
+#include "thread_pool.h"
 
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group_size);
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zero_scales,
                         int64_t group_size);
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
   m.def("int4_gemm", &int4_gemm, "y = x @ ((int4 codes - zeros) * scales).T");
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual)");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on query and key heads; keys and values into the KV cache");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("set_num_threads", &tandem_pool::set_num_threads, "threads of the GEMM and attention kernels, the caller's included");
+  m.def("get_num_threads", &tandem_pool::num_threads, "threads of the GEMM and attention kernels");
 }

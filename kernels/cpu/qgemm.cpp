@@ -17,9 +17,9 @@
 // (low nibble) and k = j + 16 (high nibble), so both nibble halves meet contiguous x; scales fp32 [N, K / G].
 // K % 32 == 0 and G % 32 == 0 (checked in Python and here).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <vector>
@@ -180,7 +180,7 @@ torch::Tensor grouped_gemm(const torch::Tensor& x, const Weight<Codes>& w, int64
     for (int64_t k = 0; k < K; ++k) x_group_sums[k / group_size] += xp[k];
   }
   const int64_t num_tiles = (N + NT - 1) / NT;
-  at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
+  tandem_pool::parallel_for(num_tiles, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(M > 1 ? NT * K : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = NT * t;

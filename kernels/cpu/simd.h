@@ -19,6 +19,7 @@ inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
 inline V vfnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
@@ -38,6 +39,7 @@ inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
 inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
 inline V vfnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b

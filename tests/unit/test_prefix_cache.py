@@ -169,3 +169,71 @@ def test_no_wait_with_caching_off_or_for_an_unshared_prefix():
         s.add_request(a)
         s.add_request(b)
         assert s.schedule().num_scheduled_tokens == {"a": 12, "b": 12}
+
+
+def test_partial_block_is_copied_for_a_request_that_continues_it_and_lost_when_reallocated():
+    s = Scheduler(SchedulerConfig(64, 8), make_manager(num_blocks=8))
+    kv = s.kv_cache_manager
+    a = make_request("a", range(1, 7))  # 6 tokens: a full block and 2 tokens of a partial one
+    s.add_request(a)
+    complete_step(s, s.schedule())
+    a.output_token_ids = [7]
+    complete_step(s, s.schedule())  # a decode step computes token 7's KV; a then samples 8 and finishes
+    a.output_token_ids = [7, 8]
+    assert a.num_computed_tokens == 7
+    partial_block = kv.get_block_table("a")[1]
+    s.remove_request(a)
+    kv.free(a)
+    # a beam of a (its prompt + its tokens): block 0 shared, a's partial block (5, 6, 7) copied, 1 token computed
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    s.add_request(b)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 1} and b.num_cached_tokens == 7
+    assert partial_block == 1 and kv.get_block_table("b") == [0, 2]  # a's block 0; a fresh block for the copy
+    assert out.block_copies == [(1, 2)]
+    assert s.schedule().block_copies == []  # taken once
+    # diverging inside the partial block: only the common tokens are copied
+    c = make_request("c", [1, 2, 3, 4, 5, 99, 98])
+    assert kv.get_partial_block(c, 1) == (partial_block, 1)
+    # another salt, another prefix, or a shorter request (its last token is always computed): no partial hit
+    assert kv.get_partial_block(make_request("d", [1, 2, 3, 4, 5, 6, 7], salt="x"), 1) is None
+    assert kv.get_partial_block(make_request("e", [9, 2, 3, 4, 5, 6, 7]), 1) is None
+    assert kv.get_partial_block(make_request("f", [1, 2, 3, 4, 5]), 1) is None
+    # once the block is allocated again its KV is gone: no entry
+    assert kv.allocate_slots(make_request("g", range(50, 50 + 4 * kv.num_free_blocks)), 4 * kv.num_free_blocks)
+    assert kv.get_partial_block(c, 1) is None and 1 not in kv.block_pool.continuation_of
+
+
+def test_a_cached_full_block_serves_a_hit_inside_it_even_while_in_use():
+    s = Scheduler(SchedulerConfig(64, 8), make_manager(num_blocks=8))
+    kv = s.kv_cache_manager
+    a = make_request("a", range(1, 11))  # blocks [1-4] [5-8] (both cached after the step) and [9, 10]
+    s.add_request(a)
+    complete_step(s, s.schedule())
+    # b shares block 0 and 3 tokens of a's block 1, which a (still running) holds: a copy of it, 7 tokens cached
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 99, 98])
+    s.add_request(b)
+    out = s.schedule()
+    assert b.num_cached_tokens == 7 and out.num_scheduled_tokens["b"] == 2
+    assert kv.get_block_table("b") == [0, 3, 4] and out.block_copies == [(1, 3)]
+    assert kv.block_pool.blocks[1].ref_cnt == 1  # only a holds block 1: b has its own copy
+    # a block is a continuation only while cached: evicted, it serves no hit inside it
+    s.remove_request(a), s.remove_request(b)
+    kv.free(a), kv.free(b)
+    kv.allocate_slots(make_request("g", range(50, 50 + 4 * kv.num_free_blocks)), 4 * kv.num_free_blocks)
+    assert kv.block_pool.continuations == {} and kv.block_pool.cached_blocks == {}
+
+
+def test_partial_hit_in_the_first_block_and_with_caching_off():
+    for contract in (CONTRACT, None):
+        s = Scheduler(SchedulerConfig(64, 8), make_manager(num_blocks=8, contract=contract))
+        a = make_request("a", [1, 2, 3])
+        s.add_request(a)
+        complete_step(s, s.schedule())
+        s.remove_request(a)
+        s.kv_cache_manager.free(a)
+        b = make_request("b", [1, 2, 3, 4])
+        s.add_request(b)
+        out = s.schedule()
+        assert out.num_scheduled_tokens == {"b": 1 if contract else 4}
+        assert len(out.block_copies) == (1 if contract else 0)

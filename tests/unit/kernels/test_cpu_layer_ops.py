@@ -1,0 +1,79 @@
+"""The C++ elementwise layer ops (kernels/cpu/layer_ops.cpp) against their pure-torch references in
+kernels/cpu_layer_ops.py: RMSNorm alone and fused with the residual add (in place), RoPE with the KV-cache write
+(exact: the same products and sums as torch), SiLU-and-mul over the whole range of its exp; bad arguments; and
+the AVX2 build."""
+import pytest
+import torch
+
+from kernels import cpu_ext, cpu_layer_ops as ops
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernels need AVX2 and a C++ compiler")
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 64), (33, 2048)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+def test_rms_norm_matches_reference(tokens, hidden, scale):
+    x, w = randn(tokens, hidden, scale=scale), randn(hidden, seed=1)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ops.rms_norm_ref(x, w, 1e-5), atol=0, rtol=3e-6)
+
+
+def test_fused_add_rms_norm_updates_both_in_place():
+    x, residual, w = randn(5, 576), randn(5, 576, seed=1), randn(576, seed=2)
+    expected_x, expected_residual = ops.fused_add_rms_norm_ref(x, residual, w, 1e-5)
+    x_ptr, residual_ptr = x.data_ptr(), residual.data_ptr()
+    out_x, out_residual = ops.fused_add_rms_norm(x, residual, w, 1e-5)
+    assert out_x.data_ptr() == x_ptr and out_residual.data_ptr() == residual_ptr
+    assert torch.equal(out_residual, expected_residual)  # the add is one rounding either way
+    torch.testing.assert_close(out_x, expected_x, atol=0, rtol=3e-6)
+
+
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim", [(1, 9, 3, 64), (6, 4, 4, 32), (17, 8, 1, 128)])
+def test_rope_write_kv_equals_reference(tokens, q_heads, kv_heads, head_dim):
+    num_blocks, block_size = 9, 4
+    qkv = randn(tokens, q_heads + 2 * kv_heads, head_dim)
+    positions = torch.randperm(500)[:tokens].float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    caches = [randn(num_blocks, block_size, kv_heads, head_dim, seed=s) for s in (1, 2)]
+    expected_caches = [c.clone() for c in caches]
+    expected_q = ops.rope_write_kv_ref(qkv, cos, sin, *expected_caches, slots, q_heads)
+    q = ops.rope_write_kv(qkv, cos, sin, *caches, slots, q_heads)
+    assert torch.equal(q, expected_q)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+    with pytest.raises(RuntimeError, match="slot"):
+        ops.rope_write_kv(qkv, cos, sin, *caches, torch.full_like(slots, num_blocks * block_size), q_heads)
+
+
+@pytest.mark.parametrize("tokens, inter", [(1, 1536), (5, 16), (3, 4096)])
+def test_silu_and_mul_matches_reference(tokens, inter):
+    gate_up = randn(tokens, 2 * inter, scale=8.0)
+    gate_up[0, :4] = torch.tensor([-100.0, -87.5, 60.0, 0.0])  # the exp's clamps, and silu(0) = 0
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), ops.silu_and_mul_ref(gate_up), atol=1e-30, rtol=2e-6)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(randn(2, 64), randn(32), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_and_mul(randn(2, 64).double())
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.fused_add_rms_norm(randn(2, 64), randn(3, 64), randn(64), 1e-5)
+
+
+def test_avx2_build_matches_reference_too():
+    """Built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TANDEM_CPU_ARCH="x86-64-v3")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not avx2"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
