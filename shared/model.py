@@ -16,8 +16,15 @@ from kernels import cpu_layer_ops
 from kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
 from shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from shared.config import ModelConfig, torch_dtype
+from shared.device import use_triton
 from shared.model_files import read_safetensors
 from shared.quant.layers import concat_linears
+
+
+def cpu_kernels(x: torch.Tensor) -> bool:
+    """True when x's elementwise layer ops run as the C++ CPU kernels (fp32 on the CPU, unless the Triton path is
+    forced there)."""
+    return cpu_layer_ops.supports(x) and not use_triton(x)
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x) [T, H]; with residual: (RMSNorm(x + residual), x + residual), on the CPU in place in x and
         residual (both fresh tensors of the layer's own)."""
-        fast = cpu_layer_ops.supports(x) and self.weight.dtype == torch.float32
+        fast = cpu_kernels(x) and self.weight.dtype == torch.float32
         if residual is None:
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps) if fast else rms_norm_ref(x, self.weight, self.eps)
         if fast and x.is_contiguous() and residual.is_contiguous():
@@ -74,7 +81,7 @@ class Attention(nn.Module):
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim] fp32; kv_cache [2, num_blocks, block_size,
         num_kv_heads, head_dim] (this layer)."""
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if cpu_layer_ops.supports(qkv) and kv_cache.dtype == torch.float32:
+        if cpu_kernels(qkv) and kv_cache.dtype == torch.float32:
             q = cpu_layer_ops.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                             self.num_heads)  # fmt: skip
         else:
@@ -101,7 +108,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_layer_ops.supports(gate_up):
+        if cpu_kernels(gate_up):
             return self.down_proj(cpu_layer_ops.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul_ref(gate_up))
 

@@ -11,6 +11,8 @@
 // it rounds as torch does); SiLU as x / (1 + e^-x) with simd.h's e^x. Only the order of the sum of squares differs
 // from torch's reduction.
 //
+// Any width: the SIMD loops end with a scalar tail (H, D / 2 and I need not be multiples of the vector width).
+//
 // Layouts: x, residual [T, H]; qkv [T, Hq + 2 Hkv, D] (query heads, then key heads, then value heads); cos, sin
 // [T, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (one layer's pool, viewed as [slots, Hkv, D]);
 // slot_mapping int64 [T]; gate_up [T, 2 I] (gate then up). All contiguous fp32.
@@ -29,23 +31,28 @@ void check_fp32(const torch::Tensor& t, int64_t dim, const char* name) {
               " must be a contiguous float32 tensor of ", dim, " dims");
 }
 
-// out[h] = w[h] * (x[h] * rsqrt(mean(x^2) + eps)) for one row of H floats (H % LANES == 0).
+inline int64_t vector_end(int64_t n) { return n - n % LANES; }  // where the SIMD loop over n floats stops
+
+// out[h] = w[h] * (x[h] * rsqrt(mean(x^2) + eps)) for one row of H floats.
 inline void rms_norm_row(const float* x, const float* w, float* out, int64_t H, float eps) {
+  const int64_t end = vector_end(H);
   V acc = vzero();
-  for (int64_t h = 0; h < H; h += LANES) {
+  for (int64_t h = 0; h < end; h += LANES) {
     const V v = vload(x + h);
     acc = vfmadd(v, v, acc);
   }
-  const float r = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(H) + eps);
+  float sum = hsum(acc);
+  for (int64_t h = end; h < H; ++h) sum += x[h] * x[h];
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
   const V rv = vbroadcast_value(r);
-  for (int64_t h = 0; h < H; h += LANES) store(out + h, vmul(vload(w + h), vmul(vload(x + h), rv)));
+  for (int64_t h = 0; h < end; h += LANES) store(out + h, vmul(vload(w + h), vmul(vload(x + h), rv)));
+  for (int64_t h = end; h < H; ++h) out[h] = w[h] * (x[h] * r);
 }
 
 void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   check_fp32(x, 2, "x");
   check_fp32(weight, 1, "weight");
-  TORCH_CHECK(weight.size(0) == x.size(1) && x.size(1) % LANES == 0, "weight must be [H] with H = x.size(1), a "
-              "multiple of the SIMD width");
+  TORCH_CHECK(weight.size(0) == x.size(1), "weight must be [H] with H = x.size(1)");
 }
 
 }  // namespace
@@ -72,7 +79,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   for (int64_t t = 0; t < T; ++t) {
     float* xr = xp + t * H;
     float* rr = rp + t * H;
-    for (int64_t h = 0; h < H; h += LANES) store(rr + h, vadd(vload(xr + h), vload(rr + h)));
+    const int64_t end = vector_end(H);
+    for (int64_t h = 0; h < end; h += LANES) store(rr + h, vadd(vload(xr + h), vload(rr + h)));
+    for (int64_t h = end; h < H; ++h) rr[h] = xr[h] + rr[h];
     rms_norm_row(rr, weight.data_ptr<float>(), xr, H, static_cast<float>(eps));
   }
 }
@@ -93,8 +102,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.size(3) == D, "the caches must be [num_blocks, "
               "block_size, Hkv, D] with qkv's D");
-  TORCH_CHECK(qkv.size(1) == num_heads + 2 * Hkv && D % (2 * LANES) == 0, "qkv must be [T, Hq + 2 Hkv, D] with D "
-              "a multiple of twice the SIMD width");
+  TORCH_CHECK(qkv.size(1) == num_heads + 2 * Hkv && D % 2 == 0, "qkv must be [T, Hq + 2 Hkv, D] with D even");
   TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes() && slot_mapping.size(0) == T,
               "cos, sin [T, D] and slot_mapping [T] must match qkv");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -112,11 +120,17 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
       const float* x = row + h * D;
       float* out = h < num_heads ? q.data_ptr<float>() + (t * num_heads + h) * D
                                  : kc + (slots[t] * Hkv + (h - num_heads)) * D;
-      for (int64_t d = 0; d < half; d += LANES) {
+      // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+      const int64_t end = vector_end(half);
+      for (int64_t d = 0; d < end; d += LANES) {
         const V x1 = vload(x + d), x2 = vload(x + half + d);
-        // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
         store(out + d, vsub(vmul(x1, vload(c + d)), vmul(x2, vload(s + d))));
         store(out + half + d, vadd(vmul(x2, vload(c + half + d)), vmul(x1, vload(s + half + d))));
+      }
+      for (int64_t d = end; d < half; ++d) {
+        const float x1 = x[d], x2 = x[half + d];
+        out[d] = x1 * c[d] - x2 * s[d];
+        out[half + d] = x2 * c[half + d] + x1 * s[half + d];
       }
     }
     std::memcpy(vc + slots[t] * Hkv * D, row + (num_heads + Hkv) * D, sizeof(float) * Hkv * D);
@@ -128,17 +142,19 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_fp32(gate_up, 2, "gate_up");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) % (2 * LANES) == 0, "gate_up's last dim must be 2 I, I a multiple of the SIMD width");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up's last dim must be 2 I");
   auto out = torch::empty({T, I}, gate_up.options());
   const V one = vbroadcast_value(1.0f), zero = vzero();
   for (int64_t t = 0; t < T; ++t) {
     const float* g = gate_up.data_ptr<float>() + t * 2 * I;
     float* o = out.data_ptr<float>() + t * I;
-    for (int64_t i = 0; i < I; i += LANES) {
+    const int64_t end = vector_end(I);
+    for (int64_t i = 0; i < end; i += LANES) {
       const V x = vload(g + i);
       const V silu = vdiv(x, vadd(one, vexp(vsub(zero, x))));
       store(o + i, vmul(silu, vload(g + I + i)));
     }
+    for (int64_t i = end; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
   }
   return out;
 }

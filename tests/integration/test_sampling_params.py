@@ -256,8 +256,9 @@ def test_n_completions_share_the_prompt_kv(cluster, tokenizer):
     texts = {i: [t for m in msgs if m.index == i for t in m.token_ids] for i in range(3)}
     assert len({tuple(t) for t in texts.values()}) == 3, "each completion samples with its own seed"
     full_blocks = (len(ids) - 1) // 16 * 16
-    for i in (1, 2):  # computed on completion 0's decode from its cached blocks, not prefilled again
-        assert finals[i].usage.cached_tokens == full_blocks > 0
+    for i in (1, 2):  # computed on completion 0's decode from its cached blocks, not prefilled again (the prompt's
+        # last partly filled block is a hit too once completion 0's output has filled it, which depends on timing)
+        assert len(ids) - 1 >= finals[i].usage.cached_tokens >= full_blocks > 0
         assert finals[i].usage.completion_tokens == 8
     # completion 0 is the n = 1 request; the whole set is reproducible
     single = run(cluster, STORY * 3, raw=True, max_tokens=8, temperature=1.0, seed=5)

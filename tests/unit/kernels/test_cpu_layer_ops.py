@@ -1,7 +1,7 @@
 """The C++ elementwise layer ops (kernels/cpu/layer_ops.cpp) against their pure-torch references in
 kernels/cpu_layer_ops.py: RMSNorm alone and fused with the residual add (in place), RoPE with the KV-cache write
-(exact: the same products and sums as torch), SiLU-and-mul over the whole range of its exp; bad arguments; and
-the AVX2 build."""
+(exact: the same products and sums as torch), SiLU-and-mul over the whole range of its exp; widths that are not
+multiples of the SIMD width (the scalar tails); bad arguments; and the AVX2 build."""
 import pytest
 import torch
 
@@ -14,7 +14,7 @@ def randn(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-@pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 64), (33, 2048)])
+@pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 64), (33, 2048), (2, 37)])
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
 def test_rms_norm_matches_reference(tokens, hidden, scale):
     x, w = randn(tokens, hidden, scale=scale), randn(hidden, seed=1)
@@ -31,7 +31,8 @@ def test_fused_add_rms_norm_updates_both_in_place():
     torch.testing.assert_close(out_x, expected_x, atol=0, rtol=3e-6)
 
 
-@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim", [(1, 9, 3, 64), (6, 4, 4, 32), (17, 8, 1, 128)])
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim",
+                         [(1, 9, 3, 64), (6, 4, 4, 32), (17, 8, 1, 128), (3, 2, 1, 8), (2, 4, 2, 54)])
 def test_rope_write_kv_equals_reference(tokens, q_heads, kv_heads, head_dim):
     num_blocks, block_size = 9, 4
     qkv = randn(tokens, q_heads + 2 * kv_heads, head_dim)
@@ -51,7 +52,7 @@ def test_rope_write_kv_equals_reference(tokens, q_heads, kv_heads, head_dim):
         ops.rope_write_kv(qkv, cos, sin, *caches, torch.full_like(slots, num_blocks * block_size), q_heads)
 
 
-@pytest.mark.parametrize("tokens, inter", [(1, 1536), (5, 16), (3, 4096)])
+@pytest.mark.parametrize("tokens, inter", [(1, 1536), (5, 16), (3, 4096), (2, 21)])
 def test_silu_and_mul_matches_reference(tokens, inter):
     gate_up = randn(tokens, 2 * inter, scale=8.0)
     gate_up[0, :4] = torch.tensor([-100.0, -87.5, 60.0, 0.0])  # the exp's clamps, and silu(0) = 0
