@@ -54,6 +54,11 @@ def set_num_threads(num_threads: int) -> None:
         extension().set_num_threads(max(1, num_threads))
 
 
+def num_threads() -> int:
+    """Threads the GEMM and attention kernels use now (1 when the kernels are not available)."""
+    return extension().get_num_threads() if available() else 1
+
+
 def available() -> bool:
     """True when the kernels are built (building them on first call) and this CPU can run them."""
     return extension() is not None

@@ -15,8 +15,8 @@ the last group holds only K % G real columns, and the padded columns are multipl
 they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G]; dequantize() returns [N, K].
 
 Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.device.use_triton
-decides, as for attention). CPU with fp32 activations and up to CPU_KERNEL_MAX_M rows calls the AVX2/AVX-512
-kernel in kernels/cpu_qgemm.py, which reads the codes once and dequantizes in registers (at M = 1 on
+decides, as for attention). CPU with fp32 activations and up to CPU_KERNEL_MAX_M rows (any number on more than
+one kernel thread, kernels/cpu_ext.py set_num_threads) calls the AVX2/AVX-512 kernel in kernels/cpu_qgemm.py, which reads the codes once and dequantizes in registers (at M = 1 on
 [1536, 576]: int8 2.6x and int4 1.7x faster than fp32; docs/performance.md); otherwise (prefill chunks, other dtypes, shapes the
 kernel does not take) it dequantizes and calls a float matmul, which beats torch's packed CPU ops
 (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) on this machine (benchmarks/quant_cpu_ops.py).
@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_qgemm
+from kernels import cpu_ext, cpu_qgemm
 from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
 from shared.device import use_triton
 from shared.quant.rtn import quantize_int4, quantize_int8
 
-# Rows (tokens) up to which the CPU kernel beats dequantize + float matmul here (measured M = 1..128).
+# Rows (tokens) up to which the CPU kernel on one thread beats dequantize + float matmul on one torch thread here
+# (measured M = 1..128). On 2 kernel threads it beats it at any M (a 512-row chunk: 31-37 vs 46 ms per layer).
 CPU_KERNEL_MAX_M = 128
 
 
@@ -41,7 +42,9 @@ def _cpu_kernel_rows(x: torch.Tensor, in_features: int, group_size: int) -> torc
     if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_qgemm.supports(in_features, group_size):
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.shape[0] <= CPU_KERNEL_MAX_M and cpu_qgemm.available() else None
+    if not cpu_qgemm.available() or (x2.shape[0] > CPU_KERNEL_MAX_M and cpu_ext.num_threads() == 1):
+        return None
+    return x2
 
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (qweight * scales).T (+ bias); int8 weights, activations stay in float.

@@ -4,7 +4,7 @@ CPU forward (kernel for small M, dequantize + matmul otherwise) against the laye
 import pytest
 import torch
 
-from kernels import cpu_qgemm
+from kernels import cpu_ext, cpu_qgemm
 from kernels.int4_format import pack_int4
 from shared.quant.layers import CPU_KERNEL_MAX_M, WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
@@ -76,7 +76,8 @@ def test_bad_arguments_raise_value_error(bad):
 
 @pytest.mark.parametrize("M", [1, 4, CPU_KERNEL_MAX_M + 1])
 @pytest.mark.parametrize("kind", ["int8", "int8-g32", "int4-g32", "int4-g128-padded"])
-def test_layers_forward_matches_their_dequantized_weight(M, kind, monkeypatch):
+@pytest.mark.parametrize("kernel_threads", [1, 2])
+def test_layers_forward_matches_their_dequantized_weight(M, kind, kernel_threads, monkeypatch):
     K = 576 if kind.endswith("padded") else 128
     linear = torch.nn.Linear(K, 48, bias=False)
     torch.nn.init.normal_(linear.weight, generator=_gen(0))
@@ -93,8 +94,13 @@ def test_layers_forward_matches_their_dequantized_weight(M, kind, monkeypatch):
     calls = []
     for name in ("int8_gemm", "int4_gemm"):
         monkeypatch.setattr(cpu_qgemm, name, lambda *a, f=getattr(cpu_qgemm, name): calls.append(1) or f(*a))
-    torch.testing.assert_close(layer(x), x @ layer.dequantize().T, atol=ATOL, rtol=RTOL)
-    assert len(calls) == (M <= CPU_KERNEL_MAX_M)  # the kernel for small M, dequantize + matmul above
+    cpu_ext.set_num_threads(kernel_threads)
+    try:
+        torch.testing.assert_close(layer(x), x @ layer.dequantize().T, atol=ATOL, rtol=RTOL)
+    finally:
+        cpu_ext.set_num_threads(1)
+    # on one thread the kernel for small M, dequantize + matmul above; on more, the kernel for any M
+    assert len(calls) == (M <= CPU_KERNEL_MAX_M or kernel_threads > 1)
 
 
 def test_avx2_build_matches_reference_too():
