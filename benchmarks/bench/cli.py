@@ -4,8 +4,10 @@
     tandem bench --workload decode-heavy --num-prompts 32 --concurrency 1,8,32 --json out.json --plot plots/
 
 Backends run one after another (each one's processes stopped before the next starts), and each runs every load
-level in turn. At the end a table compares them, with each one's output tokens/s over the --baseline's at the
-same load level.
+level in turn. Each load level has prompts of its own (seed + the level's position), the same for every backend,
+so a level never finds an earlier one's prompts in a prefix cache; the warm-up request's prompt is none of them.
+At the end a table compares the backends, with each one's output tokens/s over the --baseline's at the same load
+level.
 """
 from __future__ import annotations
 

@@ -58,18 +58,19 @@ def request_record(result) -> dict:
     }
 
 
-def build_document(args, requests, backends: dict[str, dict], runs: list[RunResult],
+def build_document(args, request_sets, backends: dict[str, dict], runs: list[RunResult],
                    metrics: list[BenchmarkMetrics], ratios: list[float | None], baseline: str | None) -> dict:
-    """Everything of a benchmark: the arguments, the workload's lengths, each backend's set-up (or why it did not
-    run), and per run its load, metrics, ratio to the baseline and every request."""
+    """Everything of a benchmark: the arguments, the workload's lengths (request_sets: one list per load level,
+    seeded seed + its position), each backend's set-up (or why it did not run), and per run its load, metrics,
+    ratio to the baseline and every request."""
     return {
         "args": {k: _plain(v) for k, v in vars(args).items() if not callable(v)},
         "workload": {
             "name": args.workload,
             "seed": args.seed,
-            "num_prompts": len(requests),
-            "requests": [{"index": r.index, "prompt_len": r.prompt_len, "output_len": r.output_len}
-                         for r in requests],  # fmt: skip
+            "num_prompts": args.num_prompts,
+            "requests_by_load": [[{"index": r.index, "prompt_len": r.prompt_len, "output_len": r.output_len}
+                                  for r in requests] for requests in request_sets],  # fmt: skip
         },
         "baseline": baseline,
         "backends": backends,

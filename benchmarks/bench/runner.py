@@ -142,22 +142,23 @@ async def run_static(backend: Backend, requests: list[BenchRequest], load: Load,
     return RunResult(backend.name, load, results, time.perf_counter() - start_s)
 
 
-async def run_session(backend: Backend, requests: list[BenchRequest], loads: list[Load],
-                      seed: int) -> tuple[dict, list[RunResult]]:
-    """Start the backend, answer one warm-up request, run every load level in turn, stop it (also on failure).
+async def run_session(backend: Backend, request_sets: list[list[BenchRequest]], loads: list[Load], seed: int,
+                      warmup: BenchRequest) -> tuple[dict, list[RunResult]]:
+    """Start the backend, answer the warm-up request (a prompt no load level sends), run every load level in turn
+    on its own requests (request_sets, one list per load), stop it (also on failure).
 
     Returns (backend.describe(), one RunResult per load). A backend that cannot start or warm up raises."""
     runs = []
     try:
         await backend.start()
-        warmup = dataclasses.replace(requests[0], output_len=min(WARMUP_OUTPUT_LEN, requests[0].output_len))
+        warmup = dataclasses.replace(warmup, output_len=min(WARMUP_OUTPUT_LEN, warmup.output_len))
         if backend.static_batching:
             await backend.generate_batch([warmup], [time.perf_counter()])
         else:
             await backend.generate(warmup)
         description = backend.describe()
         run = run_static if backend.static_batching else run_streaming
-        for load in loads:
+        for load, requests in zip(loads, request_sets):
             with tqdm(total=len(requests), desc=f"{backend.name} {load.label}", unit="req") as progress:
                 runs.append(await run(backend, requests, load, seed, progress))
     finally:

@@ -35,4 +35,4 @@ def test_bench_cluster_and_colocated_complete_every_request_with_the_same_tokens
     for cluster_request, colocated_request in zip(runs["cluster"]["requests"], runs["colocated"]["requests"]):
         assert cluster_request["index"] == colocated_request["index"]
         assert cluster_request["output_token_ids"] == colocated_request["output_token_ids"]
-    assert [r["prompt_len"] for r in doc["workload"]["requests"]] == [INPUT_LEN] * NUM_PROMPTS
+    assert [r["prompt_len"] for r in doc["workload"]["requests_by_load"][0]] == [INPUT_LEN] * NUM_PROMPTS
