@@ -39,7 +39,8 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """In place (vLLM's fused_add_rms_norm): residual += x, then x = RMSNorm(residual); returns (x, residual).
-    x, residual contiguous fp32 [T, H]; weight fp32 [H]. RuntimeError on other shapes or dtypes."""
+    x, residual contiguous, non-overlapping fp32 [T, H]; weight fp32 [H]. RuntimeError on other shapes or dtypes,
+    or overlapping x and residual."""
     cpu_ext.extension().fused_add_rms_norm(x, residual, weight.contiguous(), eps)
     return x, residual
 
@@ -78,5 +79,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up fp32 [T, 2 I] -> fp32 [T, I]. RuntimeError on other shapes or dtypes."""
+    """gate_up fp32 [T, 2 I] -> fp32 [T, I]. RuntimeError on other shapes or dtypes. Differs from silu_and_mul_ref
+    only where e^-gate overflows: a gate below about -87 gives about gate * e^-88 (the reference: -0), and a gate of
+    -inf gives -inf (the reference: NaN)."""
     return cpu_ext.extension().silu_and_mul(gate_up.contiguous())

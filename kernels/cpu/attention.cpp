@@ -81,20 +81,25 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && D % LANES == 0 && D <= MAX_DV * LANES, "head_dim must match, be a multiple "
               "of the SIMD width and at most 256");
-  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a positive multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && context_lens.numel() == S,
               "block_tables [S, max_blocks] and context_lens [S] must match query");
   const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
-  for (int64_t i = 0; i < S; ++i)
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = key_cache.size(0);
+  for (int64_t i = 0; i < S; ++i) {
     TORCH_CHECK(ctx_lens[i] >= 0 && (ctx_lens[i] + block_size - 1) / block_size <= max_blocks,
                 "context_lens exceed the block table");
+    for (int64_t b = 0; b < (ctx_lens[i] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(bt[i * max_blocks + b] >= 0 && bt[i * max_blocks + b] < num_blocks,
+                  "block_tables hold a block id outside the cache");
+  }
   auto out = torch::zeros_like(query);
   const int64_t group = Hq / Hkv;
   const float* qp = query.data_ptr<float>();
   const float* kp = key_cache.data_ptr<float>();
   const float* vp = value_cache.data_ptr<float>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   tandem_pool::parallel_for(S * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;

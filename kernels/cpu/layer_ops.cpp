@@ -8,7 +8,8 @@
 //
 // Numerics follow the torch references in shared/model.py (HF Llama): RMSNorm in fp32 as x * rsqrt(mean(x^2) +
 // eps) then times the weight; RoPE as q * cos + rotate_half(q) * sin with separate products and sum (no FMA, so
-// it rounds as torch does); SiLU as x / (1 + e^-x) with simd.h's e^x. Only the order of the sum of squares differs
+// it rounds as torch does); SiLU as x / (1 + e^-x) with simd.h's e^x (clamped: a gate below -87 gives about
+// x * e^-88 where torch gives -0, and -inf gives -inf where torch gives NaN). Only the order of the sum of squares differs
 // from torch's reduction.
 //
 // Any width: the SIMD loops end with a scalar tail (H, D / 2 and I need not be multiples of the vector width).
@@ -18,6 +19,7 @@
 // slot_mapping int64 [T]; gate_up [T, 2 I] (gate then up). All contiguous fp32.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -73,6 +75,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   check_norm(x, weight);
   check_fp32(residual, 2, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape");
+  const float* x0 = x.data_ptr<float>();
+  const float* r0 = residual.data_ptr<float>();
+  TORCH_CHECK(x0 + x.numel() <= r0 || r0 + residual.numel() <= x0, "x and residual must not overlap");
   const int64_t T = x.size(0), H = x.size(1);
   float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -154,7 +159,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       const V silu = vdiv(x, vadd(one, vexp(vsub(zero, x))));
       store(o + i, vmul(silu, vload(g + I + i)));
     }
-    for (int64_t i = end; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
+    for (int64_t i = end; i < I; ++i)  // (e^x clamped as simd.h's vexp does, so every column rounds alike)
+      o[i] = g[i] / (1.0f + std::exp(std::min(std::max(-g[i], -87.0f), 88.0f))) * g[I + i];
   }
   return out;
 }

@@ -14,6 +14,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -106,7 +109,15 @@ void set_num_threads(int num_threads) {
     p.helpers.resize(wanted);
   }
   p.num_helpers.store(wanted, std::memory_order_release);
-  for (int i = static_cast<int>(p.helpers.size()); i < wanted; ++i) p.helpers.emplace_back(helper_main, std::ref(p), i);
+  for (int i = static_cast<int>(p.helpers.size()); i < wanted; ++i) {
+    try {
+      p.helpers.emplace_back(helper_main, std::ref(p), i);
+    } catch (const std::system_error& e) {  // (keep the helpers that started; the caller learns why)
+      p.num_helpers.store(i, std::memory_order_release);
+      throw std::runtime_error("kernel thread pool: started " + std::to_string(i + 1) + " of " +
+                               std::to_string(num_threads) + " threads: " + e.what());
+    }
+  }
 }
 
 int num_threads() { return static_cast<int>(pool().helpers.size()) + 1; }

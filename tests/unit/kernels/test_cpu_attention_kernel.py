@@ -63,6 +63,18 @@ def test_bad_arguments_raise():
     assert not cpu_attention.supports(query.double(), k.double())
 
 
+def test_bad_block_ids_and_zero_kv_heads_raise():
+    query, key_cache, value_cache, tables, lens = make([16, 3], 4, 2, 16)
+    for bad in (key_cache.shape[0], -5, 2**30):
+        wrong = tables.clone()
+        wrong[1, 0] = bad
+        with pytest.raises(RuntimeError, match="block id"):
+            cpu_attention.paged_decode_attention(query, key_cache, value_cache, wrong, lens, 0.25)
+    empty = torch.zeros(4, 16, 0, 16)
+    with pytest.raises(RuntimeError, match="KV heads"):
+        cpu_attention.paged_decode_attention(query, empty, empty.clone(), tables, lens, 0.25)
+
+
 def test_avx2_build_matches_reference_too():
     """Built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it)."""
     import os

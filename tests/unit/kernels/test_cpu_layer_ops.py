@@ -66,6 +66,19 @@ def test_bad_arguments_raise():
         ops.silu_and_mul(randn(2, 64).double())
     with pytest.raises(RuntimeError, match="residual"):
         ops.fused_add_rms_norm(randn(2, 64), randn(3, 64), randn(64), 1e-5)
+    x = randn(4, 64)
+    with pytest.raises(RuntimeError, match="overlap"):
+        ops.fused_add_rms_norm(x, x, randn(64), 1e-5)
+    with pytest.raises(RuntimeError, match="overlap"):
+        ops.fused_add_rms_norm(x.view(-1)[:128].view(2, 64), x.view(-1)[64:192].view(2, 64), randn(64), 1e-5)
+
+
+def test_silu_and_mul_treats_every_column_alike_at_infinities():
+    gate_up = torch.zeros(1, 2 * 40)
+    gate_up[0, 40:] = 1.0
+    gate_up[0, [0, 19, 39]] = float("-inf")  # a vector lane and scalar-tail lanes (AVX2 and AVX-512 widths)
+    out = ops.silu_and_mul(gate_up)[0]
+    assert out[0].item() == out[19].item() == out[39].item() == float("-inf")
 
 
 def test_avx2_build_matches_reference_too():
