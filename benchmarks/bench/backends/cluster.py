@@ -88,6 +88,8 @@ class ClusterBackend:
             "gateway": self.gateway or f"LocalCluster: {self.num_prefill} prefill + 1 decode process",
             "extra_args": self.extra_args,
             "engine_args": dataclasses.asdict(self.engine_args),
-            "weights": self.engine_args.quantization or self.engine_args.dtype,
+            # (a running gateway's engines were started elsewhere: their weights are not known here)
+            "weights": ("of the running gateway" if self.gateway
+                        else self.engine_args.quantization or self.engine_args.dtype),
             "log_dir": str(self.cluster.log_dir) if self.cluster else None,
         }
