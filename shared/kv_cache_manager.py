@@ -52,8 +52,9 @@ class BlockPool:
         # NOTE: every block with ref_cnt 0 is here (cached or not); the front is evicted first.
         self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[BlockHash, int] = {}
-        # blocks a hit inside a block can copy, by the prefix they continue (KVCacheManager.continuation_key):
-        # cached full blocks, and free partly filled blocks whose KV is intact -> {block id: token ids held}
+        # blocks a hit inside a block can copy, by the prefix they continue (KVCacheManager.continuation_key) and
+        # their first token (so a lookup reads only blocks that share at least one token): cached full blocks, and
+        # free partly filled blocks whose KV is intact -> {block id: token ids held}
         self.continuations: dict[tuple, dict[int, tuple[int, ...]]] = {}
         self.continuation_of: dict[int, tuple] = {}  # block id -> its key in continuations
         self.num_evictions = 0
@@ -127,9 +128,9 @@ class BlockPool:
         self._add_continuation(block_id, key, token_ids)
 
     def _add_continuation(self, block_id: int, key: tuple, token_ids: tuple[int, ...]) -> None:
-        assert block_id not in self.continuation_of
-        self.continuations.setdefault(key, {})[block_id] = token_ids
-        self.continuation_of[block_id] = key
+        assert block_id not in self.continuation_of and token_ids
+        self.continuations.setdefault((key, token_ids[0]), {})[block_id] = token_ids
+        self.continuation_of[block_id] = key, token_ids[0]
 
     def _drop_continuation(self, block_id: int) -> None:
         key = self.continuation_of.pop(block_id, None)
@@ -143,7 +144,7 @@ class BlockPool:
         """The continuation of the prefix named by key sharing the longest run of leading tokens with token_ids:
         (block id, length of that run), or None when none shares even one."""
         best = None
-        for block_id, held in self.continuations.get(key, {}).items():
+        for block_id, held in self.continuations.get((key, token_ids[0]), {}).items() if token_ids else ():
             n = 0
             for a, b in zip(held, token_ids):
                 if a != b:
