@@ -82,7 +82,9 @@ class ModelRunner:
         scores prompt token p + 1). out.block_copies run first. Nothing scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
-        for src, dst in out.block_copies:  # (in order: a copy may read a block an earlier one wrote)
+        # (in order: a block copied into for a request preempted later in the same schedule may be copied into
+        # again for the request that took it; the last copy is the one its owner reads)
+        for src, dst in out.block_copies:
             self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
         seqs, sampled_requests, row_requests, row_positions = [], [], [], []
         prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows

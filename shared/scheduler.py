@@ -8,8 +8,8 @@ When the pool runs out of blocks, the most recently admitted running request is 
 freed and it is recomputed later). Priorities (Request.priority, lower first; vLLM's priority policy) order both
 queues each step, stably, so equal priorities keep first-come-first-served: the preempted request is the newest
 of the lowest priority, and a waiting request that finds no room preempts a running one of lower priority. A request admitted from scratch first takes its longest cached prefix
-(KVCacheManager.get_computed_blocks, then a copy of a partial block that continues it) and is scheduled only
-for the rest; one whose next block a running
+(KVCacheManager.get_computed_blocks, then a copy of a block that continues it: get_partial_block) and is
+scheduled only for the rest; one whose next block a running
 request is computing right now waits for it (a step or two) instead of computing it again.
 """
 from __future__ import annotations
