@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "attention.cpp", "layer_ops.cpp",
-                                                               "thread_pool.cpp", "module.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "qgemm_vnni.cpp", "attention.cpp",
+                                                               "layer_ops.cpp", "thread_pool.cpp", "module.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h")]
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,8 @@ Torch only: nothing here imports triton or shared/.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import cpu_ext
@@ -95,3 +97,92 @@ def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     q = unpack_int4(qweight).float().view(n, -1, group_size)
     w = ((q - zeros[..., None]) * scales[..., None]).view(n, -1)
     return x @ w.T
+
+
+# --- integer dot products (kernels/cpu/qgemm_vnni.cpp): AVX-512 VNNI only ---
+
+VNNI_TILE = 16  # output rows per tile of the packed layout
+ACTIVATION_BLOCK = 32  # columns sharing one activation scale
+ACTIVATION_QMAX = 32767  # activations quantized to int16
+
+
+def has_vnni() -> bool:
+    """True when gemm_vnni runs here: the kernels are built for a CPU with AVX-512 VNNI."""
+    return available() and cpu_ext.extension().has_vnni()
+
+
+@dataclass(frozen=True)
+class VnniWeight:
+    """A weight in gemm_vnni's layout (pack_vnni): codes uint8 [ceil(N / 16), K / 32, 8 (int4) or 16 (int8), 32];
+    scales and zero_scales fp32 [ceil(N / 16), K / group_size, 16]."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zero_scales: torch.Tensor
+    out_features: int
+    group_size: int
+    int4: bool
+
+
+def pack_vnni(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int) -> VnniWeight:
+    """A quantized weight w = (codes - zeros) * scales per group of group_size columns -> gemm_vnni's layout.
+
+    codes: uint8 [N, K] in 0..15 (int4, with zeros fp32 [N, K / G] in code units) or int8 [N, K] (zeros None);
+    scales fp32 [N, K / G]. Layout (kernels/cpu/qgemm_vnni.cpp): tiles of 16 rows, blocks of 32 columns, column
+    pair p of the 16 rows as 32 consecutive codes; int4 folds pairs p and p + 8 into the low and high nibbles.
+    ValueError on shapes or dtypes the kernel does not take."""
+    n, k = codes.shape
+    int4 = codes.dtype == torch.uint8
+    if (codes.dtype not in (torch.uint8, torch.int8) or (zeros is None) == int4 or not supports(k, group_size)
+            or tuple(scales.shape) != (n, k // group_size)):
+        raise ValueError(f"codes must be uint8 with zeros or int8 without, [N, K], and scales [N, K / {group_size}], "
+                         f"K and the group multiples of 32; got {codes.dtype} {tuple(codes.shape)}, "
+                         f"{tuple(scales.shape)}")
+    tiles = -(-n // VNNI_TILE)
+    pad = tiles * VNNI_TILE - n
+    c = torch.nn.functional.pad(codes.view(torch.uint8), (0, 0, 0, pad))
+    c = c.view(tiles, VNNI_TILE, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [tile, block, pair, row, 2 columns]
+    c = (c[:, :, :8] | (c[:, :, 8:] << 4)) if int4 else c
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
+        return t.view(tiles, VNNI_TILE, -1).transpose(1, 2).contiguous()
+
+    zero_scales = torch.zeros_like(scales) if zeros is None else zeros * scales
+    return VnniWeight(c.reshape(tiles, k // 32, -1, 32).contiguous(), per_tile(scales), per_tile(zero_scales), n,
+                      group_size, int4)
+
+
+def gemm_vnni(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
+    """y [M, N] fp32 = quantize_activations(x) @ W.T, W the packed weight dequantized: the rows of x quantized to
+    int16 per 32 columns, exact int32 dot products with the codes, fp32 scales. A row's result does not depend on
+    M or the thread count. ValueError on bad shapes; RuntimeError without AVX-512 VNNI (see has_vnni)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU [M, K] tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.shape[1] != weight.codes.shape[1] * 32:
+        raise ValueError(f"x has K={x.shape[1]}, the weight {weight.codes.shape[1] * 32}")
+    if not has_vnni():
+        raise RuntimeError("gemm_vnni needs the CPU kernels built for AVX-512 VNNI")
+    return cpu_ext.extension().gemm_vnni(x.contiguous(), weight.codes, weight.scales, weight.zero_scales,
+                                         weight.out_features, weight.group_size, weight.int4)
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch activation quantization of gemm_vnni: x fp32 [M, K] -> (qx int16 [M, K], dx fp32 [M, K / 32])
+    with dx = max|x| / 32767 per block of 32 columns and qx = round-half-even(x * (32767 / max|x|)); 0 for a zero
+    block."""
+    m, k = x.shape
+    blocks = x.view(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(-1)
+    # (a true division: `scalar / tensor` in torch multiplies by the reciprocal, which rounds differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, ACTIVATION_QMAX) / amax, torch.zeros_like(amax))
+    qx = torch.round(blocks * inv[..., None]).clamp(-ACTIVATION_QMAX, ACTIVATION_QMAX).to(torch.int16).view(m, k)
+    return qx, amax / torch.full_like(amax, ACTIVATION_QMAX)
+
+
+def gemm_vnni_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Pure-torch gemm_vnni: x quantized and dequantized (quantize_activations_ref), then matmul with the
+    dequantized weight [N, K] in fp32."""
+    qx, dx = quantize_activations_ref(x)
+    m, k = x.shape
+    x_tilde = (qx.float().view(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK) * dx[..., None]).view(m, k)
+    return x_tilde @ weight.float().T

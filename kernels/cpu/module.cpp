@@ -1,5 +1,5 @@
-// The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, attention.cpp, layer_ops.cpp,
-// thread_pool.cpp and this file).
+// The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, qgemm_vnni.cpp, attention.cpp,
+// layer_ops.cpp, thread_pool.cpp and this file).
 #include <torch/extension.h>
 
 #include "thread_pool.h"
@@ -7,6 +7,9 @@
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group_size);
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zero_scales,
                         int64_t group_size);
+torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zero_scales,
+                      int64_t N, int64_t group_size, bool int4);
+bool has_vnni();
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -18,6 +21,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
   m.def("int4_gemm", &int4_gemm, "y = x @ ((int4 codes - zeros) * scales).T");
+  m.def("gemm_vnni", &gemm_vnni, "y = x~ @ dequant(int4 or int8 W).T, x~ = x quantized to int16 per 32 columns");
+  m.def("has_vnni", &has_vnni, "whether gemm_vnni runs here (built for a CPU with AVX-512 VNNI)");
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual)");

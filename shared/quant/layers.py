@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_ext, cpu_qgemm
-from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
+from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features, unpack_int4
 from shared.device import use_triton
 from shared.quant.rtn import quantize_int4, quantize_int8
 
@@ -38,13 +38,22 @@ CPU_KERNEL_MAX_M = 128
 
 
 def _cpu_kernel_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
-    """x as [M, K] fp32 when the CPU kernel takes it (else None)."""
+    """x as [M, K] fp32 when the fp32-activation CPU kernel takes it (else None)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_qgemm.supports(in_features, group_size):
         return None
     x2 = x.reshape(-1, x.shape[-1])
     if not cpu_qgemm.available() or (x2.shape[0] > CPU_KERNEL_MAX_M and cpu_ext.num_threads() == 1):
         return None
     return x2
+
+
+def _vnni_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
+    """x as [M, K] fp32 when the integer kernel (cpu_qgemm.gemm_vnni) takes it: fp32 on a CPU with AVX-512 VNNI
+    (else None)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_qgemm.supports(in_features, group_size):
+        return None
+    return x.reshape(-1, x.shape[-1]) if cpu_qgemm.has_vnni() else None
+
 
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (qweight * scales).T (+ bias); int8 weights, activations stay in float.
@@ -77,6 +86,7 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         """Copy canonical tensors in (shapes checked; scales cast to the layer's float dtype)."""
+        self._vnni_weight = None
         _copy_checked(self, "qweight", qweight)
         _copy_checked(self, "scales", scales)
         if bias is not None:
@@ -97,6 +107,9 @@ class WeightOnlyInt8Linear(nn.Module):
             y = w8a16_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
         elif self.scales.dtype == torch.float32 and (
+                x2 := _vnni_rows(x, self.in_features, self.group_size or self.in_features)) is not None:
+            y = cpu_qgemm.gemm_vnni(x2, self._packed_vnni()).view(*x.shape[:-1], self.out_features)
+        elif self.scales.dtype == torch.float32 and (
                 x2 := _cpu_kernel_rows(x, self.in_features, self.group_size or self.in_features)) is not None:
             scales = self.scales.view(self.out_features, -1)  # per channel: one group of K
             y = cpu_qgemm.int8_gemm(x2.contiguous(), self.qweight, scales, self.group_size or self.in_features)
@@ -106,6 +119,13 @@ class WeightOnlyInt8Linear(nn.Module):
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def _packed_vnni(self) -> cpu_qgemm.VnniWeight:
+        """The weight in gemm_vnni's layout, made on first use and kept (derived, not saved)."""
+        if getattr(self, "_vnni_weight", None) is None:
+            scales = self.scales.view(self.out_features, -1)  # per channel: one group of K
+            self._vnni_weight = cpu_qgemm.pack_vnni(self.qweight, scales, None, self.group_size or self.in_features)
+        return self._vnni_weight
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -146,7 +166,7 @@ class WeightOnlyInt4Linear(nn.Module):
     def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        bias: torch.Tensor | None = None):
         """Copy canonical tensors in: qweight uint8 [N, K_pad // 2], scales/zeros [N, K_pad // G]."""
-        self._cpu_weights = None
+        self._cpu_weights = self._vnni_weight = None
         _copy_checked(self, "qweight", qweight)
         _copy_checked(self, "scales", scales)
         _copy_checked(self, "zeros", zeros)
@@ -172,6 +192,13 @@ class WeightOnlyInt4Linear(nn.Module):
             self._cpu_weights = (cpu_qgemm.repack_int4(self.qweight), (self.zeros * self.scales).contiguous())
         return self._cpu_weights
 
+    def _packed_vnni(self) -> cpu_qgemm.VnniWeight:
+        """The weight in gemm_vnni's layout, made on first use and kept (derived, not saved)."""
+        if getattr(self, "_vnni_weight", None) is None:
+            self._vnni_weight = cpu_qgemm.pack_vnni(unpack_int4(self.qweight), self.scales, self.zeros,
+                                                    self.group_size)
+        return self._vnni_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             from kernels.quant_gemm import w4a16_gemm
@@ -181,6 +208,11 @@ class WeightOnlyInt4Linear(nn.Module):
                 x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
             y = w4a16_gemm(x2.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
             y = y.view(*x.shape[:-1], self.out_features)
+        elif self.scales.dtype == torch.float32 and (
+                x2 := _vnni_rows(x, self.padded_in_features, self.group_size)) is not None:
+            if self.padded_in_features != self.in_features:
+                x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+            y = cpu_qgemm.gemm_vnni(x2, self._packed_vnni()).view(*x.shape[:-1], self.out_features)
         elif self.scales.dtype == torch.float32 and (
                 x2 := _cpu_kernel_rows(x, self.padded_in_features, self.group_size)) is not None:
             if self.padded_in_features != self.in_features:

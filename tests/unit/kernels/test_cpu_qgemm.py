@@ -92,15 +92,19 @@ def test_layers_forward_matches_their_dequantized_weight(M, kind, kernel_threads
         layer = WeightOnlyInt4Linear.from_float(linear, group_size=128 if kind.endswith("padded") else 32)
     x = torch.randn(M, K, generator=_gen(1))
     calls = []
-    for name in ("int8_gemm", "int4_gemm"):
-        monkeypatch.setattr(cpu_qgemm, name, lambda *a, f=getattr(cpu_qgemm, name): calls.append(1) or f(*a))
+    for name in ("int8_gemm", "int4_gemm", "gemm_vnni"):
+        monkeypatch.setattr(cpu_qgemm, name, lambda *a, f=getattr(cpu_qgemm, name), n=name: calls.append(n) or f(*a))
+    # with VNNI the activations are quantized to int16 first (gemm_vnni_ref)
+    expected = (cpu_qgemm.gemm_vnni_ref(x, layer.dequantize()) if cpu_qgemm.has_vnni() else x @ layer.dequantize().T)
     cpu_ext.set_num_threads(kernel_threads)
     try:
-        torch.testing.assert_close(layer(x), x @ layer.dequantize().T, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(layer(x), expected, atol=ATOL, rtol=RTOL)
     finally:
         cpu_ext.set_num_threads(1)
-    # on one thread the kernel for small M, dequantize + matmul above; on more, the kernel for any M
-    assert len(calls) == (M <= CPU_KERNEL_MAX_M or kernel_threads > 1)
+    if cpu_qgemm.has_vnni():  # the integer kernel for any M
+        assert calls == ["gemm_vnni"]
+    else:  # on one thread the kernel for small M, dequantize + matmul above; on more, the kernel for any M
+        assert len(calls) == (M <= CPU_KERNEL_MAX_M or kernel_threads > 1)
 
 
 def test_avx2_build_matches_reference_too():
@@ -114,3 +118,102 @@ def test_avx2_build_matches_reference_too():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "gemm_matches_reference or large_n"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+# --- the integer kernel (kernels/cpu/qgemm_vnni.cpp) ---
+
+vnni = pytest.mark.skipif(not cpu_qgemm.has_vnni(), reason="gemm_vnni needs AVX-512 VNNI")
+
+
+def _vnni_weight(kind: str, N: int, K: int, G: int, seed: int = 0):
+    """(packed weight, its dequantized fp32 [N, K]) with random codes, scales and zero points."""
+    # (int8 scales keep |w| below about 1, products of size ~1 as ATOL assumes)
+    scales = torch.rand(N, K // G, generator=_gen(seed)) * (0.05 if kind == "int4" else 0.005) + 0.001
+    if kind == "int4":
+        codes = torch.randint(0, 16, (N, K), generator=_gen(seed + 1), dtype=torch.uint8)
+        zeros = torch.rand(N, K // G, generator=_gen(seed + 2)) * 15
+        dequantized = (codes.float().view(N, -1, G) - zeros[..., None]) * scales[..., None]
+    else:
+        codes = torch.randint(-128, 128, (N, K), generator=_gen(seed + 1), dtype=torch.int8)
+        zeros = None
+        dequantized = codes.float().view(N, -1, G) * scales[..., None]
+    return cpu_qgemm.pack_vnni(codes, scales, zeros, G), dequantized.view(N, K)
+
+
+@vnni
+@pytest.mark.parametrize("M, N, K", SHAPES)
+@pytest.mark.parametrize("kind, group_size", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None)])
+def test_gemm_vnni_matches_reference(M, N, K, kind, group_size):
+    G = group_size or K
+    if K % G:
+        pytest.skip("group does not divide K")
+    weight, dequantized = _vnni_weight(kind, N, K, G)
+    x = torch.randn(M, K, generator=_gen(3))
+    y = cpu_qgemm.gemm_vnni(x, weight)
+    torch.testing.assert_close(y, cpu_qgemm.gemm_vnni_ref(x, dequantized), atol=ATOL, rtol=RTOL)
+    # against fp32 activations: each x[m, k] moves at most half a step, dx / 2, so y[m, n] at most
+    # sum_k |w[n, k]| dx[m, k // 32] / 2 (plus float rounding)
+    _, dx = cpu_qgemm.quantize_activations_ref(x)
+    bound = (dx.repeat_interleave(32, 1) / 2) @ dequantized.abs().T
+    assert torch.all((y - x @ dequantized.T).abs() <= bound + ATOL)
+
+
+def test_activation_quantization_reference():
+    x = torch.tensor([[1.0, -2.0, 0.5, 2.0] + [0.0] * 28 + [0.0] * 32])
+    qx, dx = cpu_qgemm.quantize_activations_ref(x)
+    assert qx[0, :4].tolist() == [16384, -32767, 8192, 32767]  # 16383.5 rounds half to even
+    assert dx[0, 0] == torch.tensor(2.0) / 32767 and dx[0, 1] == 0 and not qx[0, 32:].any()  # a zero block: 0, 0
+
+
+@vnni
+def test_gemm_vnni_quantizes_activations_exactly_as_the_reference():
+    """Through an identity weight y = dx * qx: the kernel's codes and scales are the reference's, bit for bit."""
+    K = 128
+    weight = cpu_qgemm.pack_vnni(torch.eye(K, dtype=torch.int8), torch.ones(K, 1), None, K)
+    x = torch.randn(300, K, generator=_gen(6))
+    x[7, :32] = 0
+    qx, dx = cpu_qgemm.quantize_activations_ref(x)
+    assert torch.equal(cpu_qgemm.gemm_vnni(x, weight), (qx.float().view(300, -1, 32) * dx[..., None]).view(300, K))
+
+
+@vnni
+def test_gemm_vnni_rows_do_not_depend_on_the_batch_or_threads():
+    """Each output element sums exact int32 block products in block order: bitwise the same for a row alone, in
+    a batch of 37 rows, and on two kernel threads."""
+    weight, _ = _vnni_weight("int4", 100, 576, 32)
+    x = torch.randn(37, 576, generator=_gen(4))
+    x[5, 64:96] = 0  # an all-zero block
+    batch = cpu_qgemm.gemm_vnni(x, weight)
+    for m in (0, 5, 36):
+        assert torch.equal(cpu_qgemm.gemm_vnni(x[m:m + 1], weight), batch[m:m + 1])
+    cpu_ext.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_qgemm.gemm_vnni(x, weight), batch)
+    finally:
+        cpu_ext.set_num_threads(1)
+
+
+@vnni
+def test_gemm_vnni_large_n_and_extreme_values():
+    weight, dequantized = _vnni_weight("int8", 49152 + 3, 64, 32)  # the LM head's N, plus a tail
+    x = torch.randn(2, 64, generator=_gen(5))
+    x[1] *= 1e6  # the activation scale follows each block's range
+    y, expected = cpu_qgemm.gemm_vnni(x, weight), cpu_qgemm.gemm_vnni_ref(x, dequantized)
+    torch.testing.assert_close(y[0], expected[0], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(y[1] / 1e6, expected[1] / 1e6, atol=ATOL, rtol=RTOL)
+
+
+@vnni
+def test_pack_vnni_and_gemm_vnni_refuse_bad_arguments():
+    codes = torch.zeros(16, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        cpu_qgemm.pack_vnni(codes, torch.ones(16, 2), None, 32)  # int4 codes without zero points
+    with pytest.raises(ValueError):
+        cpu_qgemm.pack_vnni(codes.view(torch.int8), torch.ones(16, 2), torch.zeros(16, 2), 32)  # int8 with zeros
+    with pytest.raises(ValueError):
+        cpu_qgemm.pack_vnni(torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 2), None, 24)  # K % 32
+    weight = cpu_qgemm.pack_vnni(codes, torch.ones(16, 2), torch.zeros(16, 2), 32)
+    with pytest.raises(ValueError, match="K=96"):
+        cpu_qgemm.gemm_vnni(torch.randn(2, 96), weight)
+    with pytest.raises(ValueError):
+        cpu_qgemm.gemm_vnni(torch.randn(2, 64, dtype=torch.float64), weight)

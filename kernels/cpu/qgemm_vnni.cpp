@@ -1,0 +1,241 @@
+// Quantized GEMM on integer dot products for AVX-512 VNNI CPUs: int4 or int8 weights times activations quantized
+// to int16 on the fly, int32 sums, fp32 scales.
+//
+// y[m, n] = sum_k w[n, k] * x~[m, k], where
+// - w[n, k] = s[n, g] * (c[n, k] - z[n, g]), codes c (int4: 0..15 with a zero point z; int8: -128..127, z = 0),
+//   g = k / G;
+// - x~[m, k] = dx[m, b] * qx[m, k], the activations quantized per row and block b of 32 columns:
+//   dx = max|x| / 32767, qx = round-half-even(x * (32767 / max|x|)). Its relative error (2^-16 of the block's
+//   largest value) is far below fp32 GEMM's own rounding differences on the model's outputs: int8 activations
+//   (llama.cpp's Q8_0) cost this model 0.003 KL and 3% top-1 agreement against its weights in fp32, int16
+//   nothing measurable (docs/performance.md).
+// So y[m, n] = sum_b s[n, g(b)] * dx[m, b] * D[m, n, b] - sum_b zs[n, g(b)] * X[m, b], with D the block's
+// exact int32 dot product of codes and qx (vpdpwssd: 32 int16 multiply-adds, pairs summed into 16 int32 lanes),
+// zs = z * s and X[m, b] = dx[m, b] * sum of qx over the block.
+//
+// Why: the fp32-activation kernel (qgemm.cpp) widens every code to fp32 before an FMA, which made it bound by
+// instructions, not bytes, at M = 1, and a prefill chunk ran at fp32 GEMM speed. Here codes are widened only to
+// int16 (int4: masked out of their nibbles) and one instruction does 32 multiply-adds. Every output element adds
+// its blocks' terms in block order whatever M, the tiling or the thread count: a row's result does not depend on
+// what it is batched with.
+//
+// Weight layout (made once per layer by kernels/cpu_qgemm.py pack_vnni): rows in tiles of 16 (one int32 lane per
+// row; N padded with zero rows), then blocks of 32 columns. In a block of a tile, pair p (columns 32 b + 2 p and
+// + 1) of the 16 rows is 32 codes, row r at positions 2 r and 2 r + 1: int8 stores the 16 pairs as 16 x 32 bytes;
+// int4 stores pairs p and p + 8 in the low and high nibbles of 32 bytes, 8 x 32 bytes.
+// Scales and zs: fp32 [tiles, num_groups, 16].
+#include <torch/extension.h>
+
+#include "thread_pool.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TANDEM_HAS_VNNI 1
+#endif
+
+namespace {
+
+constexpr int TILE = 16;   // output rows per tile: one int32 lane each
+constexpr int BLOCK = 32;  // columns per activation block
+
+#ifdef TANDEM_HAS_VNNI
+
+constexpr float QMAX = 32767.0f;
+
+// x [M, K] fp32 -> qx [M, K] int16, dx and xsum [M, K / 32] fp32 (xsum = dx * sum of the block's qx).
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx, float* xsum) {
+  const int64_t nb = K / BLOCK;
+  tandem_pool::parallel_for(M, 16, [&](int64_t begin, int64_t end) {
+    const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* p = x + m * K + b * BLOCK;
+        const __m512 a0 = _mm512_loadu_ps(p), a1 = _mm512_loadu_ps(p + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(a0, sign_off), _mm512_and_ps(a1, sign_off)));
+        int16_t* q = qx + m * K + b * BLOCK;
+        if (amax == 0.0f) {
+          std::memset(q, 0, BLOCK * sizeof(int16_t));
+          dx[m * nb + b] = 0.0f;
+          xsum[m * nb + b] = 0.0f;
+          continue;
+        }
+        const __m512 inv = _mm512_set1_ps(QMAX / amax);
+        const __m512i lo = _mm512_set1_epi32(-32767), hi = _mm512_set1_epi32(32767);
+        // (round to nearest even: the default MXCSR mode, as torch.round)
+        const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a0, inv)), lo), hi);
+        const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a1, inv)), lo), hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(q0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(q1));
+        const float d = amax / QMAX;
+        dx[m * nb + b] = d;
+        xsum[m * nb + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+    }
+  });
+}
+
+struct Packed {
+  const uint8_t* codes;  // [tiles, nb, 8 (int4) or 16 (int8), 32]
+  const float* scales;   // [tiles, num_groups, 16]
+  const float* zs;       // [tiles, num_groups, 16]
+  int64_t nb, num_groups, blocks_per_group, N;
+};
+
+struct Acts {
+  const int16_t* qx;
+  const float* dx;
+  const float* xsum;
+  int64_t K, nb;
+};
+
+// 2 int16 activations in every int32 lane.
+inline __m512i broadcast_pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// y rows [m0, m0 + MT) x tiles [t0, t0 + NTL): NTL * MT int32 accumulators per block, folded into fp32 ones.
+template <bool INT4, int NTL, int MT>
+void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y) {
+  constexpr int LOADS = INT4 ? 8 : 16;  // 32-byte loads per block of a tile
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  __m512 f[NTL][MT];
+  for (int t = 0; t < NTL; ++t)
+    for (int i = 0; i < MT; ++i) f[t][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m512i acc[NTL][MT];
+    for (int t = 0; t < NTL; ++t)
+      for (int i = 0; i < MT; ++i) acc[t][i] = _mm512_setzero_si512();
+    const int16_t* xb = a.qx + m0 * a.K + b * BLOCK;
+    for (int p = 0; p < LOADS; ++p) {
+      for (int t = 0; t < NTL; ++t) {
+        const __m256i bytes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (((t0 + t) * w.nb + b) * LOADS + p) * 32));
+        if constexpr (INT4) {
+          const __m512i words = _mm512_cvtepu8_epi16(bytes);
+          const __m512i low = _mm512_and_si512(words, nibble), high = _mm512_srli_epi16(words, 4);
+          for (int i = 0; i < MT; ++i) {
+            acc[t][i] = _mm512_dpwssd_epi32(acc[t][i], low, broadcast_pair(xb + i * a.K + 2 * p));
+            acc[t][i] = _mm512_dpwssd_epi32(acc[t][i], high, broadcast_pair(xb + i * a.K + 2 * (p + 8)));
+          }
+        } else {
+          const __m512i words = _mm512_cvtepi8_epi16(bytes);
+          for (int i = 0; i < MT; ++i)
+            acc[t][i] = _mm512_dpwssd_epi32(acc[t][i], words, broadcast_pair(xb + i * a.K + 2 * p));
+        }
+      }
+    }
+    const int64_t g = b / w.blocks_per_group;
+    for (int t = 0; t < NTL; ++t) {
+      const __m512 s = _mm512_loadu_ps(w.scales + ((t0 + t) * w.num_groups + g) * TILE);
+      const __m512 zs = _mm512_loadu_ps(w.zs + ((t0 + t) * w.num_groups + g) * TILE);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t mb = (m0 + i) * a.nb + b;
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.dx[mb]));
+        f[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][i]), sd, f[t][i]);
+        f[t][i] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(a.xsum[mb]), f[t][i]);
+      }
+    }
+  }
+  for (int t = 0; t < NTL; ++t) {
+    const int64_t n0 = (t0 + t) * TILE;
+    const int rows = static_cast<int>(std::min<int64_t>(TILE, w.N - n0));
+    const __mmask16 mask = rows == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * w.N + n0, mask, f[t][i]);
+  }
+}
+
+// Rows [m0, m0 + mt) (mt <= 8) over tiles [t0, t1): few rows take several tiles at once so that the int32
+// accumulators form independent chains (one vpdpbusd's latency is several cycles).
+template <bool INT4>
+void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int64_t m0, int mt, float* y) {
+  int64_t t = t0;
+#define TANDEM_TILES(NTL, MT)                                                           \
+  for (; t + NTL <= t1; t += NTL) tile_kernel<INT4, NTL, MT>(w, a, t, m0, y);           \
+  for (; t < t1; ++t) tile_kernel<INT4, 1, MT>(w, a, t, m0, y);                         \
+  return;
+  switch (mt) {
+    case 1: TANDEM_TILES(4, 1)
+    case 2: TANDEM_TILES(4, 2)
+    case 3: TANDEM_TILES(2, 3)
+    case 4: TANDEM_TILES(2, 4)
+    case 5: TANDEM_TILES(1, 5)
+    case 6: TANDEM_TILES(1, 6)
+    case 7: TANDEM_TILES(1, 7)
+    default: TANDEM_TILES(1, 8)
+  }
+#undef TANDEM_TILES
+}
+
+template <bool INT4>
+torch::Tensor gemm_vnni(const torch::Tensor& x, const Packed& w) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / BLOCK;
+  auto y = torch::empty({M, w.N}, x.options());
+  if (M == 0) return y;
+  std::vector<int16_t> qx(M * K);
+  std::vector<float> dx(M * nb), xsum(M * nb);
+  quantize_rows(x.data_ptr<float>(), M, K, qx.data(), dx.data(), xsum.data());
+  const Acts a{qx.data(), dx.data(), xsum.data(), K, nb};
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (w.N + TILE - 1) / TILE;
+  constexpr int64_t MT = 8;
+  // Small M: chunks of 4 tiles (enough work per claim); large M: one tile each, all rows (the tile's codes stay
+  // in L1 while the quantized rows stream from L2).
+  const int64_t tiles_per_chunk = M <= 4 ? 4 : 1;
+  const int64_t chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;
+  tandem_pool::parallel_for(chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t t0 = c * tiles_per_chunk, t1 = std::min(tiles, t0 + tiles_per_chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += MT)
+        rows_over_tiles<INT4>(w, a, t0, t1, m0, static_cast<int>(std::min(MT, M - m0)), yp);
+    }
+  });
+  return y;
+}
+
+#endif  // TANDEM_HAS_VNNI
+
+}  // namespace
+
+bool has_vnni() {
+#ifdef TANDEM_HAS_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x fp32 [M, K]; codes uint8 [tiles, K / 32, 8 (int4) or 16 (int8), 32] (pack_vnni); scales and zero_scales fp32
+// [tiles, num_groups, 16] -> y fp32 [M, N]. RuntimeError on a CPU build without AVX-512 VNNI.
+torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zero_scales,
+                      int64_t N, int64_t group_size, bool int4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const int64_t K = x.size(1), tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(K % BLOCK == 0 && group_size % BLOCK == 0 && K % group_size == 0,
+              "K and group_size must be multiples of 32, and group_size must divide K");
+  const int64_t num_groups = K / group_size;
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 4 &&
+                  codes.size(0) == tiles && codes.size(1) == K / BLOCK && codes.size(2) == (int4 ? 8 : 16) &&
+                  codes.size(3) == 32,
+              "codes must be contiguous uint8 [ceil(N / 16), K / 32, ", int4 ? 8 : 16, ", 32]");
+  for (const auto* t : {&scales, &zero_scales})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                    t->size(1) == num_groups && t->size(2) == TILE,
+                "scales and zero_scales must be contiguous float32 [ceil(N / 16), K / group_size, 16]");
+#ifdef TANDEM_HAS_VNNI
+  const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zero_scales.data_ptr<float>(),
+                 K / BLOCK, num_groups, group_size / BLOCK, N};
+  return int4 ? gemm_vnni<true>(x, w) : gemm_vnni<false>(x, w);
+#else
+  TORCH_CHECK(false, "gemm_vnni needs AVX-512 VNNI (this build targets a CPU without it)");
+  return x;
+#endif
+}
