@@ -1,4 +1,4 @@
-"""Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized GEMM, paged decode attention, the elementwise
+"""Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized GEMMs, paged decode attention, the elementwise
 layer ops) as one torch extension; kernels/cpu_qgemm.py, kernels/cpu_attention.py and kernels/cpu_layer_ops.py
 wrap them.
 

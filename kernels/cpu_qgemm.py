@@ -7,6 +7,11 @@ the activations in registers, so each call reads the int8/int4 bytes once: a dec
 for small M (decode batches); for large M (prefill chunks) a float GEMM on the dequantized weight is faster, and
 the caller picks (shared/quant/layers.py).
 
+On CPUs with AVX-512 VNNI, gemm_vnni (kernels/cpu/qgemm_vnni.cpp) does better at any M: it quantizes the
+activations to int16 per 32 columns on the fly and multiplies them with the codes in exact int32 dot products
+(one vpdpwssd is 32 multiply-adds), so codes are widened only to int16. pack_vnni makes its weight layout once
+per layer; gemm_vnni_ref is its reference.
+
 Built and loaded by kernels/cpu_ext.py (with the other CPU kernels).
 Torch only: nothing here imports triton or shared/.
 """

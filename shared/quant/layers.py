@@ -15,11 +15,14 @@ the last group holds only K % G real columns, and the padded columns are multipl
 they never contribute. The stored tensors are [N, K_pad // 2] and [N, K_pad // G]; dequantize() returns [N, K].
 
 Forward: CUDA calls the Triton kernels in kernels/quant_gemm.py (imported lazily; shared.device.use_triton
-decides, as for attention). CPU with fp32 activations and up to CPU_KERNEL_MAX_M rows (any number on more than
-one kernel thread, kernels/cpu_ext.py set_num_threads) calls the AVX2/AVX-512 kernel in kernels/cpu_qgemm.py, which reads the codes once and dequantizes in registers (at M = 1 on
-[1536, 576]: int8 2.6x and int4 1.7x faster than fp32; docs/performance.md); otherwise (prefill chunks, other dtypes, shapes the
-kernel does not take) it dequantizes and calls a float matmul, which beats torch's packed CPU ops
-(_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) on this machine (benchmarks/quant_cpu_ops.py).
+decides, as for attention). CPU with fp32 activations calls the C++ kernels in kernels/cpu_qgemm.py:
+- with AVX-512 VNNI, gemm_vnni at any M: activations quantized to int16 per 32 columns, exact int32 dot products
+  with the codes (2-4x the float kernel; quality against fp32 weights unchanged, docs/performance.md);
+- else, up to CPU_KERNEL_MAX_M rows (any number on more than one kernel thread, kernels/cpu_ext.py
+  set_num_threads), the float kernel, which reads the codes once and dequantizes in registers (at M = 1 on
+  [1536, 576]: int8 2.6x and int4 1.7x faster than fp32); otherwise (prefill chunks, other dtypes, shapes the
+  kernels do not take) dequantize + a float matmul, which beats torch's packed CPU ops
+  (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) on this machine (benchmarks/quant_cpu_ops.py).
 """
 from __future__ import annotations
 
