@@ -59,7 +59,7 @@ def _vnni_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tens
 
 
 class WeightOnlyInt8Linear(nn.Module):
-    """y = x @ (qweight * scales).T (+ bias); int8 weights, activations stay in float.
+    """y = x @ (qweight * scales).T (+ bias); int8 weights, float activations (int16 inside the VNNI kernel).
 
     Args:
         in_features, out_features: K, N.
