@@ -12,7 +12,7 @@ from shared.engine import LLMEngine
 from shared.kv_cache_manager import KVCacheManager
 from shared.request import Request, SamplingParams
 from shared.scheduler import Scheduler
-from shared.spec_decode.drafter import GATE_RETRY_STEPS, SPEC_REST_STEPS, StepCostModel
+from shared.spec_decode.drafter import SPEC_REST_STEPS, SpeculationGate
 from shared.spec_decode.ngram_proposer import NgramProposer
 from shared.spec_decode.rejection_sampler import accept_draft_tokens
 
@@ -281,18 +281,40 @@ def test_draft_length_adapts_and_large_batches_do_not_speculate(tiny_model):
     assert len(engine.scheduler.running) == 3 and all(not q.spec_token_ids for q in engine.scheduler.running)
 
 
-def test_a_draft_model_costing_a_target_token_or_more_proposes_nothing():
-    cost = StepCostModel()
-    assert cost.draft_cost() == 0.0  # nothing measured yet
-    cost.observe_step(8, 0.16)  # 20 ms per request
-    cost.observe_drafts(8, 0.08)  # 10 ms per draft token
-    assert cost.draft_cost() == pytest.approx(0.5)
-    for _ in range(60):
-        cost.observe_drafts(8, 0.2)  # 25 ms per draft token: more than a target token
-    assert cost.draft_cost() == pytest.approx(1.25, rel=1e-2)
+def _run_gate(gate: SpeculationGate, batch_size: int, steps: int, rate_with: float, rate_without: float) -> list[bool]:
+    """Step the gate where a step with drafts emits rate_with tokens per second and one without rate_without."""
+    choices = []
+    for _ in range(steps):
+        speculated = gate.speculate(batch_size)
+        gate.observe(batch_size, speculated, int(rate_with if speculated else rate_without), 1.0)
+        choices.append(speculated)
+    return choices
+
+
+def test_speculation_gate_takes_the_faster_way_per_batch_size_and_keeps_measuring_the_other():
+    gate = SpeculationGate()
+    n = SpeculationGate.MIN_SAMPLES
+    # batch 32: drafts lose (95 vs 100 tok/s, within 10%): after n steps of each, off but for one in 8
+    choices = _run_gate(gate, 32, 2 * n + 64, rate_with=95, rate_without=100)
+    assert choices[:2 * n] == [True] * n + [False] * n
+    assert sum(choices[2 * n:]) == 64 // 8
+    # batch 1 is another bucket: drafts win 2x there, so on, and the slower way runs one step in 32
+    choices = _run_gate(gate, 1, 2 * n + 256, rate_with=200, rate_without=100)
+    assert choices[2 * n:].count(False) == 256 // 32
+    # batch 20 (bucket 16-31) has measured nothing yet: it starts with drafts
+    assert _run_gate(gate, 20, n, 95, 100) == [True] * n
+    # when the traffic changes (drafts now win at batch 32), explored steps turn the medians over
+    choices = _run_gate(gate, 32, 100, rate_with=150, rate_without=100)
+    assert choices[-30:].count(True) >= 29
+    # one slow step (a pause, a descheduled thread) does not decide: the median of the last 5 does
+    gate.observe(32, True, 10, 1.0)
+    assert gate.rates(gate.bucket(32))[1] == 150 and gate.speculate(32)
+    assert "batch 32-63: 150 tok/s with drafts vs 100 without" in gate.summary()
 
 
 def test_early_exit_drafts_stop_when_they_cost_too_much(tiny_model):
+    """A draft that makes steps slower than plain ones (here: the gate told so) proposes nothing but the
+    gate's occasional measuring steps."""
     path, _ = tiny_model
     engine = LLMEngine(ModelConfig.from_dir(path), CacheConfig(4, 64), SchedulerConfig(64, 8),
                        speculative_config=SpeculativeConfig("early-exit", 2, draft_num_layers=1))  # fmt: skip
@@ -302,11 +324,12 @@ def test_early_exit_drafts_stop_when_they_cost_too_much(tiny_model):
     engine.drafter.propose_drafts(engine.scheduler.running, 64)
     assert r.spec_token_ids == [-1, -1]  # placeholders, filled in once the step is scheduled
     r.spec_token_ids = []
-    engine.drafter.cost.observe_step(1, 0.01)
-    engine.drafter.cost.observe_drafts(1, 0.02)  # a draft token at twice a target token's cost
+    gate = engine.drafter.gate
+    for speculated in [True] * gate.MIN_SAMPLES + [False] * gate.MIN_SAMPLES:
+        gate.observe(1, speculated, 1, 0.03 if speculated else 0.01)  # with drafts: a third of the tokens/s
     proposed = []
-    for _ in range(GATE_RETRY_STEPS):
+    for _ in range(32):
         engine.drafter.propose_drafts(engine.scheduler.running, 64)
         proposed.append(len(r.spec_token_ids))
         r.spec_token_ids = []
-    assert proposed == [0] * (GATE_RETRY_STEPS - 1) + [2]  # one step of drafts in 64 measures the draft again
+    assert proposed == [0] * 31 + [2]  # one step in 32 measures the draft again
