@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -59,10 +60,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx,
         const float amax = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_and_ps(a0, sign_off), _mm512_and_ps(a1, sign_off)));
         int16_t* q = qx + m * K + b * BLOCK;
-        if (amax == 0.0f) {
+        // NaN in the block (max drops NaN lanes, so look for them) or an infinity: the block's scale is NaN, so
+        // every output of the row is NaN, as a float GEMM's would be non-finite (the engine aborts such a request)
+        const bool nan = (_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q)) != 0;
+        if (amax == 0.0f || nan || amax == std::numeric_limits<float>::infinity()) {
           std::memset(q, 0, BLOCK * sizeof(int16_t));
-          dx[m * nb + b] = 0.0f;
-          xsum[m * nb + b] = 0.0f;
+          dx[m * nb + b] = xsum[m * nb + b] = amax == 0.0f && !nan ? 0.0f : std::numeric_limits<float>::quiet_NaN();
           continue;
         }
         const __m512 inv = _mm512_set1_ps(QMAX / amax);

@@ -217,3 +217,17 @@ def test_pack_vnni_and_gemm_vnni_refuse_bad_arguments():
         cpu_qgemm.gemm_vnni(torch.randn(2, 96), weight)
     with pytest.raises(ValueError):
         cpu_qgemm.gemm_vnni(torch.randn(2, 64, dtype=torch.float64), weight)
+
+
+@vnni
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_gemm_vnni_keeps_a_non_finite_row_non_finite(bad):
+    """A NaN or infinity in a row makes that row's outputs non-finite (so the engine's check of the logits still
+    sees it), as with float activations; the other rows are unchanged."""
+    weight, dequantized = _vnni_weight("int4", 40, 128, 32)
+    x = torch.randn(3, 128, generator=_gen(7))
+    clean = cpu_qgemm.gemm_vnni(x, weight)
+    x[1, 70] = bad
+    y = cpu_qgemm.gemm_vnni(x, weight)
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(cpu_qgemm.gemm_vnni_ref(x, dequantized)[1]).any()
+    assert torch.equal(y[[0, 2]], clean[[0, 2]])
