@@ -109,6 +109,7 @@ def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 VNNI_TILE = 16  # output rows per tile of the packed layout
 ACTIVATION_BLOCK = 32  # columns sharing one activation scale
 ACTIVATION_QMAX = 32767  # activations quantized to int16
+ACTIVATION_MIN_AMAX = 2.0 ** -100  # a block whose largest |x| is smaller counts as zero
 
 
 def has_vnni() -> bool:
@@ -137,9 +138,11 @@ def pack_vnni(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     ValueError on shapes or dtypes the kernel does not take."""
     n, k = codes.shape
     int4 = codes.dtype == torch.uint8
-    if (codes.dtype not in (torch.uint8, torch.int8) or (zeros is None) == int4 or not supports(k, group_size)
-            or tuple(scales.shape) != (n, k // group_size)):
-        raise ValueError(f"codes must be uint8 with zeros or int8 without, [N, K], and scales [N, K / {group_size}], "
+    if (codes.dtype not in (torch.uint8, torch.int8) or (zeros is None) == int4 or group_size <= 0
+            or not supports(k, group_size) or tuple(scales.shape) != (n, k // group_size)
+            or (int4 and (zeros.shape != scales.shape or (codes.numel() and int(codes.max()) > 15)))):
+        raise ValueError(f"codes must be uint8 in 0..15 with zeros or int8 without, [N, K], and scales and zeros "
+                         f"[N, K / {group_size}], "
                          f"K and the group multiples of 32; got {codes.dtype} {tuple(codes.shape)}, "
                          f"{tuple(scales.shape)}")
     tiles = -(-n // VNNI_TILE)
@@ -173,11 +176,12 @@ def gemm_vnni(x: torch.Tensor, weight: VnniWeight) -> torch.Tensor:
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch activation quantization of gemm_vnni: x fp32 [M, K] -> (qx int16 [M, K], dx fp32 [M, K / 32])
-    with dx = max|x| / 32767 per block of 32 columns and qx = round-half-even(x * (32767 / max|x|)); 0 for a zero
-    block."""
+    with dx = max|x| / 32767 per block of 32 columns and qx = round-half-even(x * (32767 / max|x|)); 0 for a block
+    with max|x| < 2^-100."""
     m, k = x.shape
     blocks = x.view(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
     amax = blocks.abs().amax(-1)
+    amax = torch.where(amax < ACTIVATION_MIN_AMAX, torch.zeros_like(amax), amax)  # (NaN stays NaN)
     # (a true division: `scalar / tensor` in torch multiplies by the reciprocal, which rounds differently)
     inv = torch.where(amax > 0, torch.full_like(amax, ACTIVATION_QMAX) / amax, torch.zeros_like(amax))
     qx = torch.round(blocks * inv[..., None]).clamp(-ACTIVATION_QMAX, ACTIVATION_QMAX).to(torch.int16).view(m, k)

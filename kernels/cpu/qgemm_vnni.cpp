@@ -5,7 +5,7 @@
 // - w[n, k] = s[n, g] * (c[n, k] - z[n, g]), codes c (int4: 0..15 with a zero point z; int8: -128..127, z = 0),
 //   g = k / G;
 // - x~[m, k] = dx[m, b] * qx[m, k], the activations quantized per row and block b of 32 columns:
-//   dx = max|x| / 32767, qx = round-half-even(x * (32767 / max|x|)). Its relative error (2^-16 of the block's
+//   dx = max|x| / 32767, qx = round-half-even(x * (32767 / max|x|)) (a block with max|x| < 2^-100 counts as 0). Its relative error (2^-16 of the block's
 //   largest value) is far below fp32 GEMM's own rounding differences on the model's outputs: int8 activations
 //   (llama.cpp's Q8_0) cost this model 0.003 KL and 3% top-1 agreement against its weights in fp32, int16
 //   nothing measurable (docs/performance.md).
@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -46,6 +47,7 @@ constexpr int BLOCK = 32;  // columns per activation block
 #ifdef TANDEM_HAS_VNNI
 
 constexpr float QMAX = 32767.0f;
+constexpr float MIN_AMAX = 0x1p-100f;  // blocks whose largest |x| is smaller count as zero
 
 // x [M, K] fp32 -> qx [M, K] int16, dx and xsum [M, K / 32] fp32 (xsum = dx * sum of the block's qx).
 void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx, float* xsum) {
@@ -59,10 +61,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx,
         const float amax = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_and_ps(a0, sign_off), _mm512_and_ps(a1, sign_off)));
         int16_t* q = qx + m * K + b * BLOCK;
-        if (amax == 0.0f) {
+        // NaN in the block (max drops NaN lanes, so look for them) or an infinity: the block's scale is NaN, so
+        // every output of the row is NaN, as a float GEMM's would be non-finite (the engine aborts such a request)
+        const bool nan = (_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q)) != 0;
+        // A block below MIN_AMAX counts as zero (32767 / amax would overflow below about 1e-34).
+        if (amax < MIN_AMAX || nan || amax == std::numeric_limits<float>::infinity()) {
           std::memset(q, 0, BLOCK * sizeof(int16_t));
-          dx[m * nb + b] = 0.0f;
-          xsum[m * nb + b] = 0.0f;
+          dx[m * nb + b] = xsum[m * nb + b] = amax < MIN_AMAX && !nan ? 0.0f : std::numeric_limits<float>::quiet_NaN();
           continue;
         }
         const __m512 inv = _mm512_set1_ps(QMAX / amax);
@@ -140,7 +145,8 @@ void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* 
         const int64_t mb = (m0 + i) * a.nb + b;
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.dx[mb]));
         f[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][i]), sd, f[t][i]);
-        f[t][i] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(a.xsum[mb]), f[t][i]);
+        // (int8 has no zero point: skipping it also keeps 0 * an overflowed sum from making a NaN)
+        if constexpr (INT4) f[t][i] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(a.xsum[mb]), f[t][i]);
       }
     }
   }
@@ -219,7 +225,7 @@ torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t K = x.size(1), tiles = (N + TILE - 1) / TILE;
-  TORCH_CHECK(K % BLOCK == 0 && group_size % BLOCK == 0 && K % group_size == 0,
+  TORCH_CHECK(K % BLOCK == 0 && group_size > 0 && group_size % BLOCK == 0 && K % group_size == 0,
               "K and group_size must be multiples of 32, and group_size must divide K");
   const int64_t num_groups = K / group_size;
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 4 &&

@@ -89,7 +89,6 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         """Copy canonical tensors in (shapes checked; scales cast to the layer's float dtype)."""
-        self._vnni_weight = None
         _copy_checked(self, "qweight", qweight)
         _copy_checked(self, "scales", scales)
         if bias is not None:
@@ -124,11 +123,10 @@ class WeightOnlyInt8Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _packed_vnni(self) -> cpu_qgemm.VnniWeight:
-        """The weight in gemm_vnni's layout, made on first use and kept (derived, not saved)."""
-        if getattr(self, "_vnni_weight", None) is None:
-            scales = self.scales.view(self.out_features, -1)  # per channel: one group of K
-            self._vnni_weight = cpu_qgemm.pack_vnni(self.qweight, scales, None, self.group_size or self.in_features)
-        return self._vnni_weight
+        """The weight in gemm_vnni's layout, made on first use and kept until the buffers change."""
+        scales = self.scales.view(self.out_features, -1)  # per channel: one group of K
+        return _derived(self, "_vnni_weight", (self.qweight, self.scales), lambda: cpu_qgemm.pack_vnni(
+            self.qweight, scales, None, self.group_size or self.in_features))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -169,7 +167,6 @@ class WeightOnlyInt4Linear(nn.Module):
     def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        bias: torch.Tensor | None = None):
         """Copy canonical tensors in: qweight uint8 [N, K_pad // 2], scales/zeros [N, K_pad // G]."""
-        self._cpu_weights = self._vnni_weight = None
         _copy_checked(self, "qweight", qweight)
         _copy_checked(self, "scales", scales)
         _copy_checked(self, "zeros", zeros)
@@ -190,17 +187,14 @@ class WeightOnlyInt4Linear(nn.Module):
         return w.view(n, -1)[:, : self.in_features]
 
     def _cpu_kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes in the CPU kernel's order, zeros * scales), made on first use and kept (derived, not saved)."""
-        if getattr(self, "_cpu_weights", None) is None:
-            self._cpu_weights = (cpu_qgemm.repack_int4(self.qweight), (self.zeros * self.scales).contiguous())
-        return self._cpu_weights
+        """(codes in the CPU kernel's order, zeros * scales), made on first use and kept until the buffers change."""
+        return _derived(self, "_cpu_weights", (self.qweight, self.scales, self.zeros), lambda: (
+            cpu_qgemm.repack_int4(self.qweight), (self.zeros * self.scales).contiguous()))
 
     def _packed_vnni(self) -> cpu_qgemm.VnniWeight:
-        """The weight in gemm_vnni's layout, made on first use and kept (derived, not saved)."""
-        if getattr(self, "_vnni_weight", None) is None:
-            self._vnni_weight = cpu_qgemm.pack_vnni(unpack_int4(self.qweight), self.scales, self.zeros,
-                                                    self.group_size)
-        return self._vnni_weight
+        """The weight in gemm_vnni's layout, made on first use and kept until the buffers change."""
+        return _derived(self, "_vnni_weight", (self.qweight, self.scales, self.zeros), lambda: cpu_qgemm.pack_vnni(
+            unpack_int4(self.qweight), self.scales, self.zeros, self.group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
@@ -268,6 +262,18 @@ def concat_linears(layers: list[nn.Module]) -> nn.Module:
     fused = WeightOnlyInt4Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
                                  dtype=first.scales.dtype)
     return fused.to(first.qweight.device).load_quantized(cat("qweight"), cat("scales"), cat("zeros"), bias)
+
+
+def _derived(module: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make):
+    """module.<name>, a kernel layout derived from the sources (not saved), made again whenever a source was
+    replaced (load_state_dict(assign=True)) or changed in place (load_quantized, a state dict copied in): keyed
+    on each tensor's storage and version counter."""
+    key = tuple((t.data_ptr(), t._version) for t in sources)
+    cached = getattr(module, name, None)
+    if cached is None or cached[0] != key:
+        cached = (key, make())
+        setattr(module, name, cached)
+    return cached[1]
 
 
 def _copy_checked(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -217,3 +217,56 @@ def test_pack_vnni_and_gemm_vnni_refuse_bad_arguments():
         cpu_qgemm.gemm_vnni(torch.randn(2, 96), weight)
     with pytest.raises(ValueError):
         cpu_qgemm.gemm_vnni(torch.randn(2, 64, dtype=torch.float64), weight)
+
+
+@vnni
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_gemm_vnni_keeps_a_non_finite_row_non_finite(bad):
+    """A NaN or infinity in a row makes that row's outputs non-finite (so the engine's check of the logits still
+    sees it), as with float activations; the other rows are unchanged."""
+    weight, dequantized = _vnni_weight("int4", 40, 128, 32)
+    x = torch.randn(3, 128, generator=_gen(7))
+    clean = cpu_qgemm.gemm_vnni(x, weight)
+    x[1, 70] = bad
+    y = cpu_qgemm.gemm_vnni(x, weight)
+    assert not torch.isfinite(y[1]).any() and not torch.isfinite(cpu_qgemm.gemm_vnni_ref(x, dequantized)[1]).any()
+    assert torch.equal(y[[0, 2]], clean[[0, 2]])
+
+
+@vnni
+def test_gemm_vnni_edge_values():
+    """A block below 2^-100 counts as zero (its scale would overflow); int8 rows of huge values stay finite."""
+    K = 32
+    identity = cpu_qgemm.pack_vnni(torch.eye(K, dtype=torch.int8), torch.ones(K, 1), None, K)
+    tiny = torch.full((1, K), 1e-35)
+    assert not cpu_qgemm.gemm_vnni(tiny, identity).any() and not cpu_qgemm.gemm_vnni_ref(tiny, torch.eye(K)).any()
+    ones = cpu_qgemm.pack_vnni(torch.ones(1, K, dtype=torch.int8), torch.full((1, 1), 1e-3), None, K)
+    torch.testing.assert_close(cpu_qgemm.gemm_vnni(torch.full((1, K), 2e37), ones), torch.tensor([[6.4e35]]))
+    with pytest.raises(ValueError):
+        cpu_qgemm.pack_vnni(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), None, 0)
+    with pytest.raises(ValueError):  # an int4 code out of range
+        cpu_qgemm.pack_vnni(torch.full((4, 64), 17, dtype=torch.uint8), torch.ones(4, 2), torch.zeros(4, 2), 32)
+    with pytest.raises(ValueError):  # zero points shaped unlike the scales
+        cpu_qgemm.pack_vnni(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), torch.zeros(4, 1), 32)
+    with pytest.raises(RuntimeError, match="group_size"):  # the C++ entry point checks it too
+        cpu_ext.extension().gemm_vnni(torch.randn(2, 64), identity.codes, identity.scales, identity.zero_scales,
+                                      K, 0, False)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_layer_kernel_weights_follow_their_buffers(kind):
+    """The kernels' derived weight layouts are made again when the buffers change after a forward: in place, or
+    replaced by load_state_dict."""
+    make = ((lambda: WeightOnlyInt8Linear.from_float(torch.nn.Linear(64, 16, bias=False))) if kind == "int8"
+            else (lambda: WeightOnlyInt4Linear.from_float(torch.nn.Linear(64, 16, bias=False), group_size=32)))
+    a, b = make(), make()
+    x = torch.randn(2, 64, generator=_gen(8))
+    before = a(x)
+    a.load_state_dict(b.state_dict())
+    torch.testing.assert_close(a(x), b(x))
+    with torch.no_grad():
+        a.scales.mul_(2)
+    torch.testing.assert_close(a(x), 2 * b(x), atol=ATOL, rtol=RTOL)  # w = (q - z) * s: twice the scales
+    a.load_state_dict(b.state_dict(), assign=True)
+    torch.testing.assert_close(a(x), b(x))
+    assert not torch.equal(before, b(x))
