@@ -7,6 +7,7 @@ off at the batch sizes where this engine measured more tokens per second without
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 
@@ -141,63 +142,65 @@ class Drafter:
 
 
 class SpeculationGate:
-    """Whether a step offers drafts, from what this engine measured: decode tokens emitted per second of step
-    (drafting and verification included) with drafts and without, per bucket of batch sizes (1, 2-3, 4-7, 8-15,
-    ...), as the median of each way's last WINDOW steps (a median, as one slow step, the first after a pause or
-    a descheduled one, must not decide for a hundred steps). A bucket first runs MIN_SAMPLES steps with drafts,
-    then MIN_SAMPLES without; then each step takes the faster way, and one step in explore_interval the other,
-    to follow changes (acceptance, context lengths, a busy neighbour). The interval is 8 steps while the two are
-    within 10% of each other, else 32: a way far behind costs at most 1/32 of its gap to keep measuring.
+    """Whether a step offers drafts, from what this engine measured: paired comparisons of decode tokens emitted
+    per second of step (drafting and verification included) with drafts and without, per bucket of batch sizes
+    (1, 2-3, 4-7, 8-15, ...). A pair is a step of each way at the same batch size at most PAIR_STEPS steps apart,
+    so it compares like with like while requests finish and contexts grow (unpaired averages drifted: one way's
+    samples came from larger batches than the other's). The gate decides by the median log ratio of the last
+    WINDOW pairs. A bucket first alternates until it has MIN_PAIRS pairs; then each step takes the faster way,
+    and one step in 8 (the two within 10%) or 32 the other way, which pairs with the step before it.
 
     Why measured and not modelled: on CPU a verification row's cost depends on the batch's layout (a per-step
     cost model fitted to step times lost 7-15% on free chat, docs/speculative-decoding.md), and the tokens a
-    draft gains depend on the traffic; their ratio is what decides, and each step measures it."""
+    draft gains depend on the traffic; their ratio is what decides, and each pair of steps measures it."""
 
-    MIN_SAMPLES = 3
-    WINDOW = 5
+    MIN_PAIRS = 3
+    WINDOW = 7
+    PAIR_STEPS = 2
 
     def __init__(self):
-        # bucket -> recent tokens/s, [without drafts, with drafts]
-        self.recent: dict[int, tuple[deque, deque]] = {}
+        self.num_steps = 0
+        self.log_ratios: dict[int, deque] = {}  # bucket -> log(tokens/s with drafts / without), recent pairs
+        self.last: dict[int, list] = {}  # bucket -> [(step, batch size, tokens/s) without, the same with drafts]
         self.since_explore: dict[int, int] = {}  # bucket -> steps since the slower way last ran
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return batch_size.bit_length()
 
-    def rates(self, bucket: int) -> tuple[float, float] | None:
-        """(tokens/s without drafts, with drafts) of a bucket, once each way has MIN_SAMPLES steps."""
-        recent = self.recent.get(bucket)
-        if recent is None or min(map(len, recent)) < self.MIN_SAMPLES:
-            return None
-        return statistics.median(recent[0]), statistics.median(recent[1])
+    def ratio(self, bucket: int) -> float | None:
+        """Tokens/s with drafts over without in a bucket (median of its recent pairs), once it has MIN_PAIRS."""
+        ratios = self.log_ratios.get(bucket, ())
+        return math.exp(statistics.median(ratios)) if len(ratios) >= self.MIN_PAIRS else None
 
     def speculate(self, batch_size: int) -> bool:
         """Whether a step of batch_size decoding requests offers drafts (counts the step)."""
         b = self.bucket(batch_size)
-        rates = self.rates(b)
-        if rates is None:  # drafts first, then without
-            return len(self.recent.get(b, ((), ()))[1]) < self.MIN_SAMPLES
-        rate_without, rate_with = rates
-        best = rate_with >= rate_without
+        ratio = self.ratio(b)
+        if ratio is None:  # alternate, drafts first
+            last = self.last.get(b, [None, None])
+            return last[1] is None or (last[0] is not None and last[0][0] > last[1][0])
+        best = ratio >= 1
         self.since_explore[b] = self.since_explore.get(b, 0) + 1
-        if self.since_explore[b] >= self.explore_interval(rate_without, rate_with):
+        if self.since_explore[b] >= (8 if 1 / 1.1 < ratio < 1.1 else 32):
             self.since_explore[b] = 0
             return not best
         return best
 
-    @staticmethod
-    def explore_interval(rate_a: float, rate_b: float) -> int:
-        return 8 if max(rate_a, rate_b) < 1.1 * min(rate_a, rate_b) else 32
-
     def observe(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
         """A decode step's outcome: the tokens it emitted in seconds, with drafts offered or not."""
-        if seconds > 0:
-            recent = self.recent.setdefault(self.bucket(batch_size),
-                                            (deque(maxlen=self.WINDOW), deque(maxlen=self.WINDOW)))
-            recent[speculated].append(num_tokens / seconds)
+        self.num_steps += 1
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        b = self.bucket(batch_size)
+        last = self.last.setdefault(b, [None, None])
+        rate, other = num_tokens / seconds, last[not speculated]
+        if other is not None and self.num_steps - other[0] <= self.PAIR_STEPS and other[1] == batch_size:
+            ratio = rate / other[2] if speculated else other[2] / rate
+            self.log_ratios.setdefault(b, deque(maxlen=self.WINDOW)).append(math.log(ratio))
+        last[speculated] = (self.num_steps, batch_size, rate)
 
     def summary(self) -> str:
-        """The measured buckets, for the logs: their batch sizes and both rates."""
-        return ", ".join(f"batch {1 << (b - 1)}-{(1 << b) - 1}: {r[1]:.0f} tok/s with drafts vs {r[0]:.0f} without"
-                         for b in sorted(self.recent) if (r := self.rates(b)) is not None)
+        """The measured buckets, for the logs: their batch sizes and tokens/s with drafts over without."""
+        return ", ".join(f"batch {1 << (b - 1)}-{(1 << b) - 1}: drafts {r:.2f}x the tokens/s without"
+                         for b in sorted(self.log_ratios) if (r := self.ratio(b)) is not None)

@@ -281,35 +281,43 @@ def test_draft_length_adapts_and_large_batches_do_not_speculate(tiny_model):
     assert len(engine.scheduler.running) == 3 and all(not q.spec_token_ids for q in engine.scheduler.running)
 
 
-def _run_gate(gate: SpeculationGate, batch_size: int, steps: int, rate_with: float, rate_without: float) -> list[bool]:
-    """Step the gate where a step with drafts emits rate_with tokens per second and one without rate_without."""
+def _run_gate(gate: SpeculationGate, steps: int, rate_with, rate_without, batch_size=lambda step: 32) -> list[bool]:
+    """Step the gate where a step with drafts emits rate_with(step) tokens per second and one without
+    rate_without(step), at batch_size(step) requests."""
     choices = []
-    for _ in range(steps):
-        speculated = gate.speculate(batch_size)
-        gate.observe(batch_size, speculated, int(rate_with if speculated else rate_without), 1.0)
+    for step in range(steps):
+        batch = batch_size(step)
+        speculated = gate.speculate(batch)
+        gate.observe(batch, speculated, round(rate_with(step) if speculated else rate_without(step)), 1.0)
         choices.append(speculated)
     return choices
 
 
 def test_speculation_gate_takes_the_faster_way_per_batch_size_and_keeps_measuring_the_other():
     gate = SpeculationGate()
-    n = SpeculationGate.MIN_SAMPLES
-    # batch 32: drafts lose (95 vs 100 tok/s, within 10%): after n steps of each, off but for one in 8
-    choices = _run_gate(gate, 32, 2 * n + 64, rate_with=95, rate_without=100)
-    assert choices[:2 * n] == [True] * n + [False] * n
-    assert sum(choices[2 * n:]) == 64 // 8
-    # batch 1 is another bucket: drafts win 2x there, so on, and the slower way runs one step in 32
-    choices = _run_gate(gate, 1, 2 * n + 256, rate_with=200, rate_without=100)
-    assert choices[2 * n:].count(False) == 256 // 32
-    # batch 20 (bucket 16-31) has measured nothing yet: it starts with drafts
-    assert _run_gate(gate, 20, n, 95, 100) == [True] * n
-    # when the traffic changes (drafts now win at batch 32), explored steps turn the medians over
-    choices = _run_gate(gate, 32, 100, rate_with=150, rate_without=100)
+    # batch 32: drafts lose (95 vs 100 tok/s, within 10%): it alternates to 3 pairs, then off but for one in 8
+    choices = _run_gate(gate, 4 + 64, lambda s: 95, lambda s: 100)
+    assert choices[:4] == [True, False, True, False]
+    assert sum(choices[4:]) == 64 // 8
+    assert gate.summary() == "batch 32-63: drafts 0.95x the tokens/s without"
+    # batch 1 is another bucket: drafts win 2x there, so on, and the other way runs one step in 32
+    choices = _run_gate(gate, 4 + 256, lambda s: 200, lambda s: 100, batch_size=lambda s: 1)
+    assert choices[4:].count(False) == 256 // 32
+    # when the traffic changes (drafts now win at batch 32), the explored steps turn the median over
+    choices = _run_gate(gate, 100, lambda s: 150, lambda s: 100)
     assert choices[-30:].count(True) >= 29
-    # one slow step (a pause, a descheduled thread) does not decide: the median of the last 5 does
-    gate.observe(32, True, 10, 1.0)
-    assert gate.rates(gate.bucket(32))[1] == 150 and gate.speculate(32)
-    assert "batch 32-63: 150 tok/s with drafts vs 100 without" in gate.summary()
+
+
+def test_speculation_gate_compares_like_with_like_while_the_batch_drains():
+    """Requests finish: the batch shrinks from 63 to 32 and every step gets slower. Drafts cost 5% at any moment;
+    unpaired averages would favour whichever way was measured earlier, at the larger batches."""
+    gate = SpeculationGate()
+    batch = lambda s: 63 - s // 8  # noqa: E731
+    choices = _run_gate(gate, 240, lambda s: 0.95 * 2 * batch(s), lambda s: 2 * batch(s), batch_size=batch)
+    assert choices[40:].count(True) <= len(choices[40:]) // 8 + 1
+    # one slow step (a pause, a descheduled thread) is one pair among seven: the median does not move
+    gate.observe(32, True, 1, 1.0)
+    assert gate.ratio(gate.bucket(32)) == pytest.approx(0.95, abs=0.01)
 
 
 def test_early_exit_drafts_stop_when_they_cost_too_much(tiny_model):
@@ -325,7 +333,7 @@ def test_early_exit_drafts_stop_when_they_cost_too_much(tiny_model):
     assert r.spec_token_ids == [-1, -1]  # placeholders, filled in once the step is scheduled
     r.spec_token_ids = []
     gate = engine.drafter.gate
-    for speculated in [True] * gate.MIN_SAMPLES + [False] * gate.MIN_SAMPLES:
+    for speculated in [True, False] * gate.MIN_PAIRS:
         gate.observe(1, speculated, 1, 0.03 if speculated else 0.01)  # with drafts: a third of the tokens/s
     proposed = []
     for _ in range(32):
