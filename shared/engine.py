@@ -82,6 +82,7 @@ class EngineStats:
     spec_num_drafts: int = 0  # since start: verified steps with draft tokens, the drafts, and of those accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_gate: str = ""  # the SpeculationGate's measured tokens/s with and without drafts, per batch bucket
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -261,18 +262,20 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         if self.drafter is not None:
             self.drafter.propose_drafts(self.scheduler.running, self.model_config.max_model_len)
         scheduler_output = self.scheduler.schedule()
         if self.drafter is not None:
             self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
         scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
-        start = time.perf_counter()
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
-        if self.drafter is not None:
-            self.drafter.observe_step(scheduler_output, time.perf_counter() - start)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
-        return self.update_from_output(scheduler_output, model_output, kv_blocks)
+        outputs = self.update_from_output(scheduler_output, model_output, kv_blocks)
+        if self.drafter is not None:
+            self.drafter.observe_step(scheduler_output, sum(len(o.new_token_ids) for o in outputs),
+                                      time.perf_counter() - start)
+        return outputs
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
                            kv_blocks: dict[str, KVBlocks]) -> list[RequestOutput]:
@@ -389,4 +392,5 @@ class LLMEngine:
             spec_num_drafts=d.num_drafts if d else 0,
             spec_num_draft_tokens=d.num_draft_tokens if d else 0,
             spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
+            spec_gate=d.gate.summary() if d else "",
         )

@@ -2,12 +2,14 @@
 may speculate its draft tokens (spec_token_ids): the n-gram proposals, or for a draft model as many placeholder
 ids, whose slots the scheduler then allocates and budgets like any others, and which draft() fills in once the
 step is scheduled. After the step, record() counts the verified drafts and (SpeculativeConfig.adaptive) adapts
-the request's draft length (HF assisted generation's "heuristic" schedule); a draft model whose token costs at
-least the target's, by this engine's own timings (StepCostModel), proposes nothing."""
+the request's draft length (HF assisted generation's "heuristic" schedule), and a SpeculationGate keeps drafts
+off at the batch sizes where this engine measured more tokens per second without them."""
 from __future__ import annotations
 
 import logging
-import time
+import math
+import statistics
+from collections import deque
 
 import torch
 
@@ -20,7 +22,6 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 log = logging.getLogger(__name__)
 
 SPEC_REST_STEPS = 8  # adaptive: steps without drafts after a rejection at draft length 1
-GATE_RETRY_STEPS = 64  # adaptive: a draft model that costs too much drafts one step in this many
 
 
 PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
@@ -35,8 +36,8 @@ class Drafter:
         self.config = config
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # since start
         self.proposer = self.draft_model = None
-        self.cost = StepCostModel()
-        self.num_gated_steps = 0  # steps without drafts because the draft model cost too much
+        self.gate = SpeculationGate()
+        self.step_speculates = False  # whether this step's batch was offered drafts
         target = model_runner.model_config
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
@@ -66,16 +67,15 @@ class Drafter:
     def propose_drafts(self, running: list[Request], max_model_len: int) -> None:
         """Give each decoding request of the running batch that may speculate its draft tokens for this step: at
         most its draft length, and what its max_tokens and the context leave room for (the token after the
-        drafts included). None when the batch is over config.disable_by_batch_size, nor (adaptive) when a draft
-        model's token costs at least a target's (StepCostModel.draft_cost): then no acceptance rate could pay,
-        except one step in GATE_RETRY_STEPS, which keeps the draft's timing current."""
+        drafts included). None when the batch is over config.disable_by_batch_size, nor (adaptive) when the
+        SpeculationGate measured more tokens per second without drafts at this batch size."""
         config = self.config
-        if not running or (config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size):
+        self.step_speculates = bool(running) and (config.disable_by_batch_size is None
+                                                  or len(running) <= config.disable_by_batch_size)
+        if self.step_speculates and config.adaptive:
+            self.step_speculates = self.gate.speculate(len(running))
+        if not self.step_speculates:
             return
-        if config.adaptive and self.draft_model is not None and self.cost.draft_cost() >= 1:
-            self.num_gated_steps += 1
-            if self.num_gated_steps % GATE_RETRY_STEPS:  # (a step of drafts now and then measures it again)
-                return
         # NOTE: alone in the batch, a request with n-gram drafts always gets the full draft length: they cost no
         # model call, and the forward is bound by reading the weights, so verifying k + 1 rows costs about what
         # one does (measured: 2.15x plain on the copy task vs 1.82x with the adaptive length)
@@ -102,11 +102,12 @@ class Drafter:
                     drafts = drafts[: request.grammar.num_valid(drafts)]
                 request.spec_token_ids = drafts
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Feed the cost model a step that only decoded (each request at most 1 + num_speculative_tokens rows)."""
+    def observe_step(self, out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
+        """Feed the gate a step that only decoded (each request at most 1 + num_speculative_tokens rows): the
+        tokens it emitted and its seconds, drafting included."""
         num_requests = len(out.scheduled_requests)
         if num_requests and out.total_num_scheduled_tokens <= num_requests * (1 + self.config.num_speculative_tokens):
-            self.cost.observe_step(num_requests, seconds)
+            self.gate.observe(num_requests, self.step_speculates, num_tokens, seconds)
 
     def draft(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """A draft model's turn, once the step is scheduled: replace the placeholder drafts of
@@ -116,9 +117,7 @@ class Drafter:
             return
         requests = [r for r in out.scheduled_requests if r.request_id in out.scheduled_spec_decode_tokens]
         num_drafts = [len(out.scheduled_spec_decode_tokens[r.request_id]) for r in requests]
-        start = time.perf_counter()
         proposals = self.draft_model.propose(requests, num_drafts, block_tables)
-        self.cost.observe_drafts(sum(num_drafts), time.perf_counter() - start)
         for r, (drafts, probs) in zip(requests, proposals):
             out.scheduled_spec_decode_tokens[r.request_id] = drafts
             if probs is not None:
@@ -142,29 +141,66 @@ class Drafter:
         self.num_accepted_tokens += num_accepted
 
 
-class StepCostModel:
-    """What a draft model's token costs against a target's, from this engine's own timings: the seconds per
-    request of its decode steps and the draft model's seconds per draft token (averages over recent steps and
-    calls)."""
+class SpeculationGate:
+    """Whether a step offers drafts, from what this engine measured: paired comparisons of decode tokens emitted
+    per second of step (drafting and verification included) with drafts and without, per bucket of batch sizes
+    (1, 2-3, 4-7, 8-15, ...). A pair is a step of each way at the same batch size at most PAIR_STEPS steps apart,
+    so it compares like with like while requests finish and contexts grow (unpaired averages drifted: one way's
+    samples came from larger batches than the other's). The gate decides by the median log ratio of the last
+    WINDOW pairs. A bucket first alternates until it has MIN_PAIRS pairs; then each step takes the faster way,
+    and one step in 8 (the two within 10%) or 32 the other way, which pairs with the step before it.
+
+    Why measured and not modelled: on CPU a verification row's cost depends on the batch's layout (a per-step
+    cost model fitted to step times lost 7-15% on free chat, docs/speculative-decoding.md), and the tokens a
+    draft gains depend on the traffic; their ratio is what decides, and each pair of steps measures it."""
+
+    MIN_PAIRS = 3
+    WINDOW = 7
+    PAIR_STEPS = 2
 
     def __init__(self):
-        self.seconds_per_request = 0.0
-        self.draft_seconds_per_token = 0.0
+        self.num_steps = 0
+        self.log_ratios: dict[int, deque] = {}  # bucket -> log(tokens/s with drafts / without), recent pairs
+        self.last: dict[int, list] = {}  # bucket -> [(step, batch size, tokens/s) without, the same with drafts]
+        self.since_explore: dict[int, int] = {}  # bucket -> steps since the slower way last ran
 
-    def observe_step(self, batch_size: int, seconds: float) -> None:
-        self.seconds_per_request = _average(self.seconds_per_request, seconds / batch_size)
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return batch_size.bit_length()
 
-    def observe_drafts(self, num_draft_tokens: int, seconds: float) -> None:
-        self.draft_seconds_per_token = _average(self.draft_seconds_per_token, seconds / num_draft_tokens)
+    def ratio(self, bucket: int) -> float | None:
+        """Tokens/s with drafts over without in a bucket (median of its recent pairs), once it has MIN_PAIRS."""
+        ratios = self.log_ratios.get(bucket, ())
+        return math.exp(statistics.median(ratios)) if len(ratios) >= self.MIN_PAIRS else None
 
-    def draft_cost(self) -> float:
-        """A draft token's seconds over a target token's: at 1 or more not even a draft accepted every time
-        pays (the verification comes on top). 0 until both were measured."""
-        if not self.seconds_per_request or not self.draft_seconds_per_token:
-            return 0.0
-        return self.draft_seconds_per_token / self.seconds_per_request
+    def speculate(self, batch_size: int) -> bool:
+        """Whether a step of batch_size decoding requests offers drafts (counts the step)."""
+        b = self.bucket(batch_size)
+        ratio = self.ratio(b)
+        if ratio is None:  # alternate, drafts first
+            last = self.last.get(b, [None, None])
+            return last[1] is None or (last[0] is not None and last[0][0] > last[1][0])
+        best = ratio >= 1
+        self.since_explore[b] = self.since_explore.get(b, 0) + 1
+        if self.since_explore[b] >= (8 if 1 / 1.1 < ratio < 1.1 else 32):
+            self.since_explore[b] = 0
+            return not best
+        return best
 
+    def observe(self, batch_size: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """A decode step's outcome: the tokens it emitted in seconds, with drafts offered or not."""
+        self.num_steps += 1
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        b = self.bucket(batch_size)
+        last = self.last.setdefault(b, [None, None])
+        rate, other = num_tokens / seconds, last[not speculated]
+        if other is not None and self.num_steps - other[0] <= self.PAIR_STEPS and other[1] == batch_size:
+            ratio = rate / other[2] if speculated else other[2] / rate
+            self.log_ratios.setdefault(b, deque(maxlen=self.WINDOW)).append(math.log(ratio))
+        last[speculated] = (self.num_steps, batch_size, rate)
 
-def _average(mean: float, value: float) -> float:
-    """An exponential moving average (weight 0.1 for the new value); the first value as it is."""
-    return 0.9 * mean + 0.1 * value if mean else value
+    def summary(self) -> str:
+        """The measured buckets, for the logs: their batch sizes and tokens/s with drafts over without."""
+        return ", ".join(f"batch {1 << (b - 1)}-{(1 << b) - 1}: drafts {r:.2f}x the tokens/s without"
+                         for b in sorted(self.log_ratios) if (r := self.ratio(b)) is not None)
