@@ -192,7 +192,8 @@ class SpeculativeConfig:
     num_speculative_tokens, shrinks by one after a step that rejected a draft and grows by two (up to
     num_speculative_tokens) after one that accepted all (HF assisted generation's "heuristic" schedule); after a
     rejection at length 1 the request rests a few steps; n-gram drafts of a request alone in the batch always get
-    the full length; a draft model whose token costs at least a target token, as timed, proposes nothing.
+    the full length; and a SpeculationGate offers drafts only at batch sizes where steps with them measured more
+    tokens per second than steps without (shared/spec_decode/drafter.py).
     disable_by_batch_size: no drafts in a step whose running batch has more requests (vLLM's name).
 
     method "draft": draft_model, a checkpoint dir with the target's tokenizer, runs num_speculative_tokens times
@@ -285,8 +286,9 @@ class EngineArgs:
     prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
     prompt_lookup_max: int = _setting(4, "ngram: the longest suffix looked up (tried first)")
     speculative_adaptive: bool = _setting(True, "adapt each request's draft length to its acceptance (shrink "
-                                          "after a rejection, grow after a fully accepted step); a draft model "
-                                          "slower per token than the model proposes nothing")
+                                          "after a rejection, grow after a fully accepted step), and offer drafts "
+                                          "only at batch sizes where steps with them measured more tokens/s than "
+                                          "steps without")
     speculative_disable_by_batch_size: int | None = _setting(
         None, "no drafts in steps whose running batch has more requests than this (default: never off)", int)
     draft_model: str | None = _setting(None, "draft: a checkpoint dir with the model's tokenizer (e.g. a "
