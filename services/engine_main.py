@@ -52,7 +52,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
 
 async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
     """Every interval_s, when requests came meanwhile: the prefix cache's size, hit rate and evictions, and
-    with speculative decoding, its acceptance rate, tokens per verified step and the gate's measured rates."""
+    with speculative decoding, its acceptance rate and tokens per verified step."""
     last = last_drafts = 0
     while True:
         await asyncio.sleep(interval_s)
@@ -67,8 +67,6 @@ async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
             log.info("speculative decoding: acceptance rate %.1f%% (%d of %d draft tokens since start), mean "
                      "acceptance length %.2f tokens per verified step", 100 * s.spec_acceptance_rate,
                      s.spec_num_accepted_tokens, s.spec_num_draft_tokens, s.spec_mean_acceptance_length)  # fmt: skip
-            if s.spec_gate:
-                log.info("speculation gate: %s", s.spec_gate)
 
 
 async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:

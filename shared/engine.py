@@ -82,7 +82,6 @@ class EngineStats:
     spec_num_drafts: int = 0  # since start: verified steps with draft tokens, the drafts, and of those accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    spec_gate: str = ""  # the SpeculationGate's measured tokens/s with and without drafts, per batch bucket
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -392,5 +391,4 @@ class LLMEngine:
             spec_num_drafts=d.num_drafts if d else 0,
             spec_num_draft_tokens=d.num_draft_tokens if d else 0,
             spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
-            spec_gate=d.gate.summary() if d else "",
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
 
 import torch
@@ -22,6 +23,7 @@ from shared.spec_decode.ngram_proposer import NgramProposer
 log = logging.getLogger(__name__)
 
 SPEC_REST_STEPS = 8  # adaptive: steps without drafts after a rejection at draft length 1
+GATE_LOG_INTERVAL_S = 30.0  # the gate's measurements go to the log at most this often
 
 
 PLACEHOLDER = -1  # a draft model's draft before draft() runs (never a valid token id: it would fail loudly)
@@ -38,6 +40,7 @@ class Drafter:
         self.proposer = self.draft_model = None
         self.gate = SpeculationGate()
         self.step_speculates = False  # whether this step's batch was offered drafts
+        self.last_gate_log = time.monotonic()
         target = model_runner.model_config
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
@@ -108,6 +111,10 @@ class Drafter:
         num_requests = len(out.scheduled_requests)
         if num_requests and out.total_num_scheduled_tokens <= num_requests * (1 + self.config.num_speculative_tokens):
             self.gate.observe(num_requests, self.step_speculates, num_tokens, seconds)
+            now = time.monotonic()
+            if now - self.last_gate_log >= GATE_LOG_INTERVAL_S and (summary := self.gate.summary()):
+                self.last_gate_log = now
+                log.info("speculation gate: %s", summary)
 
     def draft(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> None:
         """A draft model's turn, once the step is scheduled: replace the placeholder drafts of
