@@ -40,12 +40,17 @@ from shared.quant.rtn import quantize_int4, quantize_int8
 CPU_KERNEL_MAX_M = 128
 
 
-def _cpu_kernel_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
-    """x as [M, K] fp32 when the fp32-activation CPU kernel takes it (else None)."""
+def _cpu_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
+    """x as [M, K] when it is fp32 on CPU and the CPU kernels take the shape (else None)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_qgemm.supports(in_features, group_size):
         return None
-    x2 = x.reshape(-1, x.shape[-1])
-    if not cpu_qgemm.available() or (x2.shape[0] > CPU_KERNEL_MAX_M and cpu_ext.num_threads() == 1):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _cpu_kernel_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
+    """x as [M, K] fp32 when the fp32-activation CPU kernel takes it (else None)."""
+    x2 = _cpu_rows(x, in_features, group_size)
+    if x2 is None or not cpu_qgemm.available() or (x2.shape[0] > CPU_KERNEL_MAX_M and cpu_ext.num_threads() == 1):
         return None
     return x2
 
@@ -53,9 +58,7 @@ def _cpu_kernel_rows(x: torch.Tensor, in_features: int, group_size: int) -> torc
 def _vnni_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor | None:
     """x as [M, K] fp32 when the integer kernel (cpu_qgemm.gemm_vnni) takes it: fp32 on a CPU with AVX-512 VNNI
     (else None)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_qgemm.supports(in_features, group_size):
-        return None
-    return x.reshape(-1, x.shape[-1]) if cpu_qgemm.has_vnni() else None
+    return _cpu_rows(x, in_features, group_size) if cpu_qgemm.has_vnni() else None
 
 
 class WeightOnlyInt8Linear(nn.Module):
