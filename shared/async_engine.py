@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shared.block_hash import BlockHash
 from shared.config import CacheConfig, EngineArgs, ModelConfig
 from shared.engine import EngineStats, KVBlocks, LLMEngine, RequestOutput
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, NoCapacityError
 from shared.kv_events import KVEventBatch
 from shared.request import FinishReason, Request
 
@@ -80,6 +80,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (admission serial, queue)
         self._serials = itertools.count()
         self._engine_serials: dict[str, int] = {}  # engine thread: request id -> serial of the admitted request
+        # engine thread: reservations waiting for room that lower-priority requests will free (NoCapacityError
+        # room_soon), tried again after every step and batch of commands, best priority first
+        self._parked: list[tuple[AddRequest, asyncio.Future]] = []
         self._stopped = False
         # the prefix cache's change batches (LLMEngine.take_kv_events), for the prefix index publisher
         self.kv_events: asyncio.Queue[KVEventBatch] = asyncio.Queue()
@@ -100,7 +103,9 @@ class AsyncEngine:
         return await self._admit(request, reserve=False)
 
     async def reserve(self, request: Request) -> asyncio.Queue:
-        """Decode tier: hold blocks for the prompt's KV (LLMEngine.reserve); return the output queue."""
+        """Decode tier: hold blocks for the prompt's KV (LLMEngine.reserve); return the output queue. When the
+        blocks it needs are held by requests of lower priority still waiting for their KV, it waits until those
+        decode and can be preempted (or the caller gives up) instead of failing with NoCapacityError."""
         return await self._admit(request, reserve=True)
 
     async def import_kv(self, request_id: str, kv: KVBlocks) -> None:
@@ -138,8 +143,9 @@ class AsyncEngine:
         self._thread.join(timeout=5)
 
     async def _admit(self, request: Request, reserve: bool) -> asyncio.Queue:
-        """InvalidRequestError if the id is in use here. If admission fails or the caller is cancelled meanwhile,
-        the request is aborted, so nothing stays behind."""
+        """InvalidRequestError if the id is in use here or its structured_output does not compile (compiled on a
+        worker thread first, so that a large grammar does not stall the engine's batch). If admission fails or the
+        caller is cancelled meanwhile, the request is aborted, so nothing stays behind."""
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -147,6 +153,9 @@ class AsyncEngine:
         serial = next(self._serials)
         self._streams[request_id] = (serial, stream)
         try:
+            constraint = request.sampling_params.structured_output
+            if constraint is not None and request.grammar is None:  # compiled off the engine thread
+                request.grammar = await asyncio.to_thread(self._engine.structured_output_manager.matcher, constraint)
             await self._call(AddRequest(request, reserve, serial))
         except BaseException:
             self.abort(request_id)
@@ -175,6 +184,7 @@ class AsyncEngine:
             case Abort(request_id):
                 engine.abort_request(request_id)
                 self._engine_serials.pop(request_id, None)
+                self._parked = [(c, f) for c, f in self._parked if c.request.request_id != request_id]
             case GetStats():
                 return engine.stats()
             case GetKVSnapshot():
@@ -190,6 +200,7 @@ class AsyncEngine:
                 self._drain_commands(timeout=0.5)
             else:  # a stalled engine (queued work, no room) waits for a command instead of spinning
                 self._drain_commands(timeout=0.01 if self._engine.last_step_num_tokens == 0 else None)
+            self._retry_parked()
             self._publish_kv_events()  # (commands change the cache too: a finished KV import publishes blocks)
             if self._stopped or not self._engine.has_unfinished_requests():
                 continue
@@ -199,6 +210,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self._abort_all("engine step failed")
             self._publish(outputs)
+            self._retry_parked()
             self._publish_kv_events()
 
     def _drain_commands(self, timeout: float | None) -> None:
@@ -208,19 +220,34 @@ class AsyncEngine:
         except queue.Empty:
             return
         while item is not None:
-            command, future = item
-            try:
-                result, error = self._execute(command), None
-            except Exception as e:
-                result, error = None, e
-            if future is not None:
-                self._loop.call_soon_threadsafe(_resolve, future, result, error)
-            elif error is not None:
-                log.error("engine command %s failed: %r", type(command).__name__, error)
+            self._run_command(*item)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_command(self, command: Command, future: asyncio.Future | None) -> None:
+        """Execute a command and answer its caller; a reservation that will fit soon is parked instead."""
+        try:
+            result, error = self._execute(command), None
+        except NoCapacityError as e:
+            if e.room_soon and isinstance(command, AddRequest) and future is not None:
+                self._parked.append((command, future))
+                return
+            result, error = None, e
+        except Exception as e:
+            result, error = None, e
+        if future is not None:
+            self._loop.call_soon_threadsafe(_resolve, future, result, error)
+        elif error is not None:
+            log.error("engine command %s failed: %r", type(command).__name__, error)
+
+    def _retry_parked(self) -> None:
+        """Try the parked reservations again, best priority (then oldest) first."""
+        parked = sorted(self._parked, key=lambda item: item[0].request.priority)
+        self._parked = []
+        for command, future in parked:
+            self._run_command(command, future)
 
     def _abort_all(self, error: str) -> list[RequestOutput]:
         outputs = []

@@ -49,6 +49,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_is_invalid_request: bool = False  # the error is the request's fault (INVALID_ARGUMENT), not the server's
     kv: KVBlocks | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -155,7 +156,8 @@ class LLMEngine:
             )
         request.eos_token_ids = self.model_config.eos_token_ids
         request.max_model_len = max_len
-        if request.sampling_params.structured_output is not None:
+        if request.sampling_params.structured_output is not None and request.grammar is None:
+            # (AsyncEngine compiles it before it gets here, on another thread)
             request.grammar = self.structured_output_manager.matcher(request.sampling_params.structured_output)
         self.requests[request.request_id] = request
 
@@ -168,7 +170,8 @@ class LLMEngine:
         """Decode tier: hold blocks for the prompt, to be filled by import_kv, reusing the longest cached prefix.
         Returns the prompt tokens already cached here (a multiple of block_size): KV for them need not come.
         Without room, running requests of lower priority are preempted (newest first) until it fits.
-        InvalidRequestError on bad input, NoCapacityError if the pool has no room now."""
+        InvalidRequestError on bad input, NoCapacityError if the pool has no room now (with room_soon when
+        requests of lower priority still waiting for their KV hold blocks: preemptible once they decode)."""
         self._admit(request)
         computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
         while not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
@@ -177,7 +180,9 @@ class LLMEngine:
             if victim is None or victim.priority <= request.priority:
                 self.kv_cache_manager.free(request)
                 del self.requests[request.request_id]
-                raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV")
+                room_soon = any(r.status == RequestStatus.WAITING_FOR_KV and r.priority > request.priority
+                                for r in self.requests.values())  # fmt: skip
+                raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV", room_soon)
             self.scheduler.preempt(victim)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached
@@ -305,6 +310,7 @@ class LLMEngine:
                         break
             except ValueError as e:  # its grammar failed (llguidance's limits on a huge grammar): it alone fails
                 out.new_token_ids.clear()
+                out.error_is_invalid_request = True
                 self._finish(request, FinishReason.ABORT, out, error=f"structured_output failed: {e}".split("\n")[0])
                 outputs.append(out)
                 continue

@@ -26,7 +26,13 @@ class UnknownRequestError(TandemError, LookupError):
 
 
 class NoCapacityError(TandemError, MemoryError):
-    """This instance has no room for the request now (KV blocks); another instance, or later, may have."""
+    """This instance has no room for the request now (KV blocks); another instance, or later, may have.
+    room_soon: room will come here shortly without any request finishing (requests of lower priority hold
+    blocks while their KV arrives; once decoding they can be preempted), so the caller may wait for it."""
+
+    def __init__(self, message: str, room_soon: bool = False):
+        super().__init__(message)
+        self.room_soon = room_soon
 
 
 class NoInstanceError(TandemError):

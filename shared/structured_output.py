@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 
 import llguidance
@@ -112,25 +113,37 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, raw_logits: torch
 
 class StructuredOutputManager:
     """An engine's grammars: the llguidance tokenizer of the model (built from its tokenizer.json on the first
-    constrained request, about a second), a matcher per constrained request, and each step's bitmasks."""
+    constrained request, about a second), a matcher per constrained request, and each step's bitmasks.
+
+    matcher() may run on any thread (AsyncEngine compiles grammars on a worker thread, off the engine's: llguidance
+    releases the GIL while it compiles, so a large grammar does not stall the batch); the rest is the engine's."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            text = (Path(self.model_dir) / "tokenizer.json").read_text()
-            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                text = (Path(self.model_dir) / "tokenizer.json").read_text()
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                         eos_token=list(self.eos_token_ids))  # fmt: skip
         return self._tokenizer
 
     def matcher(self, params: StructuredOutputParams) -> GrammarMatcher:
         """A new request's grammar in its initial state. InvalidRequestError when the grammar does not compile
-        (a bad schema, regex or Lark text), with llguidance's message."""
+        (a bad schema, regex or Lark text), with llguidance's message, or when it matches no text at all (its
+        first mask is empty: a regex such as "a[^\\x00-\\U0010FFFF]" that no string satisfies)."""
         matcher = llguidance.LLMatcher(self.tokenizer, check_grammar(params), log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # (a dead start shows only here)
         if matcher.is_error():
-            raise InvalidRequestError(f"structured_output: {matcher.get_error().splitlines()[0]}")
+            error = matcher.get_error().splitlines()[0]
+            if "NoExtension" in error:
+                error = "the constraint matches no text (no token can start it)"
+            raise InvalidRequestError(f"structured_output: {error}")
         return GrammarMatcher(matcher, self.eos_token_ids)
 
     def grammar_bitmask(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:

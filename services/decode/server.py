@@ -41,6 +41,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0)
             while (out := await stream.get()) is not None:
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "",
+                                                error_is_invalid_request=out.error_is_invalid_request,
                                                 num_cached_tokens=req.num_cached_tokens or 0,
                                                 num_draft_tokens=out.num_draft_tokens,
                                                 num_accepted_tokens=out.num_accepted_tokens,

@@ -2,11 +2,13 @@
 defaults (early_stopping=False, length_penalty as given), so a cluster returns the beams HF generate(num_beams=...)
 returns on the same weights.
 
-The gateway drives it one token at a time: each step asks the decode for every running beam's next-token
-logprobs (the top num_candidates of the raw log_softmax, one request per beam: prompt + beam, max_tokens 1), and
-BeamSearch.step picks the next beams. Beams share their common prefix's KV blocks through the decode's prefix
-cache: every full block is computed once and referenced by each beam that extends it; a beam's last, partial
-block is recomputed (at most block_size - 1 tokens per beam and step) rather than copied.
+The gateway drives it one token at a time, as vLLM's beam search does over its engine: each step asks the decode
+for every running beam's next-token logprobs (the top num_candidates of the raw log_softmax, one request per
+beam: prompt + beam, max_tokens 1, in one batch), and BeamSearch.step picks the next beams. Beams share their
+blocks copy-on-write through the decode's prefix cache (the PagedAttention paper's sharing): every full block is
+computed once and referenced by each beam that extends it, and a beam's last, partial block is a copy of its
+parent's (shared/kv_cache_manager.py, hits inside a block), so each beam computes one token per step. The cost
+of this design is a gateway-decode round trip per beam and step (a gRPC call; not measured apart).
 
 HF's rule, per step (batch of one prompt; B beams; K = max(2, 1 + number of EOS ids) * B candidates):
 1. Every running beam's score plus each token's logprob, in fp32; the K best (beam, token) pairs overall.
@@ -97,16 +99,17 @@ def check_beam_params(p: common_pb2.SamplingParams) -> None:
     temperature 0 if set, and no sampling or stopping field beam search does not define (penalties, stop
     strings, logprobs, structured output, ...)."""
     if not 2 <= p.beam_width <= MAX_BEAM_WIDTH:
-        raise InvalidRequestError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {p.beam_width}")
+        raise InvalidRequestError(f"beam_width must be in [2, {MAX_BEAM_WIDTH}] for beam search (0 or 1: none), "
+                                  f"got {p.beam_width}")  # fmt: skip
     if p.HasField("n") and not 1 <= p.n <= p.beam_width:
         raise InvalidRequestError(f"n must be in [1, beam_width = {p.beam_width}] with beam search, got {p.n}")
     if p.HasField("temperature") and p.temperature != 0:
-        raise InvalidRequestError("beam search is deterministic: temperature must be 0 (or unset) with beam_width")
+        raise InvalidRequestError("temperature must be 0 (or unset) with beam search, which is deterministic")
     if p.HasField("length_penalty") and not -MAX_LENGTH_PENALTY <= p.length_penalty <= MAX_LENGTH_PENALTY:
         raise InvalidRequestError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")
     extra = sorted(f.name for f, _ in p.ListFields() if f.name not in BEAM_FIELDS)
-    if extra:
-        raise InvalidRequestError(f"beam search (beam_width > 1) does not combine with {', '.join(extra)}")
+    if extra:  # (the message starts with the field: the HTTP API's error names it as the param)
+        raise InvalidRequestError(f"{', '.join(extra)}: not defined for beam search (beam_width > 1)")
 
 
 async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str,
@@ -116,8 +119,8 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
     (prefill -> decode); each later step sends every running beam to that decode (compute_prompt: its prefix
     cache holds the beams' common blocks). Yields, for each of the n best beams (index i, best first), one
     message with its text and tokens and one with finish_reason (STOP when it ended with EOS, else LENGTH),
-    usage and timings. InvalidRequestError (check_beam_params, GatewayServicer.check_params) on bad input."""
-    check_beam_params(p)
+    usage and timings. InvalidRequestError (GatewayServicer.check_params, which runs check_beam_params) on bad
+    input."""
     max_tokens = servicer.check_params(len(prompt_ids), p).max_tokens
     search = BeamSearch(p.beam_width, servicer.model_config.eos_token_ids, max_tokens,
                         p.length_penalty if p.HasField("length_penalty") else 1.0)  # fmt: skip

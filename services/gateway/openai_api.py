@@ -4,32 +4,32 @@ POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Ea
 the gRPC API's SamplingParams and runs through the same GatewayServicer.generate_n as a gRPC call (one router,
 one tokenizer, one stream relay), so a greedy request gets the same tokens over either API. Field names and
 shapes follow OpenAI's API reference, plus the extensions vLLM's server accepts (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt). Errors come
-in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the HTTP status of the project's error
-type; a client that disconnects mid-stream aborts the request on both tiers.
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt), and the
+completions API's legacy echo and best_of (services/gateway/openai_responses.py). Errors come in OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}, with the HTTP status of the project's error type; a client that
+disconnects, mid-stream or before its JSON answer, aborts the request on both tiers.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import time
 import uuid
+from typing import Awaitable, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.client import finish_name
+from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                              completion_sampling_params, param_named, prompts, sampling_params)
+from services.gateway.openai_responses import ResponseShape, collect, sse
 from services.grpc_errors import status_for
 from shared.errors import InvalidRequestError, TandemError
-from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                              Totals, format_logprobs, format_prompt_logprobs, param_named, prompts,
-                                              sampling_params)
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+T = TypeVar("T")
 
 
 def api_error(error: Exception, instance_id: str) -> APIError:
@@ -103,26 +104,28 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
             content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or ())
             chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=content)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, logprobs)
         prompt_ids = await tokenize(gateway_pb2.GenerateRequest(chat=chat), "messages")
-        return await respond(body, [prompt_ids], params, "chat.completion", request)
+        shape = ResponseShape(chat=True, n=body.n, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+        return await respond(body, [prompt_ids], params, shape, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        for name in ("suffix", "best_of"):
-            if getattr(body, name) not in (None, 1 if name == "best_of" else None):
-                raise APIError(400, f"{name} is not supported", name)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        params = sampling_params(body, body.max_tokens, body.logprobs)
-        prompt_ids = []
+        params = completion_sampling_params(body)
+        prompt_ids, texts = [], []
         for prompt in prompts(body.prompt, servicer.model_config.vocab_size):
             if isinstance(prompt, str):
                 prompt_ids.append(await tokenize(gateway_pb2.GenerateRequest(prompt=prompt), "prompt"))
+                texts.append(prompt)
             else:
                 prompt_ids.append(prompt)
-        return await respond(body, prompt_ids, params, "text_completion", request)
+                texts.append(tokenizer.decode(prompt) if body.echo else "")
+        shape = ResponseShape(chat=False, n=body.n, best_of=(body.best_of or 1) > 1, logprobs=body.logprobs,
+                              prompt_logprobs=body.prompt_logprobs, echo=texts if body.echo else None,
+                              prompts=prompt_ids)  # fmt: skip
+        return await respond(body, prompt_ids, params, shape, request)
 
     async def tokenize(grpc_request: gateway_pb2.GenerateRequest, param: str) -> list[int]:
         try:
@@ -131,11 +134,10 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
             raise APIError(400, str(e), param) from None
 
     async def respond(body: SamplingFields, prompts: list[list[int]], params: common_pb2.SamplingParams,
-                      kind: str, request: Request):
-        """Run every prompt's n completions; answer with one JSON body or an SSE stream of chunks."""
-        chat = kind == "chat.completion"
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        cache_salt = body.cache_salt
+                      shape: ResponseShape, request: Request):
+        """Run every prompt's completions; answer with one JSON body or an SSE stream of chunks."""
+        kind = "chat.completion" if shape.chat else "text_completion"
+        response_id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
         for prompt_ids in prompts:  # (bad parameters fail before anything runs)
             try:
                 servicer.check_params(len(prompt_ids), params)
@@ -143,48 +145,54 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
                 param = param_named(str(e))
                 if param == "structured_output":
                     param = "structured_outputs" if body.structured_outputs else "response_format"
-                raise APIError(400, str(e), "messages" if chat and param == "prompt" else param) from None
-        streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", cache_salt)
+                elif param == "beam_width":  # (use_beam_search's beams are n)
+                    param = "n"
+                raise APIError(400, str(e), "messages" if shape.chat and param == "prompt" else param) from None
+        streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", body.cache_salt)
                    for i, prompt_ids in enumerate(prompts)]  # fmt: skip
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": model_name}
         if body.stream:
             first = await _first_messages(streams, instance_id)  # errors before the first token get a status
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(streams, first, base, params.n, chat, include_usage, tokenizer,
-                                          instance_id), media_type="text/event-stream")  # fmt: skip
-        choices: dict[int, dict] = {}
-        prompt_logprobs: dict[int, list] = {}
-        usage = Totals()
+            return StreamingResponse(sse(streams, first, base, shape, include_usage, tokenizer,
+                                         lambda e: api_error(e, instance_id).body()),
+                                     media_type="text/event-stream")  # fmt: skip
         try:
-            for p, stream in enumerate(streams):
-                async for msg in stream:
-                    index = p * params.n + msg.index
-                    choice = choices.setdefault(index, {"index": index, "text": "", "logprobs": [],
-                                                        "finish_reason": None})  # fmt: skip
-                    choice["text"] += msg.text
-                    choice["logprobs"].extend(msg.logprobs)
-                    if msg.prompt_logprobs:  # (completion 0 of each prompt; every choice of that prompt shows them)
-                        prompt_logprobs[p] = format_prompt_logprobs(msg.prompt_logprobs, tokenizer)
-                    if msg.HasField("finish_reason"):
-                        choice["finish_reason"] = finish_name(msg.finish_reason)
-                        usage.add(msg.usage, msg.index == 0)
+            choices, usage = await unless_disconnected(request, collect(streams, shape, tokenizer))
+        except ClientDisconnected:
+            log.info("%s: the client disconnected; request aborted", response_id)
+            return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
         except Exception as e:
             raise api_error(e, instance_id) from None
-        out = []
-        for index in sorted(choices):
-            c = choices[index]
-            logprobs = format_logprobs(c["logprobs"], chat, tokenizer) if params.HasField("logprobs") else None
-            if chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": c["text"]},
-                            "logprobs": logprobs, "finish_reason": c["finish_reason"]})  # fmt: skip
-            else:
-                out.append({"index": index, "text": c["text"], "logprobs": logprobs,
-                            "finish_reason": c["finish_reason"]})  # fmt: skip
-            if params.HasField("prompt_logprobs"):
-                out[-1]["prompt_logprobs"] = prompt_logprobs.get(index // params.n)
-        return JSONResponse(base | {"choices": out, "usage": usage.as_json()})
+        return JSONResponse(base | {"choices": choices, "usage": usage.as_json()})
 
     return app
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await work, unless the HTTP client disconnects first: then cancel it (a completion's cancelled stream
+    cancels its calls, which aborts the request on both tiers) and raise ClientDisconnected. Once FastAPI has
+    read the body, the ASGI receive channel yields nothing more until uvicorn's http.disconnect, so one task
+    waiting on it sees the client leave at once (Starlette's is_disconnected() would have to be polled)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
 
 
 async def _first_messages(streams, instance_id: str) -> list:
@@ -199,57 +207,6 @@ async def _first_messages(streams, instance_id: str) -> list:
             await stream.aclose()
         raise api_error(e, instance_id) from None
     return first
-
-
-async def _sse(streams, first: list, base: dict, n: int, chat: bool, include_usage: bool, tokenizer,
-               instance_id: str):
-    """Server-sent events: one chunk per message of each completion (chat's first chunk of a completion
-    carries the assistant role), its finish chunk, then with include_usage a last chunk with empty choices and
-    the usage (every other chunk has "usage": null), then [DONE]. An error mid-stream is sent as an error
-    chunk."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    usage = Totals()
-    started: set[int] = set()
-
-    def chunk(choices: list, usage_json=None) -> str:
-        body = base | {"object": kind, "choices": choices}
-        if include_usage:
-            body["usage"] = usage_json
-        return f"data: {json.dumps(body)}\n\n"
-
-    async def messages(p: int):
-        yield first[p]
-        async for msg in streams[p]:
-            yield msg
-
-    try:
-        for p in range(len(streams)):
-            async for msg in messages(p):
-                index = p * n + msg.index
-                finish = finish_name(msg.finish_reason) if msg.HasField("finish_reason") else None
-                logprobs = format_logprobs(msg.logprobs, chat, tokenizer) if msg.logprobs else None
-                if chat:
-                    delta = {"content": msg.text}
-                    if index not in started:
-                        started.add(index)
-                        delta = {"role": "assistant"} | delta
-                    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                else:
-                    choice = {"index": index, "text": msg.text, "logprobs": logprobs, "finish_reason": finish}
-                if msg.prompt_logprobs:
-                    choice["prompt_logprobs"] = format_prompt_logprobs(msg.prompt_logprobs, tokenizer)
-                if finish is not None:
-                    usage.add(msg.usage, msg.index == 0)
-                if msg.text or msg.token_ids or msg.prompt_logprobs or finish is not None:
-                    yield chunk([choice])
-        if include_usage:
-            yield chunk([], usage.as_json())
-    except Exception as e:
-        yield f"data: {json.dumps(api_error(e, instance_id).body())}\n\n"
-    finally:
-        for stream in streams:
-            await stream.aclose()  # a client gone mid-stream: each completion's decode call is cancelled
-    yield "data: [DONE]\n\n"
 
 
 async def serve_http(app: FastAPI, host: str, port: int):

@@ -1,7 +1,7 @@
-"""The OpenAI API's request bodies (pydantic) and their translation to and from the gRPC API's messages:
-SamplingParams from a body, the completions API's prompt forms, usage totals, and OpenAI's logprobs objects.
-Field names and shapes follow OpenAI's API reference plus vLLM's extensions (services/gateway/openai_api.py
-serves them)."""
+"""The OpenAI API's request bodies (pydantic) and their translation to the gRPC API's messages: SamplingParams
+from a body (with the completions API's legacy echo and best_of) and the completions API's prompt forms. Field
+names and shapes follow OpenAI's API reference plus vLLM's extensions (services/gateway/openai_api.py serves
+them; services/gateway/openai_responses.py assembles the answers)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.v1 import common_pb2, gateway_pb2
+from services.gateway.server import MAX_N
+from tandem.v1 import common_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
 
@@ -105,10 +106,21 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """OpenAI's legacy completions body (API reference, "Completions"), with the fields vLLM's server reads."""
+
     prompt: Any  # a string, a list of strings, token ids, or a list of token id lists (prompts())
+    # the sampled token's logprob and this many top alternatives per token, in OpenAI's {tokens, token_logprobs,
+    # top_logprobs, text_offset} object; None: no logprobs
     logprobs: int | None = None
+    # OpenAI: "echo back the prompt in addition to the completion": each choice's text is the prompt's text (token
+    # id prompts decoded) followed by the completion; with logprobs, the logprobs object covers the prompt's
+    # tokens first (the first one with null token_logprob and top_logprobs: nothing precedes it), as vLLM's
     echo: bool = False
+    # OpenAI: text after the insertion point (fill-in-the-middle); refused, as vLLM does: this server only continues
     suffix: str | None = None
+    # OpenAI: "generates best_of completions server-side and returns the best (the one with the highest log
+    # probability per token)"; as vLLM V0, the best by cumulative logprob of the sampled tokens, n of them (n <=
+    # best_of), best first; usage counts all best_of. Not with stream (OpenAI's rule) nor use_beam_search
     best_of: int | None = None
 
 
@@ -155,6 +167,35 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     constraint = structured_output(body)
     if constraint is not None:
         p.structured_output.CopyFrom(constraint)
+    return p
+
+
+def completion_sampling_params(body: CompletionRequest) -> common_pb2.SamplingParams:
+    """sampling_params for the completions API with its legacy fields: best_of > 1 generates best_of
+    completions per prompt (SamplingParams.n), with their sampled tokens' logprobs to rank them (logprobs 0 when
+    the client asked for none; services/gateway/openai_responses.py drops them then); echo with logprobs asks
+    for the prompt's logprobs as well (prompt_logprobs: the larger of logprobs and the client's own). APIError
+    400 naming suffix, best_of or max_tokens where they cannot be served."""
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported: this server continues a prompt and cannot insert text "
+                            "before a suffix (fill-in-the-middle)", "suffix")  # fmt: skip
+    best_of = body.best_of
+    if best_of is not None:
+        if not body.n <= best_of <= MAX_N:
+            raise APIError(400, f"best_of must be in [n = {body.n}, {MAX_N}], got {best_of}", "best_of")
+        if best_of > 1 and body.stream:
+            raise APIError(400, "best_of > 1 cannot be streamed (the best are known only at the end)", "best_of")
+        if best_of > 1 and body.use_beam_search:
+            raise APIError(400, "best_of does not combine with use_beam_search (n sets the beams)", "best_of")
+    if body.echo and body.max_tokens == 0:
+        raise APIError(400, "max_tokens must be positive, got 0: echo with max_tokens 0 (scoring the prompt alone) is "
+                            "not supported; ask for max_tokens 1 with echo and logprobs", "max_tokens")  # fmt: skip
+    ranked = best_of is not None and best_of > 1
+    p = sampling_params(body, body.max_tokens, 0 if ranked and body.logprobs is None else body.logprobs)
+    if ranked:
+        p.n = best_of
+    if body.echo and body.logprobs is not None:  # (values range-checked by sampling_params)
+        p.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
     return p
 
 
@@ -208,56 +249,3 @@ def param_named(message: str) -> str | None:
     """The field an InvalidRequestError's message starts with or names ("min_p must be ...")."""
     word = message.split(" ", 1)[0].strip("(),:")
     return word if word.replace("_", "").isalpha() and word.islower() else None
-
-
-class Totals:
-    """OpenAI usage over a response's completions: each prompt counted once, every completion's tokens."""
-
-    def __init__(self):
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
-
-    def add(self, usage: gateway_pb2.Usage, count_prompt: bool) -> None:
-        self.completion_tokens += usage.completion_tokens
-        if count_prompt:
-            self.prompt_tokens += usage.prompt_tokens
-            self.cached_tokens += usage.cached_tokens
-
-    def as_json(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
-
-
-def format_logprobs(logprobs, chat: bool, tokenizer) -> dict:
-    """TokenLogprobs protos -> OpenAI's logprobs object: chat's {"content": [{token, logprob, bytes,
-    top_logprobs}]}, or the completions API's {tokens, token_logprobs, top_logprobs, text_offset}."""
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    if chat:
-        return {"content": [{"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
-                             "top_logprobs": [{"token": text(t.token_id), "logprob": t.logprob,
-                                               "bytes": list(text(t.token_id).encode())} for t in lp.top]}
-                            for lp in logprobs]}  # fmt: skip
-    tokens = [text(lp.token_id) for lp in logprobs]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
-            "text_offset": offsets}  # fmt: skip
-
-
-def format_prompt_logprobs(prompt_logprobs, tokenizer) -> list:
-    """GenerateResponse.prompt_logprobs -> vLLM's prompt_logprobs: None for the first prompt token, then per token
-    {token id: {logprob, rank, decoded_token}} holding the prompt token and the top alternatives."""
-    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
-
-    out: list = [None]
-    for lp in prompt_logprobs:
-        ranked = {str(t.token_id): entry(t.token_id, t.logprob, r) for r, t in enumerate(lp.top, 1)}
-        out.append({str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)} | {
-            k: v for k, v in ranked.items() if k != str(lp.token_id)})
-    return out

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from services.channels import ChannelPool
 from services.convert import sampling_params_from_proto
 from services.flags import HelpFormatter, add_gateway_args
-from services.gateway.beam_search import run_beam_search
+from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router, SharedPrompt
 from services.grpc_errors import upstream_error
@@ -90,6 +90,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
         """Validate a request's prompt length and sampling parameters; return the parameters the tiers get
         (max_tokens defaulted and clamped to the context). InvalidRequestError naming the field on bad input."""
+        if p.beam_width > 1:
+            check_beam_params(p)
+        elif not 1 <= (n := p.n if p.HasField("n") else 1) <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
         max_len = self.model_config.max_model_len
         if num_prompt_tokens >= max_len:
             raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")
@@ -125,8 +129,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield msg
             return
         n = p.n if p.HasField("n") else 1
-        if not 1 <= n <= MAX_N:
-            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
         # (fail before anything starts; off the event loop: a huge grammar takes seconds to check)
         await asyncio.to_thread(self.check_params, len(prompt_ids), p)
         request_id = request_id or uuid.uuid4().hex
@@ -260,7 +262,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if reply is grpc.aio.EOF:
             raise UpstreamError("INTERNAL", f"decode {decode.instance_id} ended the stream without a finish reason")
         if reply.error:
-            raise UpstreamError("INTERNAL", f"decode {decode.instance_id}: {reply.error}")
+            status = "INVALID_ARGUMENT" if reply.error_is_invalid_request else "INTERNAL"
+            raise UpstreamError(status, f"decode {decode.instance_id}: {reply.error}")
         return reply
 
     async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams,

@@ -58,7 +58,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     for msg in kv_to_messages(req.request_id, out.kv, self.engine.model_config):
                         outbox.put_nowait(msg)
                 if out.finish_reason == FinishReason.ABORT:
-                    raise RequestFailedError(f"prefill failed: {out.error or 'aborted'}")
+                    error = InvalidRequestError if out.error_is_invalid_request else RequestFailedError
+                    raise error(f"prefill failed: {out.error or 'aborted'}")
                 if out.new_token_ids:
                     first_token_id = out.new_token_ids[0]
                     first_logprobs = out.logprobs[0] if out.logprobs else None

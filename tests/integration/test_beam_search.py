@@ -107,6 +107,18 @@ def test_openai_use_beam_search_returns_the_same_beams(cluster):
     assert one.choices[0].message.content == greedy.choices[0].message.content
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 9}, "n"), ({"n": 2, "temperature": 0.5}, "temperature"), ({"n": 2, "stop": ["x"]}, "stop"),
+    ({"n": 2, "logprobs": 1}, "logprobs"), ({"n": 2, "presence_penalty": 1.0}, "presence_penalty"),
+])  # fmt: skip
+def test_bad_http_beam_searches_name_their_field(cluster, fields, param):
+    import httpx2 as httpx
+
+    body = {"prompt": "Hello", "max_tokens": 4, "use_beam_search": True} | fields
+    reply = httpx.post(cluster.openai_base_url + "/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.json()
+
+
 def test_a_deadline_ends_a_beam_search_with_deadline_exceeded(cluster):
     with Client(cluster.gateway_address) as client, pytest.raises(grpc.RpcError) as e:
         list(client.stream("Once upon a time", max_tokens=200, beam_width=4, deadline_ms=1500, timeout=120))

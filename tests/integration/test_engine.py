@@ -155,3 +155,51 @@ def test_priority_goes_first_and_a_reservation_preempts_lower_priority(model_con
     for n in names + ["capital"]:
         assert outs[n] == hf_references[n][1], n
     assert engine.num_free_blocks == 12
+
+
+def test_a_reservation_waits_for_lower_priority_blocks_still_waiting_for_kv(model_config, hf_references):
+    """Priority inversion on a decode: the pool is held by a low-priority request still waiting for its KV (not
+    preemptible yet). A high-priority reserve() waits instead of failing (NoCapacityError room_soon; AsyncEngine
+    parks it), and gets its blocks as soon as the low one decodes (it is preempted, recomputed later and still
+    equals HF); an equal-priority reserve() fails at once, so the gateway can try another decode."""
+    import asyncio
+
+    from shared.async_engine import AsyncEngine
+    from shared.errors import NoCapacityError
+
+    ids, expected = hf_references["raw_story"]
+    engine = LLMEngine(model_config, CacheConfig(block_size=8, num_blocks=3), SchedulerConfig(64, 8))
+    prefill = LLMEngine(model_config, CacheConfig(8, 64), SchedulerConfig(256, 8), export_kv=True)
+    prefill.add_request(Request("low", ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    kv, first = [], None
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            kv += [o.kv] if o.kv is not None else []
+            first = o.new_token_ids[0] if o.new_token_ids else first
+    assert engine.kv_cache_manager.num_blocks_for(len(ids)) == 2, "each prompt was meant to need most of the pool"
+
+    async def scenario():
+        async_engine = AsyncEngine(engine, asyncio.get_running_loop())
+        try:
+            low_stream = await async_engine.reserve(Request("low", ids, greedy(8), priority=5))
+            with pytest.raises(NoCapacityError) as refused:
+                await async_engine.reserve(Request("equal", ids, greedy(8), priority=5))
+            assert not refused.value.room_soon
+            high = asyncio.create_task(async_engine.reserve(Request("high", ids, greedy(8), priority=0, cache_salt="no prefix hit")))
+            await asyncio.sleep(1.0)
+            assert not high.done(), "the high-priority reservation should wait for the low one's blocks"
+            for blocks in kv:
+                await async_engine.import_kv("low", blocks)
+            await async_engine.finish_kv_import("low", first)  # decoding now: preemptible
+            await asyncio.wait_for(high, 30)
+            assert engine.requests["low"].status == RequestStatus.WAITING  # preempted, recomputed later
+            async_engine.abort("high")
+            low = [first]
+            while (out := await asyncio.wait_for(low_stream.get(), 120)) is not None:
+                low += out.new_token_ids
+            return low
+        finally:
+            async_engine.stop()
+
+    assert asyncio.run(scenario()) == expected[:8]
+    assert engine.num_free_blocks == 3

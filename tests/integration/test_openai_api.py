@@ -1,7 +1,9 @@
 """The gateway's OpenAI-compatible HTTP API, driven by the official `openai` client against a running cluster:
 answers equal the gRPC API's for the same greedy request (and HF's tokens), streaming semantics, n, logprobs,
-errors in OpenAI's shape, and a client that disconnects mid-stream frees the request on both tiers."""
+the completions API's echo and best_of, errors in OpenAI's shape, and a client that disconnects (mid-stream or
+before a JSON answer) frees the request on both tiers."""
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx  # (the HTTP client the openai package is built on)
 import openai
@@ -196,3 +198,134 @@ def test_disconnect_mid_stream_frees_the_request_on_both_tiers(cluster, client):
     assert load(decode).num_running == 0
     loads = wait_all_blocks_free(cluster)
     assert all(l.num_free_blocks == l.num_blocks for l in loads.values())
+
+
+def test_echo_puts_the_prompt_first(cluster, client, tokenizer):
+    expected = grpc_greedy(cluster, STORY, raw=True, max_tokens=8)
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=8, temperature=0, echo=True)
+    assert r.choices[0].text == STORY + expected.text and r.usage.completion_tokens == 8
+    ids = tokenizer(STORY, add_special_tokens=False).input_ids
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.choices[0].text == tokenizer.decode(ids) + expected.text
+    # streamed (vLLM's way): each choice's first chunk starts with the prompt
+    chunks = list(client.completions.create(model=MODEL, prompt=STORY, max_tokens=8, temperature=0, echo=True, n=2,
+                                            stream=True))  # fmt: skip
+    for index in (0, 1):
+        texts = [c.choices[0].text for c in chunks if c.choices[0].index == index]
+        assert texts[0].startswith(STORY) and "".join(texts) == STORY + expected.text
+
+
+def test_echo_with_logprobs_covers_the_prompt(cluster, client, tokenizer):
+    ids = tokenizer(STORY, add_special_tokens=False).input_ids
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=6, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids] and "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # the prompt's entries are the prompt logprobs the gRPC API gives, the completion's those of a plain request
+    req = make_request(STORY, raw=True, max_tokens=1, temperature=0.0)
+    req.sampling_params.prompt_logprobs = 2
+    reference = generate(cluster.gateway_address, req, timeout=300).prompt_logprobs
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([x.logprob for x in reference], abs=1e-5)
+    for top, x in zip(lp.top_logprobs[1 : len(ids)], reference):
+        assert list(top) == [tokenizer.decode([t.token_id]) for t in x.top]
+        assert list(top.values()) == pytest.approx([t.logprob for t in x.top], abs=1e-5)
+    plain = client.completions.create(model=MODEL, prompt=STORY, max_tokens=6, temperature=0, logprobs=2)
+    assert lp.tokens[len(ids) :] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    # streamed: the same entries, the prompt's in the first chunk, text_offset going on across chunks
+    chunks = list(client.completions.create(model=MODEL, prompt=STORY, max_tokens=6, temperature=0, echo=True,
+                                            logprobs=2, stream=True))  # fmt: skip
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert len(streamed[0].tokens) == len(ids) + 1 and streamed[0].token_logprobs[0] is None
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+BEST_OF_SEED = 5  # (its best of 4 is completion 2)
+
+
+def test_best_of_returns_the_most_likely_candidates(cluster, client):
+    """best_of k with a seed generates the k completions n=k with that seed generates (completion i > 0 seeded
+    with seed_for(seed, i)); the answer is the best of them by cumulative logprob, which is not completion 0
+    here, so a server ignoring best_of fails."""
+    common = {"model": MODEL, "prompt": STORY, "max_tokens": 12, "temperature": 1.0, "seed": BEST_OF_SEED}
+    everything = client.completions.create(**common, n=4, logprobs=0)
+    candidates = everything.choices
+    scores = [sum(c.logprobs.token_logprobs) for c in candidates]
+    order = sorted(range(4), key=lambda i: -scores[i])
+    assert order[0] != 0 and len({c.text for c in candidates}) == 4
+    best = client.completions.create(**common, best_of=4)
+    assert [(c.index, c.text) for c in best.choices] == [(0, candidates[order[0]].text)]
+    assert best.choices[0].logprobs is None  # (used to rank, not asked for)
+    assert best.usage.completion_tokens == everything.usage.completion_tokens  # all four are billed
+    assert best.usage.prompt_tokens == everything.usage.prompt_tokens
+    two = client.completions.create(**common, best_of=4, n=2, logprobs=1)
+    assert [(c.index, c.text) for c in two.choices] == [(i, candidates[j].text) for i, j in enumerate(order[:2])]
+    assert [sum(c.logprobs.token_logprobs) for c in two.choices] == pytest.approx([scores[j] for j in order[:2]])
+    assert all(len(top) == 1 for c in two.choices for top in c.logprobs.top_logprobs)
+    # greedy: every candidate is the greedy answer
+    greedy = client.completions.create(model=MODEL, prompt=STORY, max_tokens=8, temperature=0, best_of=3)
+    assert greedy.choices[0].text == grpc_greedy(cluster, STORY, raw=True, max_tokens=8).text
+    assert greedy.usage.completion_tokens == 24
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"best_of": 2, "n": 3}, "best_of", "n = 3"),
+    ({"best_of": 17}, "best_of", "16"),
+    ({"best_of": 2, "stream": True}, "best_of", "stream"),
+    ({"best_of": 2, "n": 2, "use_beam_search": True, "temperature": 0}, "best_of", "use_beam_search"),
+    ({"suffix": " and they lived happily ever after."}, "suffix", "insert"),
+    ({"echo": True, "max_tokens": 0}, "max_tokens", "max_tokens"),
+])  # fmt: skip
+def test_completions_legacy_fields_refused(cluster, client, body, param, words):
+    r = httpx.post(cluster.openai_base_url + "/completions", json={"model": MODEL, "prompt": STORY} | body,
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=STORY, max_tokens=body.get("max_tokens", 4),
+                                  extra_body={k: v for k, v in body.items() if k != "max_tokens"})  # fmt: skip
+
+
+def _busy(cluster) -> bool:
+    """Whether any engine instance works on something: a request running, or prefix-cache lookups (new
+    requests: beam search's steps) within 0.3 s."""
+    before = {name: load(addr) for name, addr in cluster.addresses.items()}
+    time.sleep(0.3)
+    after = {name: load(addr) for name, addr in cluster.addresses.items()}
+    return any(after[n].num_running or after[n].prefix_cache_queries != before[n].prefix_cache_queries
+               for n in after)  # fmt: skip
+
+
+def _idle_within(cluster, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _busy(cluster):
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/completions", {"prompt": STORY, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": CAPITAL}], "max_tokens": 3000, "temperature": 0,
+                           "ignore_eos": True}),
+    # (length_penalty 10 favours ever longer beams: the search runs to max_tokens)
+    ("/completions", {"prompt": STORY, "max_tokens": 3000, "use_beam_search": True, "n": 2, "length_penalty": 10}),
+], ids=["completions", "chat", "beam_search"])  # fmt: skip
+def test_disconnect_before_the_answer_frees_the_request_on_both_tiers(cluster, client, path, body):
+    assert _idle_within(cluster, 30)
+    with ThreadPoolExecutor(1) as pool:  # (the client gives up after 2 s without an answer and closes the socket)
+        answer = pool.submit(httpx.post, cluster.openai_base_url + path, json={"model": MODEL} | body,
+                             timeout=httpx.Timeout(60, read=2.0))  # fmt: skip
+        time.sleep(1.0)
+        assert _busy(cluster)
+        with pytest.raises(httpx.ReadTimeout):
+            answer.result()
+    assert _idle_within(cluster, 10)  # (unaborted, it would run for minutes)
+    loads = wait_all_blocks_free(cluster, timeout_s=10)
+    assert all(l.num_free_blocks == l.num_blocks for l in loads.values())
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4

@@ -184,6 +184,7 @@ def test_speculative_decoding_keeps_constrained_outputs(model_config, tokenizer,
     (common_pb2.StructuredOutput(json_schema='{"type": "foo"}'), "structured_output"),
     (common_pb2.StructuredOutput(regex="[0-9"), "structured_output"),
     (common_pb2.StructuredOutput(grammar="start: undefined_rule"), "structured_output"),
+    (common_pb2.StructuredOutput(regex="a[^\\x00-\\U0010FFFF]"), "structured_output: the constraint matches no text"),
     (common_pb2.StructuredOutput(choice=common_pb2.StructuredOutput.Choices()), "structured_output.choice"),
     (common_pb2.StructuredOutput(choice=common_pb2.StructuredOutput.Choices(choices=["a", ""])),
      "structured_output.choice"),
@@ -247,7 +248,7 @@ def test_openai_response_format_and_structured_outputs(cluster, references):
 
 def test_a_grammar_past_llguidance_limits_fails_alone(model_config, tokenizer, references):
     """A choice of 2,500 strings compiles but breaks llguidance's row limit once decoding: that request ends
-    ABORT with the error, and the request batched with it still equals HF."""
+    ABORT with the error (marked as the request's fault), and the request batched with it still equals HF."""
     engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(256, 16))
     ids, expected = references["person"]
     engine.add_request(Request("plain", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
@@ -259,7 +260,8 @@ def test_a_grammar_past_llguidance_limits_fails_alone(model_config, tokenizer, r
         for o in engine.step():
             outs[o.request_id] += o.new_token_ids
             if o.finished:
-                errors[o.request_id] = o.error
-    assert outs["plain"] == expected and errors["plain"] is None
-    assert errors["huge"] and "structured_output" in errors["huge"]
+                errors[o.request_id] = (o.error, o.error_is_invalid_request)
+    assert outs["plain"] == expected and errors["plain"] == (None, False)
+    assert errors["huge"][0] and "structured_output" in errors["huge"][0]
+    assert errors["huge"][1]  # the request's fault: INVALID_ARGUMENT to the client, not INTERNAL
     assert engine.num_free_blocks == 256

@@ -7,8 +7,8 @@ import pytest
 
 from shared.async_engine import AsyncEngine
 from shared.engine import EngineStats, RequestOutput
-from shared.errors import InvalidRequestError, UnknownRequestError
-from shared.request import FinishReason
+from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
+from shared.request import FinishReason, StructuredOutputParams
 from tests.unit.factories import make_request
 
 
@@ -17,6 +17,12 @@ class FakeEngine:
 
     def __init__(self):
         self.calls, self.requests, self.last_step_num_tokens = [], {}, 0
+        self.structured_output_manager = self  # (matcher below)
+
+    def matcher(self, constraint):
+        import threading
+
+        return ("grammar compiled on", threading.current_thread().name)
 
     def has_unfinished_requests(self):
         return False
@@ -26,6 +32,8 @@ class FakeEngine:
 
     def add_request(self, request):
         self.calls.append(("add_request", request.request_id))
+        if request.grammar is not None:
+            self.calls.append(request.grammar)
 
     def import_kv(self, request_id, kv):
         raise UnknownRequestError(f"unknown request {request_id!r}")
@@ -87,3 +95,102 @@ async def reused_id_scenario():
 
 def test_outputs_of_an_aborted_request_never_reach_a_new_request_with_its_id():
     asyncio.run(reused_id_scenario())
+
+
+async def grammar_scenario():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake, asyncio.get_running_loop())
+    try:
+        await engine.add_request(make_request("g", structured_output=StructuredOutputParams(regex="[0-9]+")))
+        _, (what, thread) = fake.calls
+        assert what == "grammar compiled on" and thread not in ("engine", "MainThread")
+    finally:
+        engine.stop()
+
+
+def test_a_grammar_is_compiled_off_the_engine_thread_before_admission():
+    asyncio.run(grammar_scenario())
+
+
+class FullEngine(FakeEngine):
+    """reserve() finds no room until `room` is set; room_soon as given."""
+
+    def __init__(self, room_soon):
+        super().__init__()
+        self.room, self.room_soon = False, room_soon
+
+    def reserve(self, request):
+        if not self.room:
+            raise NoCapacityError("no room", room_soon=self.room_soon)
+        super().reserve(request)
+
+
+async def parking_scenario():
+    fake = FullEngine(room_soon=True)
+    engine = AsyncEngine(fake, asyncio.get_running_loop())
+    try:
+        requests = [make_request(name) for name in ("late", "first", "gone")]
+        for request, priority in zip(requests, (3, 1, 0)):
+            request.priority = priority
+        waiting = [asyncio.create_task(engine.reserve(r)) for r in requests]
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in waiting)  # parked, not failed
+        waiting[2].cancel()  # its caller gives up: the parked reservation goes with it
+        await asyncio.sleep(0.3)
+        fake.room = True
+        await asyncio.wait_for(asyncio.gather(*waiting[:2]), 5)
+        assert [c for c in fake.calls if c[0] == "reserve"] == [("reserve", "first"), ("reserve", "late")]
+        fake.room, fake.room_soon = False, False
+        with pytest.raises(NoCapacityError):  # no room coming: refused at once
+            await asyncio.wait_for(engine.reserve(make_request("refused")), 5)
+    finally:
+        engine.stop()
+
+
+def test_a_reservation_that_will_fit_soon_waits_best_priority_first():
+    asyncio.run(parking_scenario())
+
+
+class SteppingEngine(FakeEngine):
+    """Steps while it holds requests; each step records which requests it ran and takes about 20 ms."""
+
+    def __init__(self):
+        super().__init__()
+        self.running, self.steps = set(), []
+
+    def add_request(self, request):
+        self.running.add(request.request_id)
+
+    def abort_request(self, request_id):
+        self.running.discard(request_id)
+        return True
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        import time
+
+        self.steps.append(set(self.running))
+        time.sleep(0.02)
+        return []
+
+
+async def abort_scenario():
+    fake = SteppingEngine()
+    engine = AsyncEngine(fake, asyncio.get_running_loop())
+    try:
+        await engine.add_request(make_request("long"))
+        await asyncio.sleep(0.2)
+        steps_before = len(fake.steps)
+        engine.abort("long")  # (what a cancelled gRPC call or an expired deadline does on a tier)
+        await engine.stats()  # a command queued behind the abort: answered once the abort has run
+        after = fake.steps[steps_before:]
+        # at most the step already running when abort() was called still held the request
+        assert sum("long" in s for s in after) <= 1 and steps_before > 0
+    finally:
+        engine.stop()
+
+
+def test_an_abort_frees_the_request_before_the_next_step():
+    asyncio.run(abort_scenario())

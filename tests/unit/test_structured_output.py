@@ -66,6 +66,11 @@ def test_bad_constraints_raise_invalid_request(manager):
                    StructuredOutputParams(grammar="start: nothing_here")):  # fmt: skip
         with pytest.raises(InvalidRequestError, match="structured_output"):
             manager.matcher(params)
+    # a constraint no text satisfies is refused up front (not answered as an empty STOP)
+    for regex in ("a[^\\x00-\\U0010FFFF]b", "[^\\x00-\\U0010FFFF]"):
+        with pytest.raises(InvalidRequestError, match="matches no text"):
+            manager.matcher(StructuredOutputParams(regex=regex))
+    assert manager.matcher(StructuredOutputParams(regex="")).matcher.is_accepting()  # (the empty text is one)
     for kwargs in ({}, {"regex": "a", "choice": ("b",)}, {"json": "[1]"}, {"json": "{"}, {"choice": ()}):
         with pytest.raises(InvalidRequestError, match="structured_output"):
             StructuredOutputParams(**kwargs)
