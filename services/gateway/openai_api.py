@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 import uuid
-from typing import Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -152,13 +152,14 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
                    for i, prompt_ids in enumerate(prompts)]  # fmt: skip
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": model_name}
         if body.stream:
-            first = await _first_messages(streams, instance_id)  # errors before the first token get a status
+            messages = merge(streams)
+            first = await _first_messages(messages, len(streams), instance_id)  # errors before any token: a status
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(streams, first, base, shape, include_usage, tokenizer,
+            return StreamingResponse(sse(messages, first, base, shape, include_usage, tokenizer,
                                          lambda e: api_error(e, instance_id).body()),
                                      media_type="text/event-stream")  # fmt: skip
         try:
-            choices, usage = await unless_disconnected(request, collect(streams, shape, tokenizer))
+            choices, usage = await unless_disconnected(request, collect(merge(streams), shape, tokenizer))
         except ClientDisconnected:
             log.info("%s: the client disconnected; request aborted", response_id)
             return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
@@ -195,16 +196,48 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _first_messages(streams, instance_id: str) -> list:
-    """The first message of each stream, so that an error before any token (bad input, no instance) is
-    answered with its HTTP status instead of inside a 200 stream."""
-    first = []
+async def merge(streams) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+    """Every stream's messages as (its index in streams, message) in arrival order, the streams running at once
+    (a request's prompts are served concurrently, like the n completions of one prompt). The first error is
+    raised; closing the merge cancels every stream, and so their calls on both tiers."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, stream) -> None:
+        try:
+            async for msg in stream:
+                arrivals.put_nowait((p, msg))
+        except Exception as e:
+            arrivals.put_nowait((p, e))
+        arrivals.put_nowait((p, None))
+
+    tasks = [asyncio.create_task(pump(p, stream)) for p, stream in enumerate(streams)]
     try:
-        for stream in streams:
-            first.append(await anext(stream))
+        running = len(tasks)
+        while running:
+            p, msg = await arrivals.get()
+            if isinstance(msg, Exception):
+                raise msg
+            if msg is None:
+                running -= 1
+            else:
+                yield p, msg
+    finally:
+        for task in tasks:
+            task.cancel()  # (a stream cancelled mid-call cancels its calls)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first_messages(messages, num_streams: int, instance_id: str) -> list:
+    """The messages of merge() up to the first of every stream, so that an error before any token (bad input,
+    no instance) is answered with its HTTP status instead of inside a 200 stream."""
+    first, started = [], set()
+    try:
+        while len(started) < num_streams:
+            p, msg = await anext(messages)
+            first.append((p, msg))
+            started.add(p)
     except Exception as e:
-        for stream in streams:
-            await stream.aclose()
+        await messages.aclose()
         raise api_error(e, instance_id) from None
     return first
 

@@ -123,29 +123,28 @@ def _completion_choice(shape: ResponseShape, p: int, text: str, logprobs: list, 
 
 
 # -- one JSON body -------------------------------------------------------------------------------------------
-async def collect(streams, shape: ResponseShape, tokenizer) -> tuple[list[dict], Totals]:
-    """Run each prompt's stream (generate_n's messages) to the end and assemble the choices: prompt p's
-    completions as choices p * n + i, or with best_of the n of highest cumulative logprob, best first (ties in
-    generation order). Returns (choices, usage over every completion generated)."""
-    generated: list[dict[int, Completion]] = [{} for _ in streams]
+async def collect(messages, shape: ResponseShape, tokenizer) -> tuple[list[dict], Totals]:
+    """Read the prompts' merged streams (openai_api.merge: (prompt p, generate_n's message)) to the end and
+    assemble the choices: prompt p's completions as choices p * n + i, or with best_of the n of highest
+    cumulative logprob, best first (ties in generation order). Returns (choices, usage over every completion
+    generated)."""
+    generated: dict[int, dict[int, Completion]] = {}
     prompt_logprobs: dict[int, list] = {}  # (from completion 0 of each prompt; every choice of it shows them)
     usage = Totals()
     try:
-        for p, stream in enumerate(streams):
-            async for msg in stream:
-                c = generated[p].setdefault(msg.index, Completion())
-                c.text += msg.text
-                c.logprobs.extend(msg.logprobs)
-                if msg.prompt_logprobs:
-                    prompt_logprobs[p] = list(msg.prompt_logprobs)
-                if msg.HasField("finish_reason"):
-                    c.finish_reason = finish_name(msg.finish_reason)
-                    usage.add(msg.usage, msg.index == 0)
+        async for p, msg in messages:
+            c = generated.setdefault(p, {}).setdefault(msg.index, Completion())
+            c.text += msg.text
+            c.logprobs.extend(msg.logprobs)
+            if msg.prompt_logprobs:
+                prompt_logprobs[p] = list(msg.prompt_logprobs)
+            if msg.HasField("finish_reason"):
+                c.finish_reason = finish_name(msg.finish_reason)
+                usage.add(msg.usage, msg.index == 0)
     finally:
-        for stream in streams:
-            await stream.aclose()  # (cancelled: each completion's calls are cancelled on both tiers)
+        await messages.aclose()  # (cancelled: each completion's calls are cancelled on both tiers)
     choices = []
-    for p, completions in enumerate(generated):
+    for p, completions in sorted(generated.items()):
         ranked = [completions[i] for i in sorted(completions)]
         if shape.best_of:
             ranked.sort(key=lambda c: -c.cumulative_logprob)
@@ -167,12 +166,13 @@ async def collect(streams, shape: ResponseShape, tokenizer) -> tuple[list[dict],
 
 
 # -- server-sent events --------------------------------------------------------------------------------------
-async def sse(streams, first: list, base: dict, shape: ResponseShape, include_usage: bool, tokenizer, on_error):
+async def sse(messages, first: list, base: dict, shape: ResponseShape, include_usage: bool, tokenizer, on_error):
     """Server-sent events: one chunk per message of each completion (chat's first chunk of a completion
     carries the assistant role; with echo, a completion's first chunk starts with the prompt, as vLLM's), its
     finish chunk, then with include_usage a last chunk with empty choices and the usage (every other chunk has
-    "usage": null), then [DONE]. text_offset goes on from the text sent before. first: each stream's first
-    message, already read. An error mid-stream is sent as an error chunk, on_error(exception)'s body."""
+    "usage": null), then [DONE]. text_offset goes on from the text sent before. messages: the prompts' merged
+    streams (openai_api.merge: (prompt p, message)); first: the ones already read from it. An error mid-stream is
+    sent as an error chunk, on_error(exception)'s body."""
     kind = "chat.completion.chunk" if shape.chat else "text_completion"
     usage = Totals()
     sent: dict[int, int] = {}  # choice index -> characters of text sent (its next text_offset)
@@ -184,43 +184,42 @@ async def sse(streams, first: list, base: dict, shape: ResponseShape, include_us
             body["usage"] = usage_json
         return f"data: {json.dumps(body)}\n\n"
 
-    async def messages(p: int):
-        yield first[p]
-        async for msg in streams[p]:
-            yield msg
+    async def every_message():
+        for item in first:
+            yield item
+        async for item in messages:
+            yield item
 
     try:
-        for p in range(len(streams)):
-            async for msg in messages(p):
-                index = p * shape.n + msg.index
-                opening = index not in sent
-                finish = finish_name(msg.finish_reason) if msg.HasField("finish_reason") else None
-                if msg.prompt_logprobs:
-                    # NOTE: completion 0's first message, which generate_n sends before any other completion's
-                    prompt_logprobs[p] = list(msg.prompt_logprobs)
-                choice: dict = {"index": index}
-                if shape.chat:
-                    delta = {"role": "assistant", "content": msg.text} if opening else {"content": msg.text}
-                    wanted = shape.logprobs is not None and msg.logprobs
-                    choice |= {"delta": delta, "logprobs": chat_logprobs(msg.logprobs, tokenizer) if wanted else None}
-                else:
-                    echo = shape.echo is not None and opening
-                    choice |= _completion_choice(shape, p, msg.text, list(msg.logprobs), prompt_logprobs.get(p, []),
-                                                 echo, sent.get(index, 0), tokenizer, whole=False)  # fmt: skip
-                choice["finish_reason"] = finish
-                sent[index] = sent.get(index, 0) + len(choice.get("text", msg.text))
-                if msg.prompt_logprobs and shape.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = format_prompt_logprobs(msg.prompt_logprobs, tokenizer,
-                                                                       shape.prompt_logprobs)  # fmt: skip
-                if finish is not None:
-                    usage.add(msg.usage, msg.index == 0)
-                if msg.text or msg.token_ids or choice.get("text") or "prompt_logprobs" in choice or finish:
-                    yield chunk([choice])
+        async for p, msg in every_message():
+            index = p * shape.n + msg.index
+            opening = index not in sent
+            finish = finish_name(msg.finish_reason) if msg.HasField("finish_reason") else None
+            if msg.prompt_logprobs:
+                # NOTE: completion 0's first message, which generate_n sends before any other completion's
+                prompt_logprobs[p] = list(msg.prompt_logprobs)
+            choice: dict = {"index": index}
+            if shape.chat:
+                delta = {"role": "assistant", "content": msg.text} if opening else {"content": msg.text}
+                wanted = shape.logprobs is not None and msg.logprobs
+                choice |= {"delta": delta, "logprobs": chat_logprobs(msg.logprobs, tokenizer) if wanted else None}
+            else:
+                echo = shape.echo is not None and opening
+                choice |= _completion_choice(shape, p, msg.text, list(msg.logprobs), prompt_logprobs.get(p, []),
+                                             echo, sent.get(index, 0), tokenizer, whole=False)  # fmt: skip
+            choice["finish_reason"] = finish
+            sent[index] = sent.get(index, 0) + len(choice.get("text", msg.text))
+            if msg.prompt_logprobs and shape.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = format_prompt_logprobs(msg.prompt_logprobs, tokenizer,
+                                                                   shape.prompt_logprobs)  # fmt: skip
+            if finish is not None:
+                usage.add(msg.usage, msg.index == 0)
+            if msg.text or msg.token_ids or choice.get("text") or "prompt_logprobs" in choice or finish:
+                yield chunk([choice])
         if include_usage:
             yield chunk([], usage.as_json())
     except Exception as e:
         yield f"data: {json.dumps(on_error(e))}\n\n"
     finally:
-        for stream in streams:
-            await stream.aclose()  # a client gone mid-stream: each completion's decode call is cancelled
+        await messages.aclose()  # a client gone mid-stream: each completion's decode call is cancelled
     yield "data: [DONE]\n\n"

@@ -82,6 +82,12 @@ def test_completions_equal_grpc_streaming_or_not(cluster, client, tokenizer):
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == expected.text
     assert batch.choices[1].text == grpc_greedy(cluster, CAPITAL, raw=True, max_tokens=20).text
+    # a batch of prompts runs at once: prompt 1's chunks start before prompt 0's last (one after the other, never)
+    chunks = list(client.completions.create(model=MODEL, prompt=[STORY, CAPITAL], max_tokens=40, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    order = [c.choices[0].index for c in chunks]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0), order
+    assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == 0).startswith(expected.text)
 
 
 def test_sampling_parameters_reach_the_engine(cluster, client):
