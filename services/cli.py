@@ -16,7 +16,8 @@ import time
 
 import grpc
 
-from services.flags import HelpFormatter, add_engine_args, engine_argv, port_number, positive_int
+from services.flags import (HelpFormatter, add_engine_args, add_observability_args, engine_argv, port_number,
+                           positive_int)
 from shared import envs
 from shared.config import EngineArgs
 
@@ -142,18 +143,22 @@ def cmd_up(args) -> int:
     engine_args = EngineArgs.from_namespace(args)
     model = engine_args.model or str(prepare_model())
     engine_args = dataclasses.replace(engine_args, model=None)  # LocalCluster gives --model to every process
-    engine_flags = engine_argv(engine_args)
+    observability = ["--log-format", args.log_format] + (
+        ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else [])
+    engine_flags = engine_argv(engine_args) + observability
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
     cluster = LocalCluster(model=model, gateway_port=port or free_port(), http_port=http_port or free_port(),
                            num_prefill=args.prefill,
                            num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
-                           gateway_args=engine_argv(engine_args, groups=("model",)), log_dir=args.log_dir)  # fmt: skip
+                           gateway_args=engine_argv(engine_args, groups=("model",)) + observability,
+                           log_dir=args.log_dir)  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
     try:
         cluster.start()
         print(f"gateway listening on {cluster.gateway_address}; OpenAI-compatible API at {cluster.openai_base_url}",
               flush=True)  # fmt: skip
+        print("metrics: " + ", ".join(f"{name} {url}" for name, url in cluster.metrics_urls.items()), flush=True)
         if args.prompt is not None:
             print(f"> {args.prompt}", file=sys.stderr)
             out = _stream_to_terminal(cluster.gateway_address, _request(args, args.prompt))
@@ -201,6 +206,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="the prefills' --max-num-batched-tokens (default: theirs, 512)")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
+    add_observability_args(p)  # (passed to every process)
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")
     add_sampling_args(p)
     p.set_defaults(func=cmd_up)

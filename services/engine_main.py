@@ -11,7 +11,10 @@ from typing import Callable
 
 from services.convert import stats_to_proto
 from services.flags import HelpFormatter, add_engine_service_args
+from services.logs import setup_logging
+from services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
 from services.server import Server, new_instance_id
+from services.tracing import setup_tracing
 from shared.async_engine import AsyncEngine, build_engine
 from shared.config import EngineArgs
 from shared.prefix_index import KVEventPublisher
@@ -31,9 +34,10 @@ class InstanceServicer(common_pb2_grpc.InstanceServicer):
         return stats_to_proto(await self.engine.stats())
 
 
-def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine], None],
+def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine, EngineMetrics], None],
                 export_kv: bool = False, argv=None) -> None:
-    """Parse the engine flags, load the engine, add_servicer(server, async_engine), serve until SIGTERM/SIGINT.
+    """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics), serve (gRPC, and
+    Prometheus metrics on --metrics-port) until SIGTERM/SIGINT.
 
     Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
     find would look healthy and never get a request."""
@@ -43,9 +47,11 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     args = parser.parse_args(argv)
     if not args.redis_url and not args.standalone:
         parser.error("no registry: pass --redis-url (or set REDIS_URL), or --standalone to serve unregistered")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tier} %(levelname)s %(message)s")
+    instance_id = new_instance_id(tier)
+    setup_logging(tier, instance_id, args.log_format)
+    setup_tracing(tier, instance_id, args.otlp_traces_endpoint)
     try:
-        asyncio.run(_serve(args, tier, add_servicer, export_kv))
+        asyncio.run(_serve(args, tier, instance_id, add_servicer, export_kv))
     except (ValueError, OSError) as e:  # a model or setting that cannot be served: one line, no traceback
         sys.exit(f"error: {e}")
 
@@ -69,7 +75,14 @@ async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
                      s.spec_num_accepted_tokens, s.spec_num_draft_tokens, s.spec_mean_acceptance_length)  # fmt: skip
 
 
-async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
+async def _refresh_metrics(engine: AsyncEngine, metrics: EngineMetrics) -> None:
+    """Keep the metrics' EngineStats snapshot at most STATS_REFRESH_S old (a scrape never waits on the engine)."""
+    while True:
+        metrics.stats.stats = await engine.stats()
+        await asyncio.sleep(STATS_REFRESH_S)
+
+
+async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> None:
     import torch
 
     from shared.model_files import default_model_dir
@@ -82,10 +95,11 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
     engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
     model_config, scheduler_config = engine.model_config, engine.scheduler.config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
-    async_engine = AsyncEngine(engine, asyncio.get_running_loop())
-    instance_id = new_instance_id(tier)
+    metrics = EngineMetrics(tier, model_config.name)
+    async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
     server = Server(tier, instance_id, args.host, args.port)
-    add_servicer(server, async_engine)
+    metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
+    add_servicer(server, async_engine, metrics)
     common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
     incarnation = uuid.uuid4().hex[:12]  # this start of the instance: the prefix index trusts only its entries
     contract = engine.hash_contract if publish_index else None
@@ -111,9 +125,11 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
         publisher = KVEventPublisher(args.redis_url, instance_id, incarnation, contract, async_engine.kv_snapshot)
         publishing = asyncio.create_task(publisher.run(async_engine.kv_events))
     stats_log = asyncio.create_task(_log_stats(async_engine))
+    stats_refresh = asyncio.create_task(_refresh_metrics(async_engine, metrics))
 
     async def leave_registry() -> None:
         stats_log.cancel()
+        stats_refresh.cancel()
         if publishing:
             publishing.cancel()
             try:
@@ -132,8 +148,8 @@ async def _serve(args, tier: str, add_servicer, export_kv: bool) -> None:
           f"tokens ({cache_config.kv_dtype}), {scheduler_config.max_num_batched_tokens} tokens and "
           f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} torch threads, "
           f"{engine_args.resolved_kernel_threads(tier)} kernel threads, {engine_args.device}, "
-          f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}",
-          flush=True)  # fmt: skip
+          f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}; "
+          f"metrics on {metrics_url(args.advertise_host, metrics_port)}", flush=True)  # fmt: skip
     try:
         await server.serve_until_signal(on_stop=leave_registry)
     finally:

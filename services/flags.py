@@ -9,6 +9,7 @@ import argparse
 import socket
 from dataclasses import fields
 
+from services.logs import LOG_FORMATS
 from shared import envs
 from shared.config import TIER_DEFAULTS, EngineArgs
 from shared.request import SamplingParams
@@ -22,6 +23,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return action.help
         return super()._get_help_string(action)
 
+
+DEFAULT_METRICS_PORT = 9090  # engine services' Prometheus endpoint (the gateway's is on its --http-port)
 
 def positive_int(value: str) -> int:
     number = int(value)
@@ -112,22 +115,38 @@ def add_registry_args(parser: argparse.ArgumentParser, required_unless: str = ""
                         help=f"Redis holding the instance registry ($REDIS_URL); required{required_unless}")
 
 
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    """Logs and traces of a service (services/logs.py, services/tracing.py)."""
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=envs.TANDEM_LOG_FORMAT,
+                        help="text, or json: one object per line with tier, instance and request ids "
+                             "($TANDEM_LOG_FORMAT)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=envs.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+                        or envs.OTEL_EXPORTER_OTLP_ENDPOINT,
+                        help="send OpenTelemetry traces over OTLP/gRPC to this URL, e.g. http://127.0.0.1:4317 "
+                             "($OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT); none: no "
+                             "tracing")  # fmt: skip
+
+
 def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
     """Every flag of an engine service (tier "prefill" or "decode")."""
     add_engine_args(parser, tier=tier)
     add_listen_args(parser, default_port=0)
     add_registry_args(parser, required_unless=" unless --standalone")
+    add_observability_args(parser)
     parser.add_argument("--advertise-host", default=envs.TANDEM_ADVERTISE_HOST or _own_address(),
                         help="host or IP other services use to reach this one ($TANDEM_ADVERTISE_HOST, else this "
                              "host's IP)")  # fmt: skip
     parser.add_argument("--standalone", action="store_true",
                         help="serve without a registry (nothing can route to this instance but direct calls)")
+    parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)")
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, groups=("model",))
     add_listen_args(parser, default_port=50051)
     add_registry_args(parser)
+    add_observability_args(parser)
     parser.add_argument("--default-max-tokens", type=int, default=SamplingParams.max_tokens,
                         help="max_tokens of a request that does not set it")
     parser.add_argument("--http-port", type=int, default=8000,

@@ -68,6 +68,7 @@ class LocalCluster:
         self.processes: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}  # how each child was started, for restart()
         self.addresses: dict[str, str] = {}
+        self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus endpoint
 
     @property
     def gateway_address(self) -> str:
@@ -93,10 +94,13 @@ class LocalCluster:
         common = ["--redis-url", self.redis_url] + (["--model", self.model] if self.model else [])
         for tier, count, extra in (("decode", self.num_decode, self.decode_args), ("prefill", self.num_prefill, self.prefill_args)):
             for i in range(count):
-                port = free_port()
+                port, metrics_port = free_port(), free_port()
                 self.addresses[f"{tier}{i}"] = f"127.0.0.1:{port}"
+                self.metrics_urls[f"{tier}{i}"] = f"http://127.0.0.1:{metrics_port}/metrics"
                 self._spawn(f"{tier}{i}", [sys.executable, "-m", f"services.{tier}", "--port", str(port),
-                                           "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", *common, *extra])  # fmt: skip
+                                           "--metrics-port", str(metrics_port), "--host", "127.0.0.1",
+                                           "--advertise-host", "127.0.0.1", *common, *extra])  # fmt: skip
+        self.metrics_urls["gateway"] = f"http://127.0.0.1:{self.http_port}/metrics"
         self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--port", str(self.gateway_port),
                                 "--http-port", str(self.http_port), "--host", "127.0.0.1", *common,
                                 *self.gateway_args])  # fmt: skip

@@ -1,5 +1,6 @@
-"""The gRPC server every service runs: the error interceptor, raised message limits, the standard health
-service, and a graceful stop on SIGTERM/SIGINT (health NOT_SERVING first, then in-flight calls get a grace)."""
+"""The gRPC server every service runs: the request-context interceptor (request id for logs, trace spans:
+services/grpc_tracing.py) and the error interceptor, raised message limits, the standard health service, and a
+graceful stop on SIGTERM/SIGINT (health NOT_SERVING first, then in-flight calls get a grace)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.grpc_errors import ErrorInterceptor
+from services.grpc_tracing import RequestContextInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
@@ -33,7 +35,8 @@ class Server:
 
     def __init__(self, tier: str, instance_id: str, host: str, port: int):
         self.tier, self.instance_id = tier, instance_id
-        self.grpc = grpc.aio.server(interceptors=[ErrorInterceptor(tier, instance_id)], options=GRPC_OPTIONS)
+        interceptors = [RequestContextInterceptor(), ErrorInterceptor(tier, instance_id)]  # (outermost first)
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         self.port = self.grpc.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")

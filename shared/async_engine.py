@@ -17,10 +17,11 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from shared.block_hash import BlockHash
 from shared.config import CacheConfig, EngineArgs, ModelConfig
-from shared.engine import EngineStats, KVBlocks, LLMEngine, RequestOutput
+from shared.engine import EngineStats, KVBlocks, LLMEngine, RequestOutput, StepStats
 from shared.errors import InvalidRequestError, NoCapacityError
 from shared.kv_events import KVEventBatch
 from shared.request import FinishReason, Request
@@ -73,9 +74,13 @@ Command = AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetSta
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+                 on_step: Callable[[StepStats], None] | None = None):
+        """on_step: called on the engine thread with each step's StepStats (metrics; must be quick and
+        thread-safe)."""
         self._engine = engine
         self._loop = loop
+        self._on_step = on_step
         self._commands: queue.SimpleQueue[tuple[Command, asyncio.Future | None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (admission serial, queue)
         self._serials = itertools.count()
@@ -210,6 +215,11 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self._abort_all("engine step failed")
             self._publish(outputs)
+            if self._on_step is not None and self._engine.last_step_stats is not None:
+                try:
+                    self._on_step(self._engine.last_step_stats)
+                except Exception:  # (metrics must never stop the engine)
+                    log.exception("on_step failed")
             self._retry_parked()
             self._publish_kv_events()
 

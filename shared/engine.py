@@ -62,6 +62,17 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class StepStats:
+    """What one step did, for metrics: its wall time, the requests and tokens in its batch (drafts included),
+    and the queue time of each request it scheduled for the first time (seconds since admission)."""
+
+    duration_s: float
+    num_requests: int
+    num_tokens: int
+    queue_times_s: list[float]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of an engine's load, as the registry publishes it and the router reads it."""
@@ -83,6 +94,10 @@ class EngineStats:
     spec_num_drafts: int = 0  # since start: verified steps with draft tokens, the drafts, and of those accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_waiting_for_kv: int = 0  # decode: reserved, prompt KV still arriving (counted in num_waiting too)
+    num_preemptions: int = 0  # since start
+    num_prompt_tokens: int = 0  # since start: prompt tokens computed here (cache hits, imported KV excluded)
+    num_generation_tokens: int = 0  # since start: tokens sampled here
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -123,6 +138,8 @@ class LLMEngine:
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self._num_exported_blocks: dict[str, int] = {}  # prefill tier: leading blocks of a request already sent
         self.num_blocks_exported = self.num_blocks_imported = 0
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.last_step_stats: StepStats | None = None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
         self.requests: dict[str, Request] = {}
@@ -156,6 +173,7 @@ class LLMEngine:
             )
         request.eos_token_ids = self.model_config.eos_token_ids
         request.max_model_len = max_len
+        request.arrival_time = time.monotonic()
         if request.sampling_params.structured_output is not None and request.grammar is None:
             # (AsyncEngine compiles it before it gets here, on another thread)
             request.grammar = self.structured_output_manager.matcher(request.sampling_params.structured_output)
@@ -222,6 +240,7 @@ class LLMEngine:
         if request.grammar is not None and not request.grammar.num_valid([first_token_id]):
             raise InvalidRequestError(f"first token id {first_token_id} violates the request's structured_output")
         request.num_computed_tokens = request.num_prompt_tokens
+        request.arrival_time = time.monotonic()  # (its queue time: from joining the batch, not from the reserve)
         self.kv_cache_manager.cache_full_blocks(request)
         reason = request.append_output_token(first_token_id)
         if reason is not None:
@@ -266,19 +285,28 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+        """One step: schedule -> execute_model -> update_from_output; its StepStats go to last_step_stats."""
+        start, start_wall = time.perf_counter(), time.monotonic()
+        self.last_step_stats = None
         if self.drafter is not None:
             self.drafter.propose_drafts(self.scheduler.running, self.model_config.max_model_len)
         scheduler_output = self.scheduler.schedule()
+        queue_times = []
+        for request in scheduler_output.scheduled_requests:
+            if request.queue_time_s is None:
+                request.queue_time_s = start_wall - request.arrival_time
+                queue_times.append(request.queue_time_s)
         if self.drafter is not None:
             self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
         scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
         outputs = self.update_from_output(scheduler_output, model_output, kv_blocks)
+        duration = time.perf_counter() - start
         if self.drafter is not None:
-            self.drafter.observe_step(scheduler_output, sum(len(o.new_token_ids) for o in outputs),
-                                      time.perf_counter() - start)
+            self.drafter.observe_step(scheduler_output, sum(len(o.new_token_ids) for o in outputs), duration)
+        self.last_step_stats = StepStats(duration, len(scheduler_output.scheduled_requests),
+                                         scheduler_output.total_num_scheduled_tokens, queue_times)  # fmt: skip
         return outputs
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
@@ -291,7 +319,10 @@ class LLMEngine:
         outputs = []
         for request in scheduler_output.scheduled_requests:
             request_id = request.request_id
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request_id]
+            num_scheduled = scheduler_output.num_scheduled_tokens[request_id]
+            self.num_prompt_tokens += max(0, min(request.num_computed_tokens + num_scheduled, request.num_prompt_tokens)
+                                          - request.num_computed_tokens)  # fmt: skip
+            request.num_computed_tokens += num_scheduled
             out = RequestOutput(request_id, [], kv=kv_blocks.get(request_id))
             if request_id in model_output.non_finite_request_ids:  # (its KV is not published)
                 self._finish(request, FinishReason.ABORT, out, error="the model produced non-finite logits")
@@ -314,6 +345,7 @@ class LLMEngine:
                 self._finish(request, FinishReason.ABORT, out, error=f"structured_output failed: {e}".split("\n")[0])
                 outputs.append(out)
                 continue
+            self.num_generation_tokens += len(out.new_token_ids)
             if request_id in model_output.logprobs:
                 out.logprobs = model_output.logprobs[request_id][: len(out.new_token_ids)]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
@@ -397,4 +429,8 @@ class LLMEngine:
             spec_num_drafts=d.num_drafts if d else 0,
             spec_num_draft_tokens=d.num_draft_tokens if d else 0,
             spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
+            num_waiting_for_kv=sum(r.status == RequestStatus.WAITING_FOR_KV for r in self.requests.values()),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
         )

@@ -35,6 +35,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                         "kernels/cpu_ext.py)"),
     "TANDEM_TRITON_ON_CPU": (lambda: os.environ.get("TANDEM_TRITON_ON_CPU") == "1",
                              "1: CPU tensors go through the Triton kernels (with TRITON_INTERPRET=1)"),
+    "TANDEM_LOG_FORMAT": (lambda: os.environ.get("TANDEM_LOG_FORMAT") or "text",
+                          "log lines of every service: text, or json (one object per line)"),
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": (_str("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+                                           "OTLP/gRPC endpoint services send traces to; unset (and no "
+                                           "OTEL_EXPORTER_OTLP_ENDPOINT): no tracing"),
+    "OTEL_EXPORTER_OTLP_ENDPOINT": (_str("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                                    "OTLP/gRPC endpoint for traces when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is unset"),
 }
 
 

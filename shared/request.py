@@ -153,6 +153,8 @@ class Request:
     num_accepted_tokens: int = 0
     spec_window: int | None = None  # its draft length now, with adaptive speculation (None: not started)
     num_draft_computed_tokens: int = 0  # tokens with KV in a draft model's own pool (a prefix of the sequence)
+    arrival_time: float = 0.0  # time.monotonic() when the engine admitted it (decode: when its KV was complete)
+    queue_time_s: float | None = None  # seconds from admission to its first step (None: not scheduled yet)
 
     @property
     def num_prompt_tokens(self) -> int:

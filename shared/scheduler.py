@@ -59,6 +59,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start
 
     def add_request(self, request: Request) -> None:
         """Queue a request; it starts at num_computed_tokens (0, or the prompt length if its KV was imported)."""
@@ -160,6 +161,7 @@ class Scheduler:
         return out.num_scheduled_tokens.pop(request.request_id)
 
     def _preempt(self, request: Request, out: SchedulerOutput | None) -> None:
+        self.num_preemptions += 1
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         request.num_computed_tokens = request.num_draft_computed_tokens = 0

@@ -10,6 +10,8 @@ from services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_params
 from services.engine_main import engine_main
 from services.grpc_errors import status_for
 from services.kv_wire import kv_from_message
+from services.metrics import EngineMetrics
+from services.tracing import annotate
 from shared.async_engine import AsyncEngine
 from shared.errors import InvalidRequestError
 from shared.request import Request
@@ -19,9 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncEngine, instance_id: str):
+    def __init__(self, engine: AsyncEngine, instance_id: str, metrics: EngineMetrics | None = None):
         self.engine = engine
         self.instance_id = instance_id
+        self.metrics = metrics
 
     async def Generate(self, request, context):
         if not request.request_id:
@@ -63,12 +66,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async for msg in request_iterator:
                 request_id = msg.request_id
                 if msg.num_blocks:
+                    if self.metrics is not None:
+                        self.metrics.observe_kv_message("any", msg.ByteSize())
                     kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config)
                     await self.engine.import_kv(msg.request_id, kv)
                     if msg.layer_end == num_layers:
                         num_blocks += msg.num_blocks
                 if msg.HasField("first_token_id"):
                     await self.engine.finish_kv_import(msg.request_id, msg.first_token_id)
+                    annotate(blocks_received=num_blocks)
                     return decode_pb2.TransferKVResponse(num_blocks_received=num_blocks)
             raise InvalidRequestError("KV stream ended without the first token")
         except BaseException as e:
@@ -82,5 +88,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 def main(argv=None) -> None:
     engine_main("decode", "Decode tier: continuous batching over paged KV", argv=argv,
-                add_servicer=lambda server, engine: decode_pb2_grpc.add_DecodeServicer_to_server(
-                    DecodeServicer(engine, server.instance_id), server.grpc))  # fmt: skip
+                add_servicer=lambda server, engine, metrics: decode_pb2_grpc.add_DecodeServicer_to_server(
+                    DecodeServicer(engine, server.instance_id, metrics), server.grpc))  # fmt: skip

@@ -23,6 +23,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
@@ -82,6 +83,10 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
     @app.get("/health")
     async def health():
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():  # (services/gateway/metrics.py)
+        return Response(generate_latest(servicer.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -251,7 +256,8 @@ async def serve_http(app: FastAPI, host: str, port: int):
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            log_config=None)  # (its lines go through the gateway's own log format: services/logs.py)
     server = uvicorn.Server(config)
     server.capture_signals = _no_signals  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))

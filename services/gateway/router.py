@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from services.tracing import traced
 from shared.block_hash import BlockHash, HashContract, hash_request_blocks
 from shared.errors import NoInstanceError
 from shared.prefix_index import IndexUnavailableError, PrefixIndex
@@ -54,9 +55,17 @@ class Route:
     prefill_cached_tokens: int = 0  # per the index
     decode_cached_tokens: int = 0
     explanation: list[str] = field(default_factory=list)  # each candidate's score, then the winners
+    reason: str = "cache_aware"  # the rule that chose: cache_aware, round_robin, decode_local, pinned
 
     def explain(self) -> str:
         return "; ".join(self.explanation)
+
+
+def route_attributes(route: Route) -> dict:
+    """What the trace's route span records (services/tracing.py)."""
+    return dict(decode_instance_id=route.decode.instance_id, decode_cached_tokens=route.decode_cached_tokens,
+                prefill_instance_id=route.prefill.instance_id if route.prefill else None,
+                prefill_cached_tokens=route.prefill_cached_tokens, route_reason=route.reason)
 
 
 class Router:
@@ -80,6 +89,7 @@ class Router:
             raise NoInstanceError(f"no live {tier} instance is registered for model {self.model_id}")
         return found
 
+    @traced("route", result_attributes=route_attributes)
     async def route(self, prompt_ids: list[int], max_total_tokens: int, cache_salt: str | None = None,
                     skip: set[str] = frozenset(), local: bool = True) -> Route:
         """Pick a decode (with room for max_total_tokens when one has it) and a prefill (or none) for a prompt;
@@ -89,7 +99,8 @@ class Router:
         prefills = await self.instances("prefill", skip)
         roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens] or decodes
         if self.policy == "round-robin":
-            return Route(self._turn("decode", roomy), self._turn("prefill", prefills), explanation=["round-robin"])
+            return Route(self._turn("decode", roomy), self._turn("prefill", prefills), explanation=["round-robin"],
+                         reason="round_robin")  # fmt: skip
         bs = self.contract.block_size
         hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt)
         cached, hinted = await self._cached_tokens(hashes, prefills + roomy)
@@ -110,7 +121,7 @@ class Router:
         if local and n - cached[decode.instance_id] <= self.local_prefill_tokens:
             explanation.append(f"-> decode {decode.instance_id} computes the {n - cached[decode.instance_id]} "
                                f"uncached tokens itself (<= {self.local_prefill_tokens})")
-            return Route(decode, None, 0, cached[decode.instance_id], explanation)
+            return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
         explanation += [f"prefill {p.instance_id}: {p.num_queued_tokens} queued + {n - cached[p.instance_id]} "
                         f"to compute{routed(p)} -> {prefill_cost(p)}" for p in prefills]  # fmt: skip
         prefill = self._turn("prefill", _best(prefills, prefill_cost, min))

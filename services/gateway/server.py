@@ -21,8 +21,11 @@ from services.flags import HelpFormatter, add_gateway_args
 from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router, SharedPrompt
-from services.grpc_errors import upstream_error
+from services.gateway.metrics import GatewayMetrics
+from services.grpc_errors import status_for, upstream_error
+from services.logs import setup_logging
 from services.server import Server, new_instance_id
+from services.tracing import bind_request, in_span, observe_generate, setup_tracing, start_span, traced, traced_stream
 from shared.config import EngineArgs, ModelConfig
 from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
 from shared.registry import InstanceInfo
@@ -51,6 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.router = router
         self.default_max_tokens = default_max_tokens
         self.channels = ChannelPool()
+        self.metrics = GatewayMetrics(model_config.name)  # (served at /metrics on the HTTP port)
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
@@ -117,6 +121,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                          cache_salt: str | None = None, time_remaining=lambda: None,
                          t0: float | None = None, priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """_generate_n, with a request that fails counted by status code (tandem:request_errors_total)."""
+        try:
+            async for msg in self._generate_n(prompt_ids, p, request_id, cache_salt, time_remaining, t0, priority):
+                yield msg
+        except asyncio.CancelledError:
+            self.metrics.observe_error("CANCELLED")
+            raise
+        except Exception as e:
+            self.metrics.observe_error(status_for(e, "gateway", "")[0].name)
+            raise
+
+    async def _generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
+                          cache_salt: str | None = None, time_remaining=lambda: None,
+                          t0: float | None = None, priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """p.n completions of one prompt (default 1), as one stream of generate()'s messages with their index
         set; each completion ends with its own finish message, and the stream ends when all have. Completion 0
         places the prompt; the others wait until its decode holds the prompt's KV and then go to that decode,
@@ -169,6 +187,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 task.cancel()  # (each one's generate() cancels its decode call)
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    @traced_stream("generate", observe=observe_generate)
     async def generate(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                        cache_salt: str | None = None, time_remaining=lambda: None, t0: float | None = None,
                        shared: SharedPrompt | None = None, index: int = 0,
@@ -184,6 +203,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         proto_params = self.check_params(len(prompt_ids), p)
         text = TextStream(self.tokenizer, tuple(p.stop), p.include_stop_str_in_output)
         request_id = request_id or uuid.uuid4().hex
+        bind_request(request_id, prompt_tokens=len(prompt_ids), max_tokens=proto_params.max_tokens)
         pinned = None
         if shared is not None and index:
             await shared.ready.wait()
@@ -197,13 +217,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 shared.ready.set()  # (the others place themselves)
             raise
         decode = route.decode
+        decoding = start_span("decoding", decode_instance_id=decode.instance_id)  # (ended below)
         if shared is not None and not index:
             shared.decode = decode
             if prefill_reply is None:  # the decode computed the prompt: its blocks are cached now
                 shared.ready.set()
         num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
         num_draft_tokens = num_accepted_tokens = 0
-        ttft_ms = (time.perf_counter() - t0) * 1000
+        last_sent = time.perf_counter()
+        ttft_ms = (last_sent - t0) * 1000
         finish_reason = None
         prompt_logprobs = prefill_reply.prompt_logprobs if prefill_reply else ()  # (sent with the first message)
         try:
@@ -217,6 +239,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 new_ids = text.token_ids[num_before:]  # (none past a stop string)
                 num_draft_tokens += reply.num_draft_tokens
                 num_accepted_tokens += min(reply.num_accepted_tokens, len(new_ids))  # (those sent)
+                if new_ids and len(text.token_ids) > len(new_ids):  # (the first token's latency is the TTFT)
+                    now = time.perf_counter()
+                    self.metrics.observe_tokens(len(new_ids), now - last_sent)
+                    last_sent = now
                 if new_ids or prompt_logprobs:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, text=delta, token_ids=new_ids,
                                                        logprobs=reply.logprobs[: len(new_ids)],
@@ -234,9 +260,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         finally:
             decode_call.cancel()  # no-op when finished; otherwise aborts on the decode and frees its blocks
+            decoding.end()
             if shared is not None:
                 shared.ready.set()
         e2e_ms = (time.perf_counter() - t0) * 1000
+        self.metrics.observe_finished(common_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower(),
+                                      len(prompt_ids), num_cached_tokens, len(text.token_ids), ttft_ms / 1000,
+                                      e2e_ms / 1000)  # fmt: skip
         where = (f"prefill {prefill_reply.prefill_ms:.0f} ms on {route.prefill.instance_id}, "
                  f"{prefill_reply.num_blocks_sent} KV blocks sent" if prefill_reply else "prompt computed on the decode")
         log.info("request %s: %d prompt (%d cached) + %d completion tokens, %s, TTFT %.0f ms (%s), E2E %.0f ms "
@@ -266,6 +296,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise UpstreamError(status, f"decode {decode.instance_id}: {reply.error}")
         return reply
 
+    @traced("place")
     async def _start(self, request_id: str, prompt_ids: list[int], params: common_pb2.SamplingParams,
                      cache_salt: str | None, time_remaining, pinned: InstanceInfo | None = None, priority: int = 0):
         """Route, reserve on the decode, then prefill on the prefill naming that decode (only the blocks the
@@ -283,7 +314,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise DeadlineError("the request's deadline passed before it was placed")
             try:
                 if pinned is not None and attempt == 1:
-                    route = Route(pinned, None, explanation=[f"decode {pinned.instance_id}: holds this prompt"])
+                    route = Route(pinned, None, explanation=[f"decode {pinned.instance_id}: holds this prompt"],
+                                  reason="pinned")  # fmt: skip
                 else:
                     route = await self.router.route(prompt_ids, len(prompt_ids) + params.max_tokens, cache_salt,
                                                     skipped, local=not params.HasField("prompt_logprobs"))
@@ -292,6 +324,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise last_error from None
                 raise
             log.info("request %s routed: %s", request_id, route.explain())
+            self.metrics.observe_route(route)
             decode, prefill = route.decode, route.prefill
             decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
                 decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
@@ -300,7 +333,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )  # fmt: skip
             failed, doing = decode, "reserving KV blocks"
             try:
-                reply = await decode_call.read()
+                reply = await in_span("reserve", decode_call.read(), decode_instance_id=decode.instance_id)
                 if reply is grpc.aio.EOF or not reply.reserved:
                     raise UpstreamError("INTERNAL", f"decode {decode.instance_id} did not reserve the request")
                 if prefill is None:
@@ -350,7 +383,7 @@ def deadline_clock(time_remaining, deadline_ms: int | None):
     return remaining
 
 
-async def serve(args) -> None:
+async def serve(args, instance_id: str) -> None:
     import torch
     from transformers import AutoTokenizer
 
@@ -367,7 +400,7 @@ async def serve(args) -> None:
     index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
                     args.local_prefill_tokens)
-    server = Server("gateway", new_instance_id("gateway"), args.host, args.port)
+    server = Server("gateway", instance_id, args.host, args.port)
     servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
@@ -382,7 +415,8 @@ async def serve(args) -> None:
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
     print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
     if http is not None:
-        print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1", flush=True)
+        print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1; metrics on "
+              f"http://{args.host}:{http_port}/metrics", flush=True)  # fmt: skip
     try:
         await server.serve_until_signal()
     finally:
@@ -408,5 +442,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not args.redis_url:
         parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    instance_id = new_instance_id("gateway")
+    setup_logging("gateway", instance_id, args.log_format)
+    setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
+    asyncio.run(serve(args, instance_id))

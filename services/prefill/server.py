@@ -14,6 +14,8 @@ from services.convert import logprobs_to_proto, sampling_params_from_proto
 from services.engine_main import engine_main
 from services.grpc_errors import upstream_error
 from services.kv_wire import kv_to_messages
+from services.metrics import EngineMetrics
+from services.tracing import annotate, bind_request, end_when_done, start_span, traced, use_span
 from shared.async_engine import AsyncEngine
 from shared.errors import InvalidRequestError, RequestFailedError
 from shared.request import FinishReason, Request
@@ -23,11 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics | None = None):
+        self.engine, self.metrics = engine, metrics
         self.channels = ChannelPool()
         self._transfers: set[asyncio.Task] = set()
 
+    @traced("prefill")
     async def Prefill(self, request, context):
         start = time.perf_counter()
         if not request.request_id or not request.decode_address:
@@ -46,17 +49,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         req.kv_skip_blocks = request.num_skip_blocks
         outbox: asyncio.Queue = asyncio.Queue()
         stream = await self.engine.add_request(req)
-        transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(_drain(outbox))
+        kv_span = start_span("kv_transfer", decode_instance_id=decode_id)  # (its call carries it to the decode)
+        with use_span(kv_span):
+            transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(
+                _drain(outbox))  # fmt: skip
         transfer = asyncio.ensure_future(transfer_call)
+        end_when_done(kv_span, transfer)
         first_token_id = first_logprobs = None
         prompt_logprobs = []
-        num_blocks_sent = 0
+        num_blocks_sent = num_bytes_sent = 0
         try:
             while (out := await stream.get()) is not None:
                 if out.kv is not None:
                     num_blocks_sent += out.kv.data.shape[2]
+                    num_bytes_sent += out.kv.data.nbytes
                     for msg in kv_to_messages(req.request_id, out.kv, self.engine.model_config):
                         outbox.put_nowait(msg)
+                        if self.metrics is not None:
+                            self.metrics.observe_kv_message(decode_id, msg.ByteSize())
                 if out.finish_reason == FinishReason.ABORT:
                     error = InvalidRequestError if out.error_is_invalid_request else RequestFailedError
                     raise error(f"prefill failed: {out.error or 'aborted'}")
@@ -66,6 +76,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     prompt_logprobs = out.prompt_logprobs or []
             outbox.put_nowait(decode_pb2.KVBlocksMessage(request_id=req.request_id, first_token_id=first_token_id))
             outbox.put_nowait(None)
+            annotate(kv_span, blocks_sent=num_blocks_sent, bytes_sent=num_bytes_sent)
         except BaseException:
             transfer_call.cancel()  # the decode side sees the broken stream and frees its reservation
             self.engine.abort(req.request_id)
@@ -77,7 +88,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise upstream_error(e, "decode", decode_id, "receiving KV")
             raise e
         self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
-        transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id, num_blocks_sent))
+        transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id, num_blocks_sent,
+                                                                    start))  # fmt: skip
+        bind_request(req.request_id, prompt_tokens=len(req.prompt_token_ids), cached_tokens=req.num_cached_tokens or 0)
         prefill_ms = (time.perf_counter() - start) * 1000
         return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
                                            num_cached_tokens=req.num_cached_tokens or 0,
@@ -85,10 +98,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
                                            prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
 
-    def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int) -> None:
+    def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int,
+                       start: float) -> None:
         self._transfers.discard(task)
         if task.cancelled():
             return
+        if self.metrics is not None and task.exception() is None:
+            self.metrics.kv_transfer_duration.labels(**self.metrics.labels, peer=decode_id).observe(
+                time.perf_counter() - start)
         if task.exception() is not None:
             log.warning("request %s: KV transfer to decode %s failed: %s", request_id, decode_id, task.exception())
         elif task.result().num_blocks_received != num_blocks_sent:
@@ -103,5 +120,5 @@ async def _drain(outbox: asyncio.Queue):
 
 def main(argv=None) -> None:
     engine_main("prefill", "Prefill tier: chunked prefill + KV shipping", export_kv=True, argv=argv,
-                add_servicer=lambda server, engine: prefill_pb2_grpc.add_PrefillServicer_to_server(
-                    PrefillServicer(engine), server.grpc))  # fmt: skip
+                add_servicer=lambda server, engine, metrics: prefill_pb2_grpc.add_PrefillServicer_to_server(
+                    PrefillServicer(engine, metrics), server.grpc))  # fmt: skip

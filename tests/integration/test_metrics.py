@@ -1,0 +1,91 @@
+"""Every service's Prometheus endpoint, scraped around real traffic on a running cluster: the counters move by
+exactly what the clients saw (tokens, requests, finish reasons, errors), histograms count every request, the
+prefill's KV bytes sent equal the decode's received, and the gauges settle back to idle."""
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.client import Client
+from tests.integration.helpers import wait_all_blocks_free
+
+LONG = "Explain, step by step and with examples, how a bicycle's gears let a rider climb a steep hill. " * 4
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels without model_name/tier): value} of one endpoint."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "tier")))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    """The sum of a sample over every label set that has these labels."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    return total(after, name, **labels) - total(before, name, **labels)
+
+
+def scrape_all(cluster) -> dict[str, dict]:
+    return {name: scrape(url) for name, url in cluster.metrics_urls.items()}
+
+
+def test_metrics_follow_the_traffic(cluster):
+    assert set(cluster.metrics_urls) == {"gateway", "prefill0", "decode0"}
+    before = scrape_all(cluster)
+    received, requests = 0, 4
+    with Client(cluster.gateway_address) as client:
+        for i in range(requests):  # long prompts: the prefill computes them and ships their KV
+            out = client.generate(f"{i}. {LONG}", max_tokens=12, temperature=0.0, ignore_eos=True, timeout=300)
+            received += len(out.token_ids)
+        with pytest.raises(grpc.RpcError):
+            client.generate("Hello", max_tokens=4, top_p=5.0, timeout=60)
+    assert received == 12 * requests
+    wait_all_blocks_free(cluster)
+
+    def settled() -> dict:  # (the engines' counters are refreshed every second; the KV transfer ends in the background)
+        deadline = time.monotonic() + 15
+        while True:
+            now = scrape_all(cluster)
+            engines = sum(delta(now[n], before[n], "tandem:generation_tokens_total") for n in ("prefill0", "decode0"))
+            sent = delta(now["prefill0"], before["prefill0"], "tandem:kv_transfer_bytes_total")
+            got = delta(now["decode0"], before["decode0"], "tandem:kv_transfer_bytes_total")
+            if (engines == received and sent == got) or time.monotonic() > deadline:
+                return now
+            time.sleep(0.5)
+
+    after = settled()
+    gw, gw0 = after["gateway"], before["gateway"]
+    assert delta(gw, gw0, "tandem:generation_tokens_total") == received
+    assert delta(gw, gw0, "tandem:request_success_total", finished_reason="length") == requests
+    assert delta(gw, gw0, "tandem:request_errors_total", code="INVALID_ARGUMENT") == 1
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_time_per_output_token_seconds", "request_generation_tokens"):  # fmt: skip
+        assert delta(gw, gw0, f"tandem:{histogram}_count") == requests, histogram
+    assert delta(gw, gw0, "tandem:inter_token_latency_seconds_count") == received - requests  # (after each first)
+    assert delta(gw, gw0, "tandem:request_generation_tokens_sum") == received
+    assert delta(gw, gw0, "tandem:router_decisions_total", target_tier="prefill") == requests
+    assert delta(gw, gw0, "tandem:router_decisions_total", target_tier="decode") == requests
+    prefill, decode = after["prefill0"], after["decode0"]
+    # every token the client got was sampled by the prefill (the first) or the decode (the rest)
+    assert delta(prefill, before["prefill0"], "tandem:generation_tokens_total") == requests
+    assert delta(decode, before["decode0"], "tandem:generation_tokens_total") == received - requests
+    assert delta(prefill, before["prefill0"], "tandem:prompt_tokens_total") > 0
+    assert delta(prefill, before["prefill0"], "tandem:request_queue_time_seconds_count") == requests
+    assert delta(prefill, before["prefill0"], "tandem:iteration_tokens_total_count") > 0
+    sent = delta(prefill, before["prefill0"], "tandem:kv_transfer_bytes_total")
+    assert sent > 0 and sent == delta(decode, before["decode0"], "tandem:kv_transfer_bytes_total")
+    assert delta(prefill, before["prefill0"], "tandem:kv_transfer_duration_seconds_count") == requests
+    assert delta(decode, before["decode0"], "tandem:engine_step_duration_seconds_count") >= 11  # (11 decode steps)
+    for engine in (prefill, decode):
+        assert total(engine, "tandem:num_requests_running") == 0 and total(engine, "tandem:num_requests_waiting") == 0
+        assert total(engine, "tandem:kv_cache_usage_perc") == 0.0
+        assert total(engine, "tandem:num_kv_blocks_free") > 0
