@@ -1,20 +1,14 @@
-"""Locust load test of a tandem gateway, over gRPC (Gateway.Generate through services.client.Client) and over
-HTTP (the OpenAI-compatible POST /v1/completions with stream=True, read as server-sent events).
-
-Each request's raw prompt is short (20-60 tokens, the range of `tandem bench`'s decode-heavy prompts) or, with
-probability --long-share (0.2), --long-prompt-tokens long (1000), cut from the shipped text the way `tandem
-bench` cuts its prompts (benchmarks/bench/workloads.py), from one seeded sequence (--prompt-seed); every request
-is greedy with ignore_eos, so it generates exactly --max-tokens tokens. Against `make serve`:
+"""Locust load test of a tandem gateway: GrpcUser streams Gateway.Generate (services.client.Client), OpenAIUser
+streams POST /v1/completions (OpenAI's API, server-sent events). Against `make serve`:
 
     .venv/bin/locust -f benchmarks/locustfile.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000 \\
-        --grpc-target 127.0.0.1:50051 --max-tokens 64 --csv locust
+        --grpc-target 127.0.0.1:50051 --max-tokens 64 --csv locust      # [GrpcUser | OpenAIUser]: one class only
 
-Name GrpcUser or OpenAIUser after the options to run only that class. Each request is reported as
-"grpc Generate" or "POST /v1/completions" (response time: E2E latency in ms; size: generated tokens, so
-"Average size" is tokens per request), with its time to first token as a "ttft" entry of the same name; a gRPC
-status, an HTTP error or an SSE error chunk is a failure with its status and message. When the run ends, each
-request entry's output tokens and tokens/s are logged. Every option is also read from LOCUST_<NAME>
-(LOCUST_MAX_TOKENS=64).
+Raw prompts are short (20-60 tokens) or, for --long-share (0.2) of them, --long-prompt-tokens (1000) long, cut as
+`tandem bench` cuts its prompts (benchmarks/bench/workloads.py) in one seeded sequence; requests are greedy with
+ignore_eos, so each generates --max-tokens tokens. Reported: "grpc Generate" and "POST /v1/completions" (response
+time: E2E latency in ms; size: tokens generated) and a "ttft" entry of each (time to first token in ms); a gRPC
+status, HTTP error or SSE error chunk is a failure with its message. Options are also read from LOCUST_<NAME>.
 """
 from __future__ import annotations
 
@@ -24,15 +18,19 @@ import logging
 import random
 import time
 
+import gevent
 import grpc
 import grpc.experimental.gevent
+import requests
 from locust import HttpUser, User, events, task
+from locust.exception import CatchResponseError
 
 from benchmarks.bench.workloads import corpus_token_ids, cut_prompt
 from services.client import Client
 
-# Locust runs users as greenlets on gevent's loop; without this, a blocking gRPC read would hold the loop and
-# stall every other user (the C core waits outside gevent). It must run before any channel exists.
+# Locust runs users as greenlets on gevent's monkey-patched loop. Without this (grpcio 1.85), the first blocking
+# read of a stream holds the loop for good: no request completes, and neither --run-time nor SIGTERM stops locust.
+# It must run before any channel exists.
 grpc.experimental.gevent.init_gevent()
 
 SHORT_PROMPT_TOKENS = (20, 60)  # decode-heavy's prompts (benchmarks/bench/workloads.py)
@@ -94,9 +92,11 @@ def next_prompt(options) -> str:
 
 @events.init.add_listener
 def load_prompts(environment, **kwargs) -> None:
-    """Tokenize the corpus before the test clock starts (a few seconds)."""
+    """Load the tokenizer and tokenize the corpus (seconds) before the test starts."""
     if environment.parsed_options is not None:
         next_prompt(environment.parsed_options)
+        # NOTE: gevent's loop caches the time; left stale by those seconds, --run-time would end early by as much
+        gevent.get_hub().loop.update_now()
 
 
 def report_ttft(environment, request_name: str, ttft_ms: float | None) -> None:
@@ -127,9 +127,9 @@ class GrpcUser(User):
                     ttft_ms = (time.perf_counter() - start) * 1000
                 tokens += len(msg.token_ids)
         except grpc.RpcError as e:
-            error = RuntimeError(f"{e.code().name}: {e.details()}")
+            error = CatchResponseError(f"{e.code().name}: {e.details()}")
         if error is None and tokens == 0:
-            error = RuntimeError("the stream ended without a token")
+            error = CatchResponseError("the stream ended without a token")
         self.environment.events.request.fire(request_type="grpc", name="Generate", response_length=tokens,
                                              response_time=(time.perf_counter() - start) * 1000,
                                              exception=error, context={})  # fmt: skip
@@ -145,29 +145,15 @@ class OpenAIUser(HttpUser):
         body = {"prompt": next_prompt(options), "max_tokens": options.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         start = time.perf_counter()
-        ttft_ms, tokens, error, done = None, 0, None, False
         with self.client.post("/v1/completions", json=body, stream=True, catch_response=True,
                               timeout=options.request_timeout) as response:  # fmt: skip
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {http_error_message(response)}")
                 return
-            for line in response.iter_lines():
-                if not line.startswith(b"data: "):
-                    continue  # the blank line between events
-                data = line.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = f"stream error: {chunk['error'].get('message')}"
-                    break
-                if chunk["choices"] and ttft_ms is None:
-                    ttft_ms = (time.perf_counter() - start) * 1000
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-            if error is None and not (done and tokens):
-                error = "the stream ended without [DONE] and a usage chunk with tokens"
+            try:
+                ttft_ms, tokens, error = read_completion_stream(response, start)
+            except (requests.RequestException, ValueError) as e:  # a broken connection, a chunk that is not JSON
+                ttft_ms, tokens, error = None, 0, f"reading the stream: {e!r}"
             # E2E latency and tokens in place of locust's time to headers and content-length
             response.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             response.request_meta["response_length"] = tokens
@@ -176,6 +162,25 @@ class OpenAIUser(HttpUser):
             else:
                 response.success()
         report_ttft(self.environment, "POST /v1/completions", ttft_ms if error is None else None)
+
+
+def read_completion_stream(response, start: float) -> tuple[float | None, int, str | None]:
+    """(TTFT in ms since `start`, completion tokens from the usage chunk, error or None) of an SSE stream."""
+    ttft_ms, tokens = None, 0
+    for line in response.iter_lines():
+        if not line.startswith(b"data: "):
+            continue  # the blank line between events
+        data = line.removeprefix(b"data: ")
+        if data == b"[DONE]":
+            return ttft_ms, tokens, None if tokens else "no usage chunk with tokens before [DONE]"
+        chunk = json.loads(data)
+        if "error" in chunk:
+            return ttft_ms, tokens, f"stream error: {chunk['error'].get('message')}"
+        if chunk["choices"] and ttft_ms is None:
+            ttft_ms = (time.perf_counter() - start) * 1000
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return ttft_ms, tokens, "the stream ended without [DONE]"
 
 
 def http_error_message(response) -> str:
@@ -190,9 +195,10 @@ def http_error_message(response) -> str:
 
 @events.quitting.add_listener
 def log_tokens(environment, **kwargs) -> None:
-    """Each request entry's output tokens (the sum of its sizes) and tokens/s over its time span."""
+    """Each request entry's output tokens (the sum of its sizes), and per second of the run."""
+    total = environment.stats.total
+    seconds = max(total.last_request_timestamp - total.start_time, 1e-9) if total.last_request_timestamp else None
     for (name, request_type), entry in environment.stats.entries.items():
-        if request_type != "ttft" and entry.num_requests:
-            seconds = max(entry.last_request_timestamp - entry.start_time, 1e-9)
+        if request_type != "ttft" and seconds:
             log.info("%s %s: %d output tokens, %.1f tokens/s", request_type, name, entry.total_content_length,
                      entry.total_content_length / seconds)  # fmt: skip

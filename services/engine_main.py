@@ -95,7 +95,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
     model_config, scheduler_config = engine.model_config, engine.scheduler.config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
-    metrics = EngineMetrics(tier, model_config.name)
+    metrics = EngineMetrics(tier, model_config.name, instance_id)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
     server = Server(tier, instance_id, args.host, args.port)
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)

@@ -7,6 +7,7 @@ turned into an UpstreamError is such a bug too: its details may carry internal a
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -40,6 +41,15 @@ def status_for(error: Exception, tier: str, instance_id: str) -> tuple[grpc.Stat
         if isinstance(error, error_type):
             return code, str(error)
     return grpc.StatusCode.INTERNAL, f"internal error in {tier} {instance_id}; its log has the details"
+
+
+def error_code(error: BaseException) -> grpc.StatusCode:
+    """The code a call ends with when error escapes it: a peer's own code, CANCELLED, or status_for's."""
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code()
+    return status_for(error, "", "")[0] if isinstance(error, Exception) else grpc.StatusCode.UNKNOWN
 
 
 def upstream_error(error: grpc.aio.AioRpcError, tier: str, instance_id: str, doing: str) -> UpstreamError:

@@ -6,8 +6,10 @@ left alone): sets the request id of the call's message (request_id; for a client
 messages) as the log context (services/logs.py), and when tracing is on, extracts the caller's W3C Trace
 Context (traceparent / tracestate) from the invocation metadata and runs the call in a SERVER span named
 "<package>.<Service>/<Method>" with the OpenTelemetry RPC semantic conventions' attributes: rpc.system "grpc",
-rpc.service, rpc.method, rpc.grpc.status_code (the code the call ended with; any code but OK sets status ERROR),
-plus tandem.request_id, and for a client-streaming call tandem.messages_received and tandem.bytes_received.
+rpc.service, rpc.method, rpc.grpc.status_code (the code the call ended with; any but OK and CANCELLED sets
+status ERROR), plus tandem.request_id, and for a client-streaming call tandem.messages_received and
+tandem.bytes_received. Response-streaming handlers run with the span current only while each of their steps
+runs (tracing.iterate_in), never across a yield.
 
 Client side (client_interceptors, only when tracing is on): inject the current context into each call's
 metadata, so the callee's spans join the caller's trace. No client span: the callers' own spans (place,
@@ -15,7 +17,7 @@ kv_transfer: services/tracing.py) are the parents.
 
 Why these and not opentelemetry-instrumentation-grpc: the server side must read our request id from the
 messages (for logs and spans) anyway, which that package cannot; it would add opentelemetry-instrumentation,
-wrapt and beta-pinned semantic-conventions packages; and it traces every call (health checks included).
+wrapt and beta-pinned semantic-conventions packages; and by default it traces every call, health checks too.
 Our interceptors are two small pieces over grpc.aio's own interceptor API, run only where a call is ours.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from services import tracing
+from services.grpc_errors import error_code
 from services.logs import request_id_var, set_request_id
 
 TRACED_PREFIX = "/tandem."
@@ -67,7 +70,7 @@ class _Call:
             return
         service, _, name = self.method[1:].partition("/")
         parent = propagate.extract({key: value for key, value in self.metadata or ()})
-        self.span = tracing.tracer().start_span(
+        self.span = tracing.TRACER.start_span(
             f"{service}/{name}", context=parent, kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})  # fmt: skip
         if request_id_var.get():
@@ -81,7 +84,7 @@ class _Call:
                                       "tandem.bytes_received": self.num_bytes})  # fmt: skip
         code = context.code() or grpc.StatusCode.OK  # (context.abort set it: ErrorInterceptor's mapping)
         if error is not None and code == grpc.StatusCode.OK:
-            code = tracing.error_code(error)
+            code = error_code(error)
         tracing.set_code(self.span, code, context.details() or "")
         self.span.end()
 
@@ -119,18 +122,20 @@ class _Call:
         async def wrapper(request, context):
             self._start(request, streaming=False)
             error = None
+            responses = fn(request, context)
+            if self.span.is_recording():
+                responses = tracing.iterate_in(trace.set_span_in_context(self.span), responses)
             try:
-                if not self.span.is_recording():
-                    async for item in fn(request, context):
-                        yield item
-                    return
-                async for item in tracing.iterate_in(trace.set_span_in_context(self.span), fn(request, context)):
+                async for item in responses:
                     yield item
             except BaseException as e:
                 error = e
                 raise
             finally:
-                self._finish(context, error)
+                try:
+                    await responses.aclose()  # (closed with this: the handler's own cleanup runs now, here)
+                finally:
+                    self._finish(context, error)
 
         return wrapper
 

@@ -2,7 +2,8 @@
 
 Names follow vLLM's (docs "Production Metrics") with the prefix `tandem:` instead of `vllm:`, and the same
 `model_name` label, so a vLLM dashboard or autoscaler rule carries over by renaming the prefix; every series
-also has a `tier` label (gateway, prefill, decode). Metrics without a vLLM counterpart are marked "(ours)".
+also has `tier` (gateway, prefill, decode) and `instance_id` (the id the registry, the router and the logs use)
+labels. Metrics without a vLLM counterpart are marked "(ours)".
 
 Engines (prefill, decode) - EngineMetrics:
   gauges   tandem:num_requests_running, tandem:num_requests_waiting, tandem:num_requests_waiting_for_kv (ours),
@@ -82,9 +83,9 @@ class StatsCollector:
 class EngineMetrics:
     """One engine instance's metrics (tier "prefill" or "decode") in their own registry."""
 
-    def __init__(self, tier: str, model_name: str):
+    def __init__(self, tier: str, model_name: str, instance_id: str):
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name, "tier": tier}
+        labels = {"model_name": model_name, "tier": tier, "instance_id": instance_id}
         self.stats = StatsCollector(labels)
         self.registry.register(self.stats)
         names = list(labels)
@@ -124,8 +125,12 @@ class EngineMetrics:
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve registry at http://host:port/metrics from a daemon thread (port 0: any free port); returns the
-    bound port. OSError if it cannot be bound."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    bound port. OSError naming the port and the flag if it cannot be bound."""
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise OSError(f"cannot serve metrics on {host}:{port} ({e.strerror or e}): pass --metrics-port N "
+                      f"(0 picks a free port)") from None
     return server.server_port
 
 

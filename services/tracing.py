@@ -14,11 +14,12 @@ What one request's trace holds (the SERVER spans are the gRPC calls, one per cal
                  reserve    waiting for the decode to reserve the prompt's KV blocks
                decoding     relaying the decode's tokens after the first one
   prefill  tandem.v1.Prefill/Prefill (SERVER, child of place)
-             prefill        computing the prompt: prompt and cached tokens, blocks sent
+             prefill        computing the prompt: prompt and cached tokens
                kv_transfer  streaming its KV to the decode: blocks and bytes (ends when the decode has it all)
   decode   tandem.v1.Decode/Generate (SERVER, child of place): the reservation and the decoding
            tandem.v1.Decode/TransferKV (SERVER, child of kv_transfer): blocks, messages and bytes received
-A span that fails gets status ERROR and rpc.grpc.status_code, the code its error maps to (services/grpc_errors.py).
+A span that fails gets status ERROR and rpc.grpc.status_code, the code its error maps to (services/grpc_errors.py);
+a cancelled one only the code (CANCELLED, 1): the gateway cancels each decode stream once it has the last token.
 
 Off unless an endpoint is given (--otlp-traces-endpoint, or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
 OTEL_EXPORTER_OTLP_ENDPOINT): then the SDK is never imported, the global tracer provider stays OpenTelemetry's
@@ -36,13 +37,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
-from services.grpc_errors import status_for
+from services.grpc_errors import error_code
 from services.logs import set_request_id
 from tandem.v1 import common_pb2
 
 # keyword -> semantic-convention attribute; any other keyword becomes tandem.<keyword>
 SEMCONV = {"prompt_tokens": "gen_ai.usage.input_tokens", "completion_tokens": "gen_ai.usage.output_tokens",
            "max_tokens": "gen_ai.request.max_tokens", "finish_reasons": "gen_ai.response.finish_reasons"}
+TRACER = trace.get_tracer("tandem")  # (a proxy until setup_tracing installs a provider)
 
 
 def setup_tracing(tier: str, instance_id: str, endpoint: str | None) -> bool:
@@ -70,10 +72,6 @@ def enabled() -> bool:
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
-def tracer() -> trace.Tracer:
-    return trace.get_tracer("tandem")
-
-
 def attributes(**values) -> dict:
     """Keyword values as span attributes (SEMCONV names, else tandem.<name>); None values are left out."""
     return {SEMCONV.get(k, f"tandem.{k}"): v for k, v in values.items() if v is not None}
@@ -81,7 +79,7 @@ def attributes(**values) -> dict:
 
 def start_span(name: str, **values) -> Span:
     """A span, child of the current one, that the caller ends (span.end()); the no-op span when tracing is off."""
-    return tracer().start_span(name, attributes=attributes(**values)) if enabled() else INVALID_SPAN
+    return TRACER.start_span(name, attributes=attributes(**values)) if enabled() else INVALID_SPAN
 
 
 @contextmanager
@@ -107,19 +105,10 @@ def bind_request(request_id: str, **values) -> None:
     annotate(request_id=request_id, **values)
 
 
-def error_code(error: BaseException) -> grpc.StatusCode:
-    """The gRPC code an error ends its call with: a peer's own code, CANCELLED, or status_for's mapping."""
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code()
-    return status_for(error, "", "")[0] if isinstance(error, Exception) else grpc.StatusCode.UNKNOWN
-
-
 def set_code(span: Span, code: grpc.StatusCode, description: str = "") -> None:
-    """rpc.grpc.status_code on span, and status ERROR for any code but OK."""
+    """rpc.grpc.status_code on span, and status ERROR for any code but OK and CANCELLED."""
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code != grpc.StatusCode.OK:
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {description}" if description else code.name))
 
 
@@ -133,8 +122,7 @@ def record_error(span: Span, error: BaseException) -> None:
 def end_when_done(span: Span, future: asyncio.Future) -> None:
     """End span when future does, with its error (cancelled or failed) if any."""
     def done(f: asyncio.Future) -> None:
-        error = asyncio.CancelledError() if f.cancelled() else f.exception()
-        if error is not None:
+        if (error := asyncio.CancelledError() if f.cancelled() else f.exception()) is not None:
             record_error(span, error)
         span.end()
 
@@ -142,20 +130,28 @@ def end_when_done(span: Span, future: asyncio.Future) -> None:
         future.add_done_callback(done)
 
 
+@contextmanager
+def _current_span(name: str, **values):
+    """A span of its own around the block, current there; an error escaping the block is recorded on it."""
+    with TRACER.start_as_current_span(name, attributes=attributes(**values), record_exception=False,
+                                      set_status_on_exception=False) as span:  # fmt: skip
+        try:
+            yield span
+        except BaseException as e:
+            record_error(span, e)
+            raise
+
+
 def traced(name: str, result_attributes=None):
-    """Decorator: each call of an async function runs in a span (result_attributes(result) -> dict of
-    attributes(**...) keywords, set when it returns); errors as record_error."""
+    """Decorator: each call of an async function runs in a span; result_attributes(result) -> keywords of
+    attributes(), set when it returns."""
     def decorate(fn):
         @functools.wraps(fn)
         async def wrapper(*args, **kwargs):
             if not enabled():
                 return await fn(*args, **kwargs)
-            with tracer().start_as_current_span(name, record_exception=False, set_status_on_exception=False) as span:
-                try:
-                    result = await fn(*args, **kwargs)
-                except BaseException as e:
-                    record_error(span, e)
-                    raise
+            with _current_span(name) as span:
+                result = await fn(*args, **kwargs)
                 if result_attributes is not None:
                     span.set_attributes(attributes(**result_attributes(result)))
                 return result
@@ -165,15 +161,21 @@ def traced(name: str, result_attributes=None):
     return decorate
 
 
+async def in_span(name: str, awaitable, **values):
+    """await awaitable inside a span of its own."""
+    if not enabled():
+        return await awaitable
+    with _current_span(name, **values):
+        return await awaitable
+
+
 def traced_stream(name: str, observe=None):
-    """Decorator: each iteration of an async generator function runs in a span, ended when the generator is;
-    observe(span, index, item) sees each item. Tracing off: the generator itself, unwrapped."""
+    """Decorator: each iteration of an async generator function runs in a span, ended with the iteration;
+    observe(span, index, item) sees each item. Tracing off: the function's own generator, unwrapped."""
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if not enabled():
-                return fn(*args, **kwargs)
-            return _traced_iteration(name, observe, fn(*args, **kwargs))
+            return _traced_iteration(name, observe, fn(*args, **kwargs)) if enabled() else fn(*args, **kwargs)
 
         return wrapper
 
@@ -181,9 +183,8 @@ def traced_stream(name: str, observe=None):
 
 
 async def _traced_iteration(name: str, observe, agen):
-    span = tracer().start_span(name)
+    span, index = TRACER.start_span(name), 0
     try:
-        index = 0
         async for item in iterate_in(trace.set_span_in_context(span), agen):
             if observe is not None:
                 observe(span, index, item)
@@ -210,20 +211,11 @@ async def iterate_in(context, agen):
                 otel_context.detach(token)
             yield item
     finally:
-        await agen.aclose()
-
-
-async def in_span(name: str, awaitable, **values):
-    """await awaitable inside a span of its own."""
-    if not enabled():
-        return await awaitable
-    with tracer().start_as_current_span(name, attributes=attributes(**values), record_exception=False,
-                                        set_status_on_exception=False) as span:  # fmt: skip
+        token = otel_context.attach(context)
         try:
-            return await awaitable
-        except BaseException as e:
-            record_error(span, e)
-            raise
+            await agen.aclose()
+        finally:
+            otel_context.detach(token)
 
 
 def observe_generate(span: Span, index: int, msg) -> None:

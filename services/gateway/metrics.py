@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics, served at http://HOST:HTTP_PORT/metrics beside the OpenAI-compatible API.
 
-Names follow vLLM's with the prefix `tandem:` (services/metrics.py says why), labels model_name and tier:
+Names follow vLLM's with the prefix `tandem:` (services/metrics.py says why), labels model_name, tier and
+gateway_id (this gateway's instance id; instance_id in router_decisions names the engine chosen):
   counters   tandem:request_success_total{finished_reason} (completions that finished: stop, length, abort),
              tandem:request_errors_total{code} (ours: requests that failed, by gRPC status code name),
              tandem:prompt_tokens_total, tandem:generation_tokens_total (tokens sent to clients),
@@ -12,7 +13,9 @@ Names follow vLLM's with the prefix `tandem:` (services/metrics.py says why), la
   histograms tandem:time_to_first_token_seconds, tandem:inter_token_latency_seconds (per token: a message of k
              tokens counts its gap k times divided by k), tandem:request_time_per_output_token_seconds (TPOT:
              (E2E - TTFT) / (tokens - 1)), tandem:e2e_request_latency_seconds, tandem:request_prompt_tokens,
-             tandem:request_generation_tokens
+             tandem:request_generation_tokens, tandem:request_queue_time_seconds (the time its prefill instance
+             queued it, PrefillResponse.queue_ms; requests whose prompt the decode computes are not counted: each
+             engine's own histogram of the same name counts every request it queued)
 """
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, instance_id: str):
         self.registry = CollectorRegistry()
-        self.labels = {"model_name": model_name, "tier": "gateway"}
+        self.labels = {"model_name": model_name, "tier": "gateway", "gateway_id": instance_id}
         names = list(self.labels)
 
         def counter(name: str, doc: str, extra=()):
@@ -51,6 +54,8 @@ class GatewayMetrics:
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first",
                               ITL_BUCKETS)  # fmt: skip
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited in its prefill's queue",
+                                    LATENCY_BUCKETS)  # fmt: skip
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request",
                                                    TOKEN_BUCKETS)  # fmt: skip

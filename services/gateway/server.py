@@ -48,13 +48,14 @@ def seed_for(seed: int, index: int) -> int:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, model_config: ModelConfig, tokenizer, router: Router, default_max_tokens: int):
+    def __init__(self, model_config: ModelConfig, tokenizer, router: Router, default_max_tokens: int,
+                 instance_id: str):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.router = router
         self.default_max_tokens = default_max_tokens
         self.channels = ChannelPool()
-        self.metrics = GatewayMetrics(model_config.name)  # (served at /metrics on the HTTP port)
+        self.metrics = GatewayMetrics(model_config.name, instance_id)  # (served at /metrics on the HTTP port)
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
@@ -223,6 +224,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if prefill_reply is None:  # the decode computed the prompt: its blocks are cached now
                 shared.ready.set()
         num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
+        if prefill_reply is not None:
+            self.metrics.queue_time.observe(prefill_reply.queue_ms / 1000)
         num_draft_tokens = num_accepted_tokens = 0
         last_sent = time.perf_counter()
         ttft_ms = (last_sent - t0) * 1000
@@ -401,7 +404,7 @@ async def serve(args, instance_id: str) -> None:
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
                     args.local_prefill_tokens)
     server = Server("gateway", instance_id, args.host, args.port)
-    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens)
+    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip

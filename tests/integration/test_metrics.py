@@ -72,6 +72,7 @@ def test_metrics_follow_the_traffic(cluster):
         assert delta(gw, gw0, f"tandem:{histogram}_count") == requests, histogram
     assert delta(gw, gw0, "tandem:inter_token_latency_seconds_count") == received - requests  # (after each first)
     assert delta(gw, gw0, "tandem:request_generation_tokens_sum") == received
+    assert delta(gw, gw0, "tandem:request_queue_time_seconds_count") == requests  # (each went through the prefill)
     assert delta(gw, gw0, "tandem:router_decisions_total", target_tier="prefill") == requests
     assert delta(gw, gw0, "tandem:router_decisions_total", target_tier="decode") == requests
     prefill, decode = after["prefill0"], after["decode0"]

@@ -143,7 +143,8 @@ def test_configured_server_spans_continue_the_callers_trace_and_carry_the_grpc_c
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.splitlines()[-1])
     spans = {s["name"] if s["attributes"].get("tandem.request_id") != "bad" else "bad": s for s in out["spans"]}
-    caller, generate, transfer = spans["caller"], spans["tandem.v1.Decode/Generate"], spans["tandem.v1.Decode/TransferKV"]
+    caller, generate = spans["caller"], spans["tandem.v1.Decode/Generate"]
+    transfer = spans["tandem.v1.Decode/TransferKV"]
     assert out["seen"] == [True, True]  # (the handlers ran inside their server spans)
     for span, request_id in ((generate, "req-g"), (transfer, "req-t")):
         assert span["kind"] == "SERVER" and span["trace_id"] == caller["trace_id"]
@@ -152,7 +153,8 @@ def test_configured_server_spans_continue_the_callers_trace_and_carry_the_grpc_c
         assert span["attributes"]["rpc.service"] == "tandem.v1.Decode"
         assert span["attributes"]["tandem.request_id"] == request_id
     assert transfer["attributes"]["tandem.blocks_received"] == 2
-    assert transfer["attributes"]["tandem.messages_received"] == 2 and transfer["attributes"]["tandem.bytes_received"] > 200
+    assert transfer["attributes"]["tandem.messages_received"] == 2
+    assert transfer["attributes"]["tandem.bytes_received"] > 200  # (two messages of 100 data bytes and metadata)
     bad = spans["bad"]
     assert bad["parent"] is None and bad["status"] == "ERROR"
     assert bad["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
