@@ -8,6 +8,7 @@ turned into an UpstreamError is such a bug too: its details may carry internal a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 
 import grpc
@@ -106,6 +107,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
     def _wrap_stream(self, fn):
+        if not inspect.isasyncgenfunction(fn):  # a handler that writes with context.write (grpc.health's Watch)
+            return self._wrap_unary(fn)
+
         async def wrapper(request, context):
             try:
                 async for item in fn(request, context):

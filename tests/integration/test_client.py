@@ -99,6 +99,15 @@ def test_health_is_serving(cluster):
             return await client.health()
 
     assert asyncio.run(main()) == "SERVING"
+    # grpc.health.v1's streaming Watch answers on every service too (what Kubernetes-style probes may use)
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for address in [cluster.gateway_address, *cluster.addresses.values()]:
+        with grpc.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING, address
+            watch.cancel()
 
 
 def test_sampling_fields_by_name_reach_the_server(cluster):
