@@ -19,7 +19,6 @@ before that row is used.
 from __future__ import annotations
 
 import functools
-import json
 import threading
 from pathlib import Path
 
@@ -35,9 +34,13 @@ from shared.scheduler import SchedulerOutput
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # characters a regex (Rust regex syntax, llguidance's) must see escaped
+
+
 def grammar_for(params: StructuredOutputParams) -> str:
-    """StructuredOutputParams -> an llguidance grammar (its serialized form). A choice is a Lark alternation of
-    string literals (JSON escapes are Lark's), so no choice text is read as regex syntax."""
+    """StructuredOutputParams -> an llguidance grammar (its serialized form). A choice is a regex alternation of
+    the strings with every metacharacter escaped (so no choice text is read as syntax); a Lark alternation of
+    literals would do the same but stops at 2,000 alternatives, and only once decoding reaches them."""
     if params.json is not None:
         return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
     if params.json_object:
@@ -45,7 +48,8 @@ def grammar_for(params: StructuredOutputParams) -> str:
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        literals = ("".join("\\" + ch if ch in REGEX_META else ch for ch in choice) for choice in params.choice)
+        return llguidance.LLMatcher.grammar_from_regex("|".join(literals))
     return llguidance.LLMatcher.grammar_from_lark(params.grammar)
 
 

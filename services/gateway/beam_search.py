@@ -29,6 +29,7 @@ from typing import AsyncIterator
 
 import torch
 
+from services.client import finish_name
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import SharedPrompt
 from shared.errors import InvalidRequestError
@@ -132,7 +133,8 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
     async def next_tokens(b: int, tokens: list[int]) -> list[tuple[int, float]]:
         top = None
         async for msg in servicer.generate(prompt_ids + tokens, step_params, f"{request_id}-beam{step}-{b}",
-                                           cache_salt, time_remaining, None, placed, int(step > 0), priority):
+                                           cache_salt, time_remaining, None, placed, int(step > 0), priority,
+                                           metrics=False):  # fmt: skip
             top = msg.logprobs[0].top if msg.logprobs else top
         return [(t.token_id, t.logprob) for t in top]
 
@@ -151,6 +153,8 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
         yield gateway_pb2.GenerateResponse(request_id=request_id, index=i, text=delta + text.finish(),
                                            token_ids=hypothesis.token_ids)  # fmt: skip
         reason = common_pb2.FINISH_REASON_STOP if hypothesis.finished_by_eos else common_pb2.FINISH_REASON_LENGTH
+        servicer.metrics.observe_finished(finish_name(reason), len(prompt_ids), 0, len(hypothesis.token_ids),
+                                          e2e_ms / 1000, e2e_ms / 1000)  # fmt: skip
         yield gateway_pb2.GenerateResponse(
             request_id=request_id, index=i, finish_reason=reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(hypothesis.token_ids)),

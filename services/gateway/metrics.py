@@ -42,7 +42,8 @@ class GatewayMetrics:
         self.success = counter("request_success", "Completions that finished, by finish reason", ["finished_reason"])
         self.errors = counter("request_errors", "Requests that failed, by gRPC status code", ["code"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished completions").labels(**self.labels)
-        self.generation_tokens = counter("generation_tokens", "Tokens sent to clients").labels(**self.labels)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for clients (all of best_of's "
+                                         "completions)").labels(**self.labels)  # fmt: skip
         self.cached_tokens = counter("prompt_tokens_cached", "Prompt tokens found in a prefix cache").labels(
             **self.labels)
         self.decisions = counter("router_decisions", "Instances chosen by the router, and why",

@@ -43,17 +43,36 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+GRPC_CODE_NAME = {status: code.name for code, status in HTTP_STATUS.items()} | {499: "CANCELLED"}
 T = TypeVar("T")
 
 
 def api_error(error: Exception, instance_id: str) -> APIError:
-    """A project error (or any other exception: a bug, logged) as an APIError with its HTTP status."""
+    """A project error (or any other exception: a bug, logged) as an APIError with its HTTP status; a 400 names
+    the field its message names (after a "decode ID: " prefix of an error from a tier)."""
     if isinstance(error, APIError):
         return error
     code, message = status_for(error, "gateway", instance_id)
     if code == grpc.StatusCode.INTERNAL and not isinstance(error, TandemError):
         log.error("unhandled error", exc_info=error)
-    return APIError(HTTP_STATUS.get(code, 500), message, code=code.name.lower())
+    status = HTTP_STATUS.get(code, 500)
+    param = param_named(message.split(": ", 1)[-1]) if status == 400 else None
+    return APIError(status, message, http_param(param, None, False), code=code.name.lower())
+
+
+def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> str | None:
+    """The HTTP API's name of a gRPC field an error names (the request body says which spelling it used)."""
+    if param == "structured_output":
+        return "structured_outputs" if body is not None and body.structured_outputs else "response_format"
+    if param == "beam_width":  # (use_beam_search's beams are n)
+        return "n"
+    if param == "prompt" and chat:
+        return "messages"
+    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if param == "logprobs" and chat and getattr(body, "top_logprobs", None) is not None:
+        return "top_logprobs"
+    return param
 
 
 # -- the app -------------------------------------------------------------------------------------------------
@@ -64,13 +83,21 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
     tokenizer = servicer.tokenizer
     created = int(time.time())
 
+    def counted(e: APIError) -> APIError:
+        """e, counted in tandem:request_errors_total (by its gRPC status name)."""
+        servicer.metrics.observe_error(GRPC_CODE_NAME.get(e.status, "INTERNAL"))
+        return e
+
+    def error_response(e: APIError) -> JSONResponse:
+        return JSONResponse(counted(e).body(), status_code=e.status)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):  # (unknown paths, unreadable bodies, ...)
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return error_response(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -78,7 +105,7 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         where = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = where[0] if where else None  # (later items name nested fields and pydantic's union branches)
         message = f"{'.'.join(where)}: {first.get('msg')}" if where else f"the body is not a JSON object: {first.get('msg')}"
-        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+        return error_response(APIError(400, message, param))
 
     @app.get("/health")
     async def health():
@@ -143,30 +170,32 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         """Run every prompt's completions; answer with one JSON body or an SSE stream of chunks."""
         kind = "chat.completion" if shape.chat else "text_completion"
         response_id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
-        for prompt_ids in prompts:  # (bad parameters fail before anything runs)
-            try:
-                servicer.check_params(len(prompt_ids), params)
+        for prompt_ids in prompts:  # (bad parameters fail before anything runs; off the event loop: a huge
+            try:                     # grammar takes seconds to check)
+                await asyncio.to_thread(servicer.check_params, len(prompt_ids), params)
             except InvalidRequestError as e:
-                param = param_named(str(e))
-                if param == "structured_output":
-                    param = "structured_outputs" if body.structured_outputs else "response_format"
-                elif param == "beam_width":  # (use_beam_search's beams are n)
-                    param = "n"
-                raise APIError(400, str(e), "messages" if shape.chat and param == "prompt" else param) from None
-        streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", body.cache_salt)
+                raise APIError(400, str(e), http_param(param_named(str(e)), body, shape.chat)) from None
+        streams = [servicer.generate_n(prompt_ids, params, f"{response_id}-{i}", body.cache_salt,
+                                       priority=body.priority)
                    for i, prompt_ids in enumerate(prompts)]  # fmt: skip
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": model_name}
         if body.stream:
             messages = merge(streams)
-            first = await _first_messages(messages, len(streams), instance_id)  # errors before any token: a status
+            try:  # (errors before any token get an HTTP status; a client gone meanwhile aborts it)
+                first = await unless_disconnected(request, _first_messages(messages, len(streams), instance_id))
+            except ClientDisconnected:
+                log.info("%s: the client disconnected before the first token; request aborted", response_id)
+                servicer.metrics.observe_error("CANCELLED")
+                return Response(status_code=499)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(messages, first, base, shape, include_usage, tokenizer,
-                                         lambda e: api_error(e, instance_id).body()),
+                                         lambda e: counted(api_error(e, instance_id)).body()),
                                      media_type="text/event-stream")  # fmt: skip
         try:
             choices, usage = await unless_disconnected(request, collect(merge(streams), shape, tokenizer))
         except ClientDisconnected:
             log.info("%s: the client disconnected; request aborted", response_id)
+            servicer.metrics.observe_error("CANCELLED")
             return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
         except Exception as e:
             raise api_error(e, instance_id) from None

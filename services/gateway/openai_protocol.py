@@ -84,6 +84,7 @@ class SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False  # vLLM's: beam search with n beams, the n best returned
+    priority: int = 0  # vLLM's: scheduling priority, lower first (GenerateRequest.priority)
     length_penalty: float | None = None
 
 
@@ -151,7 +152,9 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     if body.seed is not None:
         p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
     if body.n < 1 or body.n > 2**31:
-        raise APIError(400, f"n must be >= 1, got {body.n}", "n")
+        raise APIError(400, f"n must be in [1, 2^31], got {body.n}", "n")
+    if not -(2**31) <= body.priority < 2**31:
+        raise APIError(400, f"priority is out of range: {body.priority}", "priority")
     p.n = body.n
     if body.use_beam_search:  # (one beam is greedy search, as HF's num_beams=1)
         if body.n > 1:
@@ -246,6 +249,7 @@ def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
 
 
 def param_named(message: str) -> str | None:
-    """The field an InvalidRequestError's message starts with or names ("min_p must be ...")."""
-    word = message.split(" ", 1)[0].strip("(),:")
+    """The field an InvalidRequestError's message starts with or names ("min_p must be ...",
+    "structured_output.json is not ...")."""
+    word = message.split(" ", 1)[0].strip("(),:").split(".")[0]
     return word if word.replace("_", "").isalpha() and word.islower() else None

@@ -16,6 +16,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from services.channels import ChannelPool
+from services.client import finish_name
 from services.convert import sampling_params_from_proto
 from services.flags import HelpFormatter, add_gateway_args
 from services.gateway.beam_search import check_beam_params, run_beam_search
@@ -83,14 +84,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
 
     async def Generate(self, request, context):
+        """The public gRPC API; a request that fails is counted by status code (tandem:request_errors_total;
+        the HTTP API counts its own)."""
         t0 = time.perf_counter()
-        prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
-        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        time_remaining = deadline_clock(context.time_remaining,
-                                        request.deadline_ms if request.HasField("deadline_ms") else None)
-        async for msg in self.generate_n(prompt_ids, request.sampling_params, request.request_id, cache_salt,
-                                         time_remaining, t0, request.priority):  # fmt: skip
-            yield msg
+        try:
+            prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
+            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+            time_remaining = deadline_clock(context.time_remaining,
+                                            request.deadline_ms if request.HasField("deadline_ms") else None)
+            async for msg in self.generate_n(prompt_ids, request.sampling_params, request.request_id, cache_salt,
+                                             time_remaining, t0, request.priority):  # fmt: skip
+                yield msg
+        except asyncio.CancelledError:
+            self.metrics.observe_error("CANCELLED")
+            raise
+        except Exception as e:
+            self.metrics.observe_error(status_for(e, "gateway", "")[0].name)
+            raise
 
     def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
         """Validate a request's prompt length and sampling parameters; return the parameters the tiers get
@@ -122,20 +132,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                          cache_salt: str | None = None, time_remaining=lambda: None,
                          t0: float | None = None, priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """_generate_n, with a request that fails counted by status code (tandem:request_errors_total)."""
-        try:
-            async for msg in self._generate_n(prompt_ids, p, request_id, cache_salt, time_remaining, t0, priority):
-                yield msg
-        except asyncio.CancelledError:
-            self.metrics.observe_error("CANCELLED")
-            raise
-        except Exception as e:
-            self.metrics.observe_error(status_for(e, "gateway", "")[0].name)
-            raise
-
-    async def _generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
-                          cache_salt: str | None = None, time_remaining=lambda: None,
-                          t0: float | None = None, priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """p.n completions of one prompt (default 1), as one stream of generate()'s messages with their index
         set; each completion ends with its own finish message, and the stream ends when all have. Completion 0
         places the prompt; the others wait until its decode holds the prompt's KV and then go to that decode,
@@ -192,13 +188,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def generate(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                        cache_salt: str | None = None, time_remaining=lambda: None, t0: float | None = None,
                        shared: SharedPrompt | None = None, index: int = 0,
-                       priority: int = 0) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                       priority: int = 0, metrics: bool = True) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One request through the cluster, as the public stream: text deltas with their token ids (and
         logprobs), then a last message with finish_reason, usage and timings. Both public APIs (this service's
         Generate and the OpenAI-compatible HTTP server) run through here. time_remaining() -> seconds left
         before the client's deadline, or None; t0: when the request arrived (perf_counter seconds); shared and
         index: completion index of n sharing one prompt (generate_n); priority: the engines' scheduling priority
-        (lower first).
+        (lower first); metrics: record it in the gateway's request metrics (beam search records its beams
+        instead of its steps).
         Raises InvalidRequestError on bad input and the errors of _start and _read."""
         t0 = time.perf_counter() if t0 is None else t0
         proto_params = self.check_params(len(prompt_ids), p)
@@ -224,7 +221,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if prefill_reply is None:  # the decode computed the prompt: its blocks are cached now
                 shared.ready.set()
         num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
-        if prefill_reply is not None:
+        if prefill_reply is not None and metrics:
             self.metrics.queue_time.observe(prefill_reply.queue_ms / 1000)
         num_draft_tokens = num_accepted_tokens = 0
         last_sent = time.perf_counter()
@@ -242,7 +239,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 new_ids = text.token_ids[num_before:]  # (none past a stop string)
                 num_draft_tokens += reply.num_draft_tokens
                 num_accepted_tokens += min(reply.num_accepted_tokens, len(new_ids))  # (those sent)
-                if new_ids and len(text.token_ids) > len(new_ids):  # (the first token's latency is the TTFT)
+                if metrics and new_ids and len(text.token_ids) > len(new_ids):  # (the first token's: the TTFT)
                     now = time.perf_counter()
                     self.metrics.observe_tokens(len(new_ids), now - last_sent)
                     last_sent = now
@@ -267,9 +264,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if shared is not None:
                 shared.ready.set()
         e2e_ms = (time.perf_counter() - t0) * 1000
-        self.metrics.observe_finished(common_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower(),
-                                      len(prompt_ids), num_cached_tokens, len(text.token_ids), ttft_ms / 1000,
-                                      e2e_ms / 1000)  # fmt: skip
+        if metrics:
+            self.metrics.observe_finished(finish_name(finish_reason), len(prompt_ids), num_cached_tokens,
+                                          len(text.token_ids), ttft_ms / 1000, e2e_ms / 1000)  # fmt: skip
         where = (f"prefill {prefill_reply.prefill_ms:.0f} ms on {route.prefill.instance_id}, "
                  f"{prefill_reply.num_blocks_sent} KV blocks sent" if prefill_reply else "prompt computed on the decode")
         log.info("request %s: %d prompt (%d cached) + %d completion tokens, %s, TTFT %.0f ms (%s), E2E %.0f ms "

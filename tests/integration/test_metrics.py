@@ -5,6 +5,7 @@ import time
 import urllib.request
 
 import grpc
+import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,6 +49,9 @@ def test_metrics_follow_the_traffic(cluster):
             received += len(out.token_ids)
         with pytest.raises(grpc.RpcError):
             client.generate("Hello", max_tokens=4, top_p=5.0, timeout=60)
+    bad = {"prompt": "Hello", "max_tokens": 4, "temperature": -1}  # (the HTTP API counts its 400s too)
+    reply = httpx.post(cluster.openai_base_url + "/completions", json=bad, timeout=60)
+    assert reply.status_code == 400
     assert received == 12 * requests
     wait_all_blocks_free(cluster)
 
@@ -66,7 +70,7 @@ def test_metrics_follow_the_traffic(cluster):
     gw, gw0 = after["gateway"], before["gateway"]
     assert delta(gw, gw0, "tandem:generation_tokens_total") == received
     assert delta(gw, gw0, "tandem:request_success_total", finished_reason="length") == requests
-    assert delta(gw, gw0, "tandem:request_errors_total", code="INVALID_ARGUMENT") == 1
+    assert delta(gw, gw0, "tandem:request_errors_total", code="INVALID_ARGUMENT") == 2
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                       "request_time_per_output_token_seconds", "request_generation_tokens"):  # fmt: skip
         assert delta(gw, gw0, f"tandem:{histogram}_count") == requests, histogram

@@ -247,14 +247,15 @@ def test_openai_response_format_and_structured_outputs(cluster, references):
 
 
 def test_a_grammar_past_llguidance_limits_fails_alone(model_config, tokenizer, references):
-    """A choice of 2,500 strings compiles but breaks llguidance's row limit once decoding: that request ends
+    """A Lark alternation of 2,500 strings compiles but breaks llguidance's row limit once decoding: that request ends
     ABORT with the error (marked as the request's fault), and the request batched with it still equals HF."""
     engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(256, 16))
     ids, expected = references["person"]
     engine.add_request(Request("plain", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                             structured_output=CASES["person"][1])))  # fmt: skip
     engine.add_request(Request("huge", prompt_token_ids(tokenizer, "chat", "Pick a number."), SamplingParams(
-        max_tokens=8, structured_output=StructuredOutputParams(choice=tuple(str(i) for i in range(2500))))))
+        max_tokens=8, structured_output=StructuredOutputParams(
+            grammar="start: " + " | ".join(f'"{i}"' for i in range(2500))))))
     outs, errors = {"plain": [], "huge": []}, {}
     while engine.has_unfinished_requests():
         for o in engine.step():

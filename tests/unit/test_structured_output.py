@@ -71,6 +71,17 @@ def test_bad_constraints_raise_invalid_request(manager):
         with pytest.raises(InvalidRequestError, match="matches no text"):
             manager.matcher(StructuredOutputParams(regex=regex))
     assert manager.matcher(StructuredOutputParams(regex="")).matcher.is_accepting()  # (the empty text is one)
+
+
+def test_choices_are_literal_and_not_limited_to_2000(manager, tokenizer):
+    """Choice text is never regex syntax, and 5,000 choices work (a Lark alternation stops at 2,000 rows)."""
+    choices = ("a.b", "x|y", "(1+2)*3?", "[ok]", "c:\\path", "^$", "#t & ~t-d", "日本 😀") + tuple(
+        f"option {i}" for i in range(5000))
+    for text, allowed in (("x|y", True), ("(1+2)*3?", True), ("a+b", False), ("x", True), ("option 4999", True),
+                          ("option 5000", False)):  # fmt: skip
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        grammar = manager.matcher(StructuredOutputParams(choice=choices))
+        assert (grammar.num_valid(ids) == len(ids)) == allowed, text
     for kwargs in ({}, {"regex": "a", "choice": ("b",)}, {"json": "[1]"}, {"json": "{"}, {"choice": ()}):
         with pytest.raises(InvalidRequestError, match="structured_output"):
             StructuredOutputParams(**kwargs)
