@@ -6,6 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 PORT   ?= 50051
+HTTP_PORT ?= 8000
 PROTOS := $(wildcard proto/tandem/v1/*.proto)
 STUBS  := $(PROTOS:.proto=_pb2.py)
 
@@ -38,7 +39,7 @@ demo: model
 	$(BIN)/tandem up --temperature 0 --prompt "$(PROMPT)"
 
 serve: model
-	$(BIN)/tandem up --port $(PORT)
+	$(BIN)/tandem up --port $(PORT) --http-port $(HTTP_PORT)
 
 # pytest exits 5 when it collects no test; that is not a failure of the set-up.
 test: model

@@ -120,8 +120,8 @@ def _check_port_free(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise SystemExit(f"error: port {port} is in use; pass --port N (make serve PORT=N) or --http-port N for the "
-                             "HTTP API, 0 for any free port")
+            raise SystemExit(f"error: port {port} is in use; pass --port N for gRPC or --http-port N for the HTTP "
+                             "API (make serve PORT=N HTTP_PORT=M), 0 for any free port")
 
 
 def _interrupt(signum, frame):

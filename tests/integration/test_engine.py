@@ -21,6 +21,18 @@ def greedy(n=NUM_REFERENCE_TOKENS):
     return SamplingParams(max_tokens=n, temperature=0.0)
 
 
+def prefill_kv(model_config, request_id: str, ids: list[int]):
+    """A prompt's KV blocks (block size 8) and first greedy token from an engine of its own, as a prefill sends."""
+    prefill = LLMEngine(model_config, CacheConfig(8, 64), SchedulerConfig(256, 8), export_kv=True)
+    prefill.add_request(Request(request_id, ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    kv, first = [], None
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            kv += [o.kv] if o.kv is not None else []
+            first = o.new_token_ids[0] if o.new_token_ids else first
+    return kv, first
+
+
 def test_preemption_under_a_tiny_pool_keeps_tokens_exact(model_config, hf_references):
     names = ["capital", "haiku", "raw_story", "raw_chinese"]
     engine = LLMEngine(model_config, CacheConfig(block_size=8, num_blocks=24), SchedulerConfig(32, 8))
@@ -131,13 +143,7 @@ def test_priority_goes_first_and_a_reservation_preempts_lower_priority(model_con
         for o in engine.step():
             outs[o.request_id] += o.new_token_ids
     ids, expected = hf_references["capital"]
-    prefill = LLMEngine(model_config, CacheConfig(8, 64), SchedulerConfig(256, 8), export_kv=True)
-    prefill.add_request(Request("capital", ids, SamplingParams(max_tokens=1, temperature=0.0)))
-    kv, first = [], None
-    while prefill.has_unfinished_requests():
-        for o in prefill.step():
-            kv += [o.kv] if o.kv is not None else []
-            first = o.new_token_ids[0] if o.new_token_ids else first
+    kv, first = prefill_kv(model_config, "capital", ids)
     assert engine.num_free_blocks * 8 < len(ids), "the pool was meant to be too full for the prompt"
     engine.reserve(Request("capital", ids, greedy(), priority=0, cache_salt="no prefix hit"))
     assert low[1].status == RequestStatus.WAITING and low[1].num_computed_tokens == 0  # the newest low one
@@ -169,13 +175,7 @@ def test_a_reservation_waits_for_lower_priority_blocks_still_waiting_for_kv(mode
 
     ids, expected = hf_references["raw_story"]
     engine = LLMEngine(model_config, CacheConfig(block_size=8, num_blocks=3), SchedulerConfig(64, 8))
-    prefill = LLMEngine(model_config, CacheConfig(8, 64), SchedulerConfig(256, 8), export_kv=True)
-    prefill.add_request(Request("low", ids, SamplingParams(max_tokens=1, temperature=0.0)))
-    kv, first = [], None
-    while prefill.has_unfinished_requests():
-        for o in prefill.step():
-            kv += [o.kv] if o.kv is not None else []
-            first = o.new_token_ids[0] if o.new_token_ids else first
+    kv, first = prefill_kv(model_config, "low", ids)
     assert engine.kv_cache_manager.num_blocks_for(len(ids)) == 2, "each prompt was meant to need most of the pool"
 
     async def scenario():
