@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from shared.engine import EngineStats
+from shared.engine_stats import EngineStats
 from shared.errors import InvalidRequestError
 from shared.request import FinishReason, SamplingParams, StructuredOutputParams
 from shared.sampler import TokenLogprobs

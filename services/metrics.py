@@ -29,7 +29,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.engine import EngineStats, StepStats
+from shared.engine_stats import EngineStats, StepStats
 
 STATS_REFRESH_S = 1.0
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

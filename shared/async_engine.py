@@ -21,7 +21,8 @@ from typing import Callable
 
 from shared.block_hash import BlockHash
 from shared.config import CacheConfig, EngineArgs, ModelConfig
-from shared.engine import EngineStats, KVBlocks, LLMEngine, RequestOutput, StepStats
+from shared.engine import KVBlocks, LLMEngine, RequestOutput
+from shared.engine_stats import EngineStats, StepStats
 from shared.errors import InvalidRequestError, NoCapacityError
 from shared.kv_events import KVEventBatch
 from shared.request import FinishReason, Request

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from shared.async_engine import AsyncEngine
-from shared.engine import EngineStats, RequestOutput
+from shared.engine import RequestOutput
+from shared.engine_stats import EngineStats
 from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from shared.request import FinishReason, StructuredOutputParams
 from tests.unit.factories import make_request

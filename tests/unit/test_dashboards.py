@@ -16,7 +16,7 @@ from services.flags import DEFAULT_METRICS_PORT
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Route
 from services.metrics import EngineMetrics
-from shared.engine import EngineStats, StepStats
+from shared.engine_stats import EngineStats, StepStats
 from shared.registry import InstanceInfo
 
 REPO = Path(__file__).resolve().parents[2]
