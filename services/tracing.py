@@ -37,9 +37,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
+from services.client import finish_name
 from services.grpc_errors import error_code
 from services.logs import set_request_id
-from tandem.v1 import common_pb2
 
 # keyword -> semantic-convention attribute; any other keyword becomes tandem.<keyword>
 SEMCONV = {"prompt_tokens": "gen_ai.usage.input_tokens", "completion_tokens": "gen_ai.usage.output_tokens",
@@ -224,7 +224,6 @@ def observe_generate(span: Span, index: int, msg) -> None:
     if index == 0:
         span.add_event("first_token")
     if msg.HasField("finish_reason"):
-        reason = common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
-        span.set_attributes(attributes(finish_reasons=[reason], completion_tokens=msg.usage.completion_tokens,
+        span.set_attributes(attributes(finish_reasons=[finish_name(msg.finish_reason)], completion_tokens=msg.usage.completion_tokens,
                                        cached_tokens=msg.usage.cached_tokens, ttft_ms=msg.timings.ttft_ms,
                                        e2e_ms=msg.timings.e2e_ms))  # fmt: skip

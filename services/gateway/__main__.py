@@ -1,3 +1,3 @@
-from services.gateway.server import main
+from services.gateway.main import main
 
 main()

@@ -2,32 +2,25 @@
 first token from the prefill at once, the rest from the decode, as UTF-8-safe text deltas."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
 import xxhash
-from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
 
 from services.channels import ChannelPool
 from services.client import finish_name
 from services.convert import sampling_params_from_proto
-from services.flags import HelpFormatter, add_gateway_args
 from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router, SharedPrompt
 from services.gateway.metrics import GatewayMetrics
-from services.grpc_errors import status_for, upstream_error
-from services.logs import setup_logging
-from services.server import Server, new_instance_id
-from services.tracing import bind_request, in_span, observe_generate, setup_tracing, start_span, traced, traced_stream
-from shared.config import EngineArgs, ModelConfig
+from services.grpc_errors import error_code, upstream_error
+from services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
+from shared.config import ModelConfig
 from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
 from shared.registry import InstanceInfo
 from shared.structured_output import check_grammar
@@ -95,11 +88,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for msg in self.generate_n(prompt_ids, request.sampling_params, request.request_id, cache_salt,
                                              time_remaining, t0, request.priority):  # fmt: skip
                 yield msg
-        except asyncio.CancelledError:
-            self.metrics.observe_error("CANCELLED")
-            raise
-        except Exception as e:
-            self.metrics.observe_error(status_for(e, "gateway", "")[0].name)
+        except BaseException as e:
+            self.metrics.observe_error(error_code(e).name)
             raise
 
     def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
@@ -381,68 +371,3 @@ def deadline_clock(time_remaining, deadline_ms: int | None):
         return left if call_left is None else min(left, call_left)
 
     return remaining
-
-
-async def serve(args, instance_id: str) -> None:
-    import torch
-    from transformers import AutoTokenizer
-
-    from shared.block_hash import HashContract
-    from shared.model_files import default_model_dir
-    from shared.prefix_index import PrefixIndex
-    from shared.registry import Registry
-
-    torch.set_num_threads(1)
-    model_dir = args.model or default_model_dir()
-    model_config = EngineArgs.from_namespace(args).create_model_config(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    contract = HashContract(args.block_size, model_config.model_id, args.kv_dtype)
-    index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
-    router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
-                    args.local_prefill_tokens)
-    server = Server("gateway", instance_id, args.host, args.port)
-    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
-    reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
-                                         health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
-    http = None
-    if args.http_port >= 0:  # (up before health says SERVING)
-        from services.gateway.openai_api import create_app, serve_http
-
-        app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id)
-        http, http_port, _ = await serve_http(app, args.host, args.http_port)
-    await server.start()
-    cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
-    print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
-    if http is not None:
-        print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1; metrics on "
-              f"http://{args.host}:{http_port}/metrics", flush=True)  # fmt: skip
-    try:
-        await server.serve_until_signal()
-    finally:
-        cleanup.cancel()
-        if http is not None:
-            http.should_exit = True
-
-
-async def _every(interval_s: float, job) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await job()
-        except Exception:
-            log.exception("periodic %s failed", job.__name__)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway",
-                                     description="Public gRPC API of the tandem cluster",
-                                     formatter_class=HelpFormatter)
-    add_gateway_args(parser)
-    args = parser.parse_args(argv)
-    if not args.redis_url:
-        parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")
-    instance_id = new_instance_id("gateway")
-    setup_logging("gateway", instance_id, args.log_format)
-    setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
-    asyncio.run(serve(args, instance_id))

@@ -1,0 +1,87 @@
+"""The gateway process: flags -> tokenizer, router and GatewayServicer -> the gRPC server (with health and
+reflection) and the OpenAI-compatible HTTP API (with /metrics) in one event loop, until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+
+from services.flags import HelpFormatter, add_gateway_args
+from services.gateway.router import Router
+from services.gateway.server import GatewayServicer
+from services.logs import setup_logging
+from services.server import Server, new_instance_id
+from services.tracing import setup_tracing
+from shared.config import EngineArgs
+from tandem.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def serve(args, instance_id: str) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from shared.block_hash import HashContract
+    from shared.model_files import default_model_dir
+    from shared.prefix_index import PrefixIndex
+    from shared.registry import Registry
+
+    torch.set_num_threads(1)
+    model_dir = args.model or default_model_dir()
+    model_config = EngineArgs.from_namespace(args).create_model_config(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    contract = HashContract(args.block_size, model_config.model_id, args.kv_dtype)
+    index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
+    router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
+                    args.local_prefill_tokens)
+    server = Server("gateway", instance_id, args.host, args.port)
+    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
+    reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
+                                         health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
+    http = None
+    if args.http_port >= 0:  # (up before health says SERVING)
+        from services.gateway.openai_api import create_app, serve_http
+
+        app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id)
+        http, http_port, _ = await serve_http(app, args.host, args.http_port)
+    await server.start()
+    cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
+    print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
+    if http is not None:
+        print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1; metrics on "
+              f"http://{args.host}:{http_port}/metrics", flush=True)  # fmt: skip
+    try:
+        await server.serve_until_signal()
+    finally:
+        cleanup.cancel()
+        if http is not None:
+            http.should_exit = True
+
+
+async def _every(interval_s: float, job) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await job()
+        except Exception:
+            log.exception("periodic %s failed", job.__name__)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway",
+                                     description="Public gRPC API of the tandem cluster",
+                                     formatter_class=HelpFormatter)
+    add_gateway_args(parser)
+    args = parser.parse_args(argv)
+    if not args.redis_url:
+        parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")
+    instance_id = new_instance_id("gateway")
+    setup_logging("gateway", instance_id, args.log_format)
+    setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
+    asyncio.run(serve(args, instance_id))
