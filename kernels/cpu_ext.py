@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "qgemm
                                                                "layer_ops.cpp", "thread_pool.cpp", "module.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h")]
 log = logging.getLogger(__name__)
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build
 
 
 @functools.cache
@@ -31,19 +33,34 @@ def extension():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("CPU kernels disabled: this CPU has no AVX2")
         return None
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     try:
         # NOTE: read here, not through shared.envs (kernels import nothing from shared); listed there.
         arch = os.environ.get("TANDEM_CPU_ARCH") or "native"
-        # headers are not sources ninja tracks: their digest in the name rebuilds when they change
-        digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:8]
-        return load(name=f"tandem_cpu_kernels_{arch.replace('-', '_')}_{digest}", sources=[str(s) for s in SOURCES],
+        # headers are not sources ninja tracks: their digest in the name rebuilds when they change; so does the
+        # checkout's path, so that two checkouts on one machine never rebuild over each other's build
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS) + str(SOURCES[0].parent).encode()).hexdigest()[:8]
+        name = f"tandem_cpu_kernels_{arch.replace('-', '_')}_{digest}"
+        _remove_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+        return load(name=name, sources=[str(s) for s in SOURCES],
                     # (no contraction of a * b + c into FMA unless written so: layer_ops rounds as torch does)
                     extra_cflags=["-O3", f"-march={arch}", "-ffp-contract=off"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: serve with the torch path
         log.warning("CPU kernels disabled: building %s failed: %s", ", ".join(s.name for s in SOURCES), e)
         return None
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch waits forever on a build's lock file; one left by a build that was killed (a service stopped while it
+    compiled) would hang every later start. A build takes minutes: a lock older than STALE_LOCK_S is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def set_num_threads(num_threads: int) -> None:
