@@ -16,8 +16,8 @@ import time
 
 import grpc
 
-from services.flags import (HelpFormatter, add_engine_args, add_observability_args, engine_argv, port_number,
-                           positive_int)
+from services.flags import (HelpFormatter, add_engine_args, add_observability_args, apply_env, engine_argv,
+                           port_number, positive_int)
 from shared import envs
 from shared.config import EngineArgs
 
@@ -207,6 +207,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                    help="the prefills' --max-num-batched-tokens (default: theirs, 512)")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
     add_observability_args(p)  # (passed to every process)
+    if argv[:1] == ["up"]:  # (the same environment variables as the services; not for --prompt's sampling flags)
+        apply_env(p)
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")
     add_sampling_args(p)
     p.set_defaults(func=cmd_up)

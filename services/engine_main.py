@@ -7,10 +7,10 @@ import asyncio
 import logging
 import sys
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from services.convert import stats_to_proto
-from services.flags import HelpFormatter, add_engine_service_args
+from services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
 from services.logs import setup_logging
 from services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
 from services.server import Server, new_instance_id
@@ -22,6 +22,8 @@ from shared.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc
 
 log = logging.getLogger(__name__)
+# The calls that bring a new request to an engine: refused while it drains (services/server.py)
+ADMISSION_METHODS = {"prefill": ("/tandem.v1.Prefill/Prefill",), "decode": ("/tandem.v1.Decode/Generate",)}
 
 
 class InstanceServicer(common_pb2_grpc.InstanceServicer):
@@ -34,20 +36,24 @@ class InstanceServicer(common_pb2_grpc.InstanceServicer):
         return stats_to_proto(await self.engine.stats())
 
 
-def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine, EngineMetrics], None],
+def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine, EngineMetrics], Any],
                 export_kv: bool = False, argv=None) -> None:
-    """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics), serve (gRPC, and
-    Prometheus metrics on --metrics-port) until SIGTERM/SIGINT.
+    """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics) -> the servicer
+    (its busy(): work that outlives its calls), serve (gRPC, and Prometheus metrics on --metrics-port) until
+    SIGTERM/SIGINT, then drain (services/server.py) and exit 0.
 
     Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
     find would look healthy and never get a request."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{tier}", description=description,
                                      formatter_class=HelpFormatter)  # fmt: skip
     add_engine_service_args(parser, tier)
+    apply_env(parser)
     args = parser.parse_args(argv)
+    args.advertise_host = args.advertise_host or own_address()
     if not args.redis_url and not args.standalone:
         parser.error("no registry: pass --redis-url (or set REDIS_URL), or --standalone to serve unregistered")
     instance_id = new_instance_id(tier)
+    print(settings_line(f"{tier} {instance_id}", args), flush=True)
     setup_logging(tier, instance_id, args.log_format)
     setup_tracing(tier, instance_id, args.otlp_traces_endpoint)
     try:
@@ -97,9 +103,9 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     metrics = EngineMetrics(tier, model_config.name, instance_id)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
-    server = Server(tier, instance_id, args.host, args.port)
+    server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier])
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
-    add_servicer(server, async_engine, metrics)
+    servicer = add_servicer(server, async_engine, metrics)
     common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
     incarnation = uuid.uuid4().hex[:12]  # this start of the instance: the prefix index trusts only its entries
     contract = engine.hash_contract if publish_index else None
@@ -127,21 +133,21 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     stats_log = asyncio.create_task(_log_stats(async_engine))
     stats_refresh = asyncio.create_task(_refresh_metrics(async_engine, metrics))
 
-    async def leave_registry() -> None:
+    async def leave_registry() -> None:  # (a drain's first step: the gateway stops routing here at once)
         stats_log.cancel()
-        stats_refresh.cancel()
+        if heartbeat:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)  # (no beat may land after the removal)
+            try:
+                await registry.remove(info)
+            except Exception as e:  # Redis may already be gone at shutdown
+                log.warning("could not deregister: %s", e)
         if publishing:
             publishing.cancel()
             try:
                 await publisher.remove_incarnation()
             except Exception as e:
                 log.warning("could not remove this instance's prefix index entries: %s", e)
-        if heartbeat:
-            heartbeat.cancel()
-            try:
-                await registry.remove(info)
-            except Exception as e:  # Redis may already be gone at shutdown
-                log.warning("could not deregister: %s", e)
 
     print(f"{tier} {instance_id} serving {model_config.model_id} on {info.address}"
           f"{'' if registry else ' (standalone)'}: {cache_config.num_blocks} KV blocks of {cache_config.block_size} "
@@ -151,6 +157,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
           f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}; "
           f"metrics on {metrics_url(args.advertise_host, metrics_port)}", flush=True)  # fmt: skip
     try:
-        await server.serve_until_signal(on_stop=leave_registry)
+        await server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy)
     finally:
+        stats_refresh.cancel()
         async_engine.stop()

@@ -6,6 +6,8 @@ Imports neither torch nor the engine, so the `tandem` CLI can build its parser q
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import socket
 from dataclasses import fields
 
@@ -25,6 +27,51 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 DEFAULT_METRICS_PORT = 9090  # engine services' Prometheus endpoint (the gateway's is on its --http-port)
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # below Kubernetes' default terminationGracePeriodSeconds (30 s) plus its preStop
+# Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
+ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+def env_name(dest: str) -> str:
+    """The environment variable that sets a service flag: --block-size -> TANDEM_BLOCK_SIZE (ENV_NAMES aside)."""
+    return ENV_NAMES.get(dest, f"TANDEM_{dest.upper()}")
+
+
+def apply_env(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Make each flag of parser (but those in skip) default to its environment variable (env_name) when set,
+    converted and checked as the flag would be, and name the variable in its help. A flag given on the command
+    line still wins. A bad value ends the program as a bad flag does (exit 2), naming the variable:
+    "$TANDEM_BLOCK_SIZE='x': invalid positive_int value". Run it after the last add_argument."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", *skip) or action.default == argparse.SUPPRESS:
+            continue
+        name = env_name(action.dest)
+        if action.help and f"${name}" not in action.help:
+            action.help += f" (${name})"
+        raw = os.environ.get(name, "")
+        if raw:
+            parser.set_defaults(**{action.dest: _env_value(parser, action, name, raw)})
+
+
+def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str):
+    if action.nargs == 0:  # a switch (--standalone, --no-enable-prefix-caching): a boolean
+        if raw.lower() not in _TRUE + _FALSE:
+            parser.error(f"${name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+        return raw.lower() in _TRUE
+    try:
+        value = action.type(raw) if action.type else raw
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+        detail = str(e) if isinstance(e, argparse.ArgumentTypeError) else f"invalid {action.type.__name__} value"
+        parser.error(f"${name}={raw!r}: {detail}")
+    if action.choices is not None and value not in action.choices:
+        parser.error(f"${name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+    return value
+
+
+def settings_line(name: str, args: argparse.Namespace) -> str:
+    """What a service prints at start: every setting it runs with, flags and environment resolved."""
+    return f"{name} settings: {json.dumps(vars(args), sort_keys=True, default=str)}"
+
 
 def positive_int(value: str) -> int:
     number = int(value)
@@ -42,6 +89,16 @@ def unit_fraction(value: str) -> float:
     if not 0 < fraction <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r}")
     return fraction
+
+
+def positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return number
 
 
 def port_number(value: str) -> int:
@@ -105,9 +162,12 @@ def _flag(name: str) -> str:
 
 
 def add_listen_args(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """Where a service listens: --host, --port (0 picks a free one)."""
+    """Where a service listens: --host, --port (0 picks a free one); how long it drains when told to stop."""
     parser.add_argument("--host", default="0.0.0.0", help="address to bind")
-    parser.add_argument("--port", type=port_number, default=default_port, help="0 picks a free port")
+    parser.add_argument("--port", type=port_number, default=default_port, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--drain-timeout", type=positive_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="seconds a stopping service (SIGTERM) gives its requests in flight to finish; new ones "
+                             "are refused meanwhile, and those still running then are cancelled")  # fmt: skip
 
 
 def add_registry_args(parser: argparse.ArgumentParser, required_unless: str = "") -> None:
@@ -133,9 +193,8 @@ def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
     add_listen_args(parser, default_port=0)
     add_registry_args(parser, required_unless=" unless --standalone")
     add_observability_args(parser)
-    parser.add_argument("--advertise-host", default=envs.TANDEM_ADVERTISE_HOST or _own_address(),
-                        help="host or IP other services use to reach this one ($TANDEM_ADVERTISE_HOST, else this "
-                             "host's IP)")  # fmt: skip
+    parser.add_argument("--advertise-host", default=None,
+                        help="host or IP other services use to reach this one (default: this host's IP)")
     parser.add_argument("--standalone", action="store_true",
                         help="serve without a registry (nothing can route to this instance but direct calls)")
     parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT,
@@ -162,8 +221,47 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                              "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
 
 
-def _own_address() -> str:
+def settings_table() -> str:
+    """The README's table of every service setting (Markdown): flag, environment variable, default in each
+    service ("-": the service has no such flag), meaning; built from the parsers in an environment without the
+    variables, so it shows the code's defaults. `python -m services.flags` prints it."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("TANDEM_", "OTEL_")) or k == "REDIS_URL"}
+    try:
+        parsers = {}
+        for service in ("prefill", "decode", "gateway"):
+            parsers[service] = argparse.ArgumentParser()
+            if service == "gateway":
+                add_gateway_args(parsers[service])
+            else:
+                add_engine_service_args(parsers[service], service)
+    finally:
+        os.environ.update(saved)
+    actions = {service: {a.dest: a for a in p._actions if a.option_strings and a.dest != "help"}
+               for service, p in parsers.items()}  # fmt: skip
+    dests = list(dict.fromkeys([*actions["decode"], *actions["gateway"]]))
+    rows = ["| flag | environment | prefill | decode | gateway | meaning |", "| --- | --- | --- | --- | --- | --- |"]
+    for dest in dests:
+        cells = [_default_cell(actions[service].get(dest)) for service in parsers]
+        action = next(actions[service][dest] for service in parsers if dest in actions[service])
+        meaning = action.help.replace(f" (${env_name(dest)})", "").replace("|", "\\|")
+        rows.append(f"| `{action.option_strings[0]}` | `{env_name(dest)}` | {' | '.join(cells)} | {meaning} |")
+    return "\n".join(rows)
+
+
+def _default_cell(action: argparse.Action | None) -> str:
+    if action is None:
+        return "-"
+    if action.default is None or action.default is False:
+        return "none" if action.nargs != 0 and action.default is None else "off"
+    return "on" if action.default is True else f"{action.default}"
+
+
+def own_address() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+if __name__ == "__main__":
+    print(settings_table())

@@ -53,6 +53,20 @@ def error_code(error: BaseException) -> grpc.StatusCode:
     return status_for(error, "", "")[0] if isinstance(error, Exception) else grpc.StatusCode.UNKNOWN
 
 
+# Trailing metadata of the errors our interceptors write: the peer answered (alive), or refused while draining
+ANSWERED_BY_KEY, DRAINING_KEY = "tandem-answered-by", "tandem-draining"
+
+
+def peer_is_down(error: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call means its callee is gone or going: UNAVAILABLE from the transport (no interceptor
+    of ours answered: unreachable, killed) or a drain's refusal; not an error the callee passed on from a
+    peer of its own (a prefill whose decode failed is itself alive)."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    keys = {key for key, _ in error.trailing_metadata() or ()}
+    return DRAINING_KEY in keys or ANSWERED_BY_KEY not in keys
+
+
 def upstream_error(error: grpc.aio.AioRpcError, tier: str, instance_id: str, doing: str) -> UpstreamError:
     """A failed call to a peer as an UpstreamError with the peer's code, naming it by tier and instance id.
     The peer's details are passed on only where its own interceptor wrote them; the rest go to the log."""
@@ -73,27 +87,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
-            )
-        return handler
+        return handler and rewrap_handler(handler, self._wrap_unary, self._wrap_stream)
 
     async def _abort(self, context, error: Exception):
         code, message = status_for(error, self.tier, self.instance_id)
         if code == grpc.StatusCode.INTERNAL and not isinstance(error, UpstreamError):
             log.error("unhandled error", exc_info=error)
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata=((ANSWERED_BY_KEY, self.instance_id),))
 
     def _wrap_unary(self, fn):
         async def wrapper(request, context):
@@ -120,3 +120,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await self._abort(context, e)
 
         return wrapper
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream,
+                   wrap_client_stream=None) -> grpc.RpcMethodHandler:
+    """handler with its behaviour wrapped: wrap_unary(fn) for unary-unary, wrap_stream(fn) for unary-stream,
+    wrap_client_stream(fn) (default wrap_unary) for stream-unary; a bidirectional handler is returned as it is.
+    What every server interceptor here does with grpc.aio's handler API."""
+    serializers = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *serializers)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), *serializers)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler((wrap_client_stream or wrap_unary)(handler.stream_unary),
+                                                    *serializers)
+    return handler

@@ -27,7 +27,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from services import tracing
-from services.grpc_errors import error_code
+from services.grpc_errors import error_code, rewrap_handler
 from services.logs import request_id_var, set_request_id
 
 TRACED_PREFIX = "/tandem."
@@ -42,17 +42,8 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(TRACED_PREFIX):
             return handler
         call = _Call(method, handler_call_details.invocation_metadata)
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                call.wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                call.wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                call.wrap_unary(handler.stream_unary, streaming=True), handler.request_deserializer,
-                handler.response_serializer)  # fmt: skip
-        return handler
+        return rewrap_handler(handler, call.wrap_unary, call.wrap_stream,
+                              lambda fn: call.wrap_unary(fn, streaming=True))
 
 
 class _Call:

@@ -150,6 +150,16 @@ class LocalCluster:
             for proc in group:
                 _wait_or_kill(proc)
 
+    def terminate(self, name: str, timeout_s: float = 60) -> int:
+        """SIGTERM one child, as an orchestrator stopping it does (an engine drains: services/server.py), and wait
+        for it to exit; returns its exit code. TimeoutError if it is still running after timeout_s."""
+        proc = self.processes[name]
+        proc.terminate()
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{name} did not exit within {timeout_s:.0f}s of SIGTERM") from None
+
     def kill(self, name: str) -> None:
         """SIGKILL one child (e.g. "prefill0"), as a crash would: it does not deregister."""
         self.processes[name].kill()
@@ -162,12 +172,12 @@ class LocalCluster:
         if self.processes[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
         address = self.addresses.get(name)
-        old = self._registered_at(address) if address else set()
+        old = self.registered_at(address) if address else set()
         self._spawn(name, self.argv[name])
         deadline = time.monotonic() + timeout_s
         while address:
             self.check_alive()
-            now = self._registered_at(address)
+            now = self.registered_at(address)
             if now and not now & old:
                 break
             if time.monotonic() > deadline:
@@ -175,7 +185,7 @@ class LocalCluster:
             time.sleep(0.3)
         self.wait_ready(max(1.0, deadline - time.monotonic()))
 
-    def _registered_at(self, address: str) -> set[bytes]:
+    def registered_at(self, address: str) -> set[bytes]:
         """Registry keys of the instances whose record gives this address."""
         client = redis.Redis.from_url(self.redis_url)
         try:

@@ -1,9 +1,16 @@
 """The gRPC server every service runs: the request-context interceptor (request id for logs, trace spans:
-services/grpc_tracing.py) and the error interceptor, raised message limits, the standard health service, and a
-graceful stop on SIGTERM/SIGINT (health NOT_SERVING first, then in-flight calls get a grace)."""
+services/grpc_tracing.py), the drain interceptor and the error interceptor, raised message limits, the standard
+health service, and the drain on SIGTERM/SIGINT.
+
+Drain (what Kubernetes' pod termination and a rolling restart expect): health reports NOT_SERVING at once, new
+calls of the admission methods (those that start a request here) are refused with UNAVAILABLE, which the gateway
+answers by placing the request elsewhere; on_drain runs (an engine leaves the registry, so the gateway stops
+routing to it); calls in flight (and whatever busy() reports, e.g. KV still streaming out) get up to
+drain_timeout_s to finish; then the server stops, cancelling what is left."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import uuid
 from typing import Awaitable, Callable
@@ -11,9 +18,11 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.grpc_errors import ErrorInterceptor
-from services.grpc_tracing import RequestContextInterceptor
+from services.flags import DEFAULT_DRAIN_TIMEOUT_S
+from services.grpc_errors import DRAINING_KEY, ErrorInterceptor, rewrap_handler
+from services.grpc_tracing import TRACED_PREFIX, RequestContextInterceptor
 
+log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -27,15 +36,69 @@ def new_instance_id(tier: str) -> str:
     return f"{tier}-{uuid.uuid4().hex[:8]}"
 
 
+class DrainInterceptor(grpc.aio.ServerInterceptor):
+    """Counts the project's calls in flight (tandem.v1.*) and, once draining, refuses new calls whose method
+    starts with one of admission_prefixes ("/tandem.v1.Decode/Generate") with UNAVAILABLE."""
+
+    def __init__(self, tier: str, instance_id: str, admission_prefixes: tuple[str, ...]):
+        self.tier, self.instance_id, self.admission_prefixes = tier, instance_id, admission_prefixes
+        self.draining = False
+        self.in_flight = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(TRACED_PREFIX):
+            return handler
+        refuse = self.draining and method.startswith(self.admission_prefixes)
+        return rewrap_handler(handler, lambda fn: self._wrap_unary(fn, refuse), lambda fn: self._wrap_stream(fn, refuse))
+
+    async def _refuse(self, context) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.tier} {self.instance_id} is draining (shutting "
+                            "down): it takes no new requests", trailing_metadata=((DRAINING_KEY, "1"),))  # fmt: skip
+
+    def _wrap_unary(self, fn, refuse: bool):
+        async def wrapper(request, context):
+            if refuse:
+                await self._refuse(context)
+            self.in_flight += 1
+            try:
+                return await fn(request, context)
+            finally:
+                self.in_flight -= 1
+
+        return wrapper
+
+    def _wrap_stream(self, fn, refuse: bool):
+        async def wrapper(request, context):
+            if refuse:
+                await self._refuse(context)
+            self.in_flight += 1
+            responses = fn(request, context)
+            try:
+                async for item in responses:
+                    yield item
+            finally:
+                try:
+                    await responses.aclose()  # (the handler's own cleanup runs now, before the count drops)
+                finally:
+                    self.in_flight -= 1
+
+        return wrapper
+
+
 class Server:
-    """An asyncio gRPC server bound to host:port (0 picks a free port: see .port).
+    """An asyncio gRPC server bound to host:port (0 picks a free port: see .port). admission_prefixes: the
+    methods a drain refuses (see the module docstring).
 
     OSError if the address cannot be bound.
     """
 
-    def __init__(self, tier: str, instance_id: str, host: str, port: int):
-        self.tier, self.instance_id = tier, instance_id
-        interceptors = [RequestContextInterceptor(), ErrorInterceptor(tier, instance_id)]  # (outermost first)
+    def __init__(self, tier: str, instance_id: str, host: str, port: int,
+                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, admission_prefixes: tuple[str, ...] = ()):
+        self.tier, self.instance_id, self.drain_timeout_s = tier, instance_id, drain_timeout_s
+        self.drain = DrainInterceptor(tier, instance_id, admission_prefixes)
+        interceptors = [RequestContextInterceptor(), self.drain, ErrorInterceptor(tier, instance_id)]  # outermost first
         self.grpc = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         self.port = self.grpc.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
@@ -48,15 +111,26 @@ class Server:
         await self.grpc.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
-    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serve until SIGTERM or SIGINT; then report NOT_SERVING, await on_stop() (e.g. leave the registry)
-        and stop, giving in-flight calls STOP_GRACE_S seconds."""
+    async def serve_until_signal(self, on_drain: Callable[[], Awaitable[None]] | None = None,
+                                 busy: Callable[[], bool] = lambda: False) -> None:
+        """Serve until SIGTERM or SIGINT, then drain (module docstring): NOT_SERVING, refuse new requests,
+        await on_drain(), wait until no call is in flight and not busy() (at most drain_timeout_s), stop."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        log.info("draining: %d calls in flight, up to %.0f s to finish", self.drain.in_flight, self.drain_timeout_s)
         await self.health.enter_graceful_shutdown()
-        if on_stop is not None:
-            await on_stop()
+        self.drain.draining = True
+        if on_drain is not None:
+            await on_drain()
+        deadline = loop.time() + self.drain_timeout_s
+        while (self.drain.in_flight or busy()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.drain.in_flight or busy():
+            log.warning("drain timeout (%.0f s): cancelling %d calls still in flight", self.drain_timeout_s,
+                        self.drain.in_flight)  # fmt: skip
+        else:
+            log.info("drained: no call in flight")
         await self.grpc.stop(grace=STOP_GRACE_S)

@@ -58,6 +58,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.engine.abort(req.request_id)
                 log.info("request %s aborted: the gateway closed the stream", req.request_id)
 
+    def busy(self) -> bool:
+        """False: every request here lives in a Generate call, which a drain waits for."""
+        return False
+
     async def TransferKV(self, request_iterator, context):
         num_blocks = 0
         request_id = None
@@ -86,7 +90,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
 
 
+def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics) -> DecodeServicer:
+    servicer = DecodeServicer(engine, server.instance_id, metrics)
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
+    return servicer
+
+
 def main(argv=None) -> None:
-    engine_main("decode", "Decode tier: continuous batching over paged KV", argv=argv,
-                add_servicer=lambda server, engine, metrics: decode_pb2_grpc.add_DecodeServicer_to_server(
-                    DecodeServicer(engine, server.instance_id, metrics), server.grpc))  # fmt: skip
+    engine_main("decode", "Decode tier: continuous batching over paged KV", _add_servicer, argv=argv)

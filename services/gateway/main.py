@@ -10,7 +10,7 @@ from pathlib import Path
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from services.flags import HelpFormatter, add_gateway_args
+from services.flags import HelpFormatter, add_gateway_args, apply_env, settings_line
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer
 from services.logs import setup_logging
@@ -39,29 +39,33 @@ async def serve(args, instance_id: str) -> None:
     index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
                     args.local_prefill_tokens)
-    server = Server("gateway", instance_id, args.host, args.port)
+    server = Server("gateway", instance_id, args.host, args.port, args.drain_timeout, ("/tandem.v1.Gateway/",))
     servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
-    http = None
+    http = http_task = None
     if args.http_port >= 0:  # (up before health says SERVING)
         from services.gateway.openai_api import create_app, serve_http
 
         app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id)
-        http, http_port, _ = await serve_http(app, args.host, args.http_port)
+        http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout)
     await server.start()
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
     print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
     if http is not None:
         print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1; metrics on "
               f"http://{args.host}:{http_port}/metrics", flush=True)  # fmt: skip
-    try:
-        await server.serve_until_signal()
-    finally:
-        cleanup.cancel()
+
+    async def stop_http() -> None:  # (uvicorn stops accepting, and finishes the requests it has)
         if http is not None:
             http.should_exit = True
+
+    try:
+        await server.serve_until_signal(on_drain=stop_http, busy=lambda: http_task is not None and not http_task.done())
+    finally:
+        cleanup.cancel()
+        await stop_http()
 
 
 async def _every(interval_s: float, job) -> None:
@@ -78,10 +82,12 @@ def main(argv=None) -> None:
                                      description="Public gRPC API of the tandem cluster",
                                      formatter_class=HelpFormatter)
     add_gateway_args(parser)
+    apply_env(parser)
     args = parser.parse_args(argv)
     if not args.redis_url:
         parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")
     instance_id = new_instance_id("gateway")
+    print(settings_line(f"gateway {instance_id}", args), flush=True)
     setup_logging("gateway", instance_id, args.log_format)
     setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
     asyncio.run(serve(args, instance_id))

@@ -276,9 +276,10 @@ async def _first_messages(messages, num_streams: int, instance_id: str) -> list:
     return first
 
 
-async def serve_http(app: FastAPI, host: str, port: int):
+async def serve_http(app: FastAPI, host: str, port: int, drain_timeout_s: float):
     """Start uvicorn for app on host:port (0: any free port) inside the running event loop, without its own
-    signal handling (the gateway's Server handles SIGTERM). Returns (uvicorn.Server, bound port, serving task).
+    signal handling (the gateway's Server handles SIGTERM; once should_exit is set, requests in flight get
+    drain_timeout_s to finish). Returns (uvicorn.Server, bound port, serving task).
     OSError if the address cannot be bound."""
     import uvicorn
 
@@ -286,6 +287,7 @@ async def serve_http(app: FastAPI, host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=drain_timeout_s,
                             log_config=None)  # (its lines go through the gateway's own log format: services/logs.py)
     server = uvicorn.Server(config)
     server.capture_signals = _no_signals  # type: ignore[method-assign]

@@ -81,13 +81,23 @@ class Router:
         self._index_down = False
         # (instance id, incarnation) -> {block hash: when the hint expires}, oldest first
         self._routed: dict[tuple[str, str], OrderedDict[BlockHash, float]] = {}
+        self._down: dict[str, float] = {}  # instance id -> until when routing avoids it (mark_down)
 
     async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
-        """Live instances of tier for this model, leaving out skip. NoInstanceError when none is left."""
+        """Live instances of tier for this model, leaving out skip, and those marked down unless no other is
+        left. NoInstanceError when none is left."""
         found = [i for i in await self.registry.list_instances(tier, self.model_id) if i.instance_id not in skip]
         if not found:
             raise NoInstanceError(f"no live {tier} instance is registered for model {self.model_id}")
-        return found
+        now = time.monotonic()
+        return [i for i in found if self._down.get(i.instance_id, 0) <= now] or found
+
+    def mark_down(self, instance: InstanceInfo) -> None:
+        """A call to instance failed as unreachable or draining: route around it until its registry record has
+        expired (one TTL), not only for the request that saw it fail."""
+        if self._down.get(instance.instance_id, 0) <= time.monotonic():
+            log.warning("%s %s is unreachable or draining: not routing to it", instance.tier, instance.instance_id)
+        self._down[instance.instance_id] = time.monotonic() + self.registry.ttl_s
 
     @traced("route", result_attributes=route_attributes)
     async def route(self, prompt_ids: list[int], max_total_tokens: int, cache_salt: str | None = None,
@@ -207,6 +217,8 @@ class Router:
             live.update({i.instance_id: i.incarnation for i in await self.registry.list_instances(tier)})
         for key in [k for k in self._routed if live.get(k[0]) != k[1]]:
             del self._routed[key]
+        now = time.monotonic()
+        self._down = {i: until for i, until in self._down.items() if until > now}
         try:
             await self.index.cleanup(live)
         except IndexUnavailableError:

@@ -18,7 +18,7 @@ from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router, SharedPrompt
 from services.gateway.metrics import GatewayMetrics
-from services.grpc_errors import error_code, upstream_error
+from services.grpc_errors import error_code, peer_is_down, upstream_error
 from services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
 from shared.config import ModelConfig
 from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
@@ -352,6 +352,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise last_error from None
                 log.warning("request %s: placing it again", request_id)
                 skipped.add(failed.instance_id)
+                if peer_is_down(e):
+                    self.router.mark_down(failed)
             except BaseException:
                 decode_call.cancel()
                 raise

@@ -98,6 +98,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
                                            prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
 
+    def busy(self) -> bool:
+        """True while KV still streams to a decode after its Prefill call returned (a drain waits for it)."""
+        return bool(self._transfers)
+
     def _transfer_done(self, task: asyncio.Task, request_id: str, decode_id: str, num_blocks_sent: int,
                        start: float) -> None:
         self._transfers.discard(task)
@@ -118,7 +122,11 @@ async def _drain(outbox: asyncio.Queue):
         yield msg
 
 
+def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics) -> PrefillServicer:
+    servicer = PrefillServicer(engine, metrics)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
+    return servicer
+
+
 def main(argv=None) -> None:
-    engine_main("prefill", "Prefill tier: chunked prefill + KV shipping", export_kv=True, argv=argv,
-                add_servicer=lambda server, engine, metrics: prefill_pb2_grpc.add_PrefillServicer_to_server(
-                    PrefillServicer(engine, metrics), server.grpc))  # fmt: skip
+    engine_main("prefill", "Prefill tier: chunked prefill + KV shipping", _add_servicer, export_kv=True, argv=argv)
