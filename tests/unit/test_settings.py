@@ -10,36 +10,66 @@ from pathlib import Path
 
 import pytest
 
-from services.flags import add_engine_service_args, add_gateway_args
+from services.flags import add_engine_service_args, add_gateway_args, apply_env, settings_table
 from shared.config import TIER_DEFAULTS, EngineArgs
 from shared.request import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def readme_flag_defaults() -> dict[str, str]:
-    """{field name: the default cell} of the README's engine flag table."""
-    section = (REPO / "README.md").read_text().split("## Service flags", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `--([a-z-]+)` \| ([^|]+) \|", section, flags=re.M)
-    return {flag.replace("-", "_"): cell.strip() for flag, cell in rows}
-
-
-def test_readme_flag_table_lists_every_engine_setting_with_the_code_default():
-    documented = readme_flag_defaults()
-    assert set(documented) == {f.name for f in fields(EngineArgs)}
-    for f in fields(EngineArgs):
-        cell = documented[f.name]
-        if f.name in TIER_DEFAULTS["decode"]:
-            assert cell == ", ".join(f"{tier} {d[f.name]}" for tier, d in TIER_DEFAULTS.items()), f.name
-        elif f.default is None:
-            assert not re.match(r"\d", cell), f"{f.name}: the README gives a value, the code has none"
-        else:
-            assert cell.split()[0] == str(f.default), f.name
-
-
-def test_readme_gateway_default_max_tokens_is_the_code_default():
+def test_readme_settings_table_is_the_one_the_parsers_make():
     readme = (REPO / "README.md").read_text()
-    assert f"`--default-max-tokens` ({SamplingParams.max_tokens})" in readme
+    table = readme.split("<!-- settings table: python -m services.flags -->\n", 1)[1].split("\n<!-- end", 1)[0]
+    assert table == settings_table()
+
+
+def test_settings_table_lists_every_engine_setting_with_the_code_default():
+    rows = {row.split(" | ")[0].strip("| `-").replace("-", "_"): row.split(" | ")
+            for row in settings_table().splitlines()[2:]}  # fmt: skip
+    assert {f.name for f in fields(EngineArgs)} <= set(rows)
+    for f in fields(EngineArgs):
+        for column, tier in ((2, "prefill"), (3, "decode")):
+            default = TIER_DEFAULTS[tier].get(f.name, f.default)
+            expected = "none" if default is None else ("on" if default else "off") if isinstance(default, bool) \
+                else str(default)
+            assert rows[f.name][column] == expected, (f.name, tier)
+    assert rows["default_max_tokens"][4] == str(SamplingParams.max_tokens)
+
+
+def make_parser(build, *args) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    build(parser, *args)
+    apply_env(parser)
+    return parser
+
+
+def test_every_flag_reads_its_environment_variable_and_a_flag_given_wins(monkeypatch):
+    monkeypatch.setenv("TANDEM_BLOCK_SIZE", "32")
+    monkeypatch.setenv("TANDEM_DRAIN_TIMEOUT", "2.5")
+    monkeypatch.setenv("TANDEM_STANDALONE", "true")
+    monkeypatch.setenv("TANDEM_ENABLE_PREFIX_CACHING", "0")
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("TANDEM_ROUTING", "round-robin")
+    args = make_parser(add_engine_service_args, "decode").parse_args([])
+    assert (args.block_size, args.drain_timeout, args.standalone, args.enable_prefix_caching, args.redis_url) == (
+        32, 2.5, True, False, "redis://127.0.0.1:1/0")
+    assert make_parser(add_engine_service_args, "decode").parse_args(["--block-size", "8"]).block_size == 8
+    assert make_parser(add_gateway_args).parse_args([]).routing == "round-robin"
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("TANDEM_BLOCK_SIZE", "x", "$TANDEM_BLOCK_SIZE='x': invalid positive_int value"),
+    ("TANDEM_NUM_BLOCKS", "0", "$TANDEM_NUM_BLOCKS='0': must be a positive integer"),
+    ("TANDEM_PORT", "70000", "$TANDEM_PORT='70000': must be a port"),
+    ("TANDEM_DRAIN_TIMEOUT", "-1", "$TANDEM_DRAIN_TIMEOUT='-1': expected a number of seconds > 0"),
+    ("TANDEM_LOG_FORMAT", "xml", "$TANDEM_LOG_FORMAT='xml': choose from text, json"),
+    ("TANDEM_STANDALONE", "maybe", "$TANDEM_STANDALONE='maybe': expected one of"),
+])  # fmt: skip
+def test_a_bad_environment_value_refuses_to_start_naming_the_variable(variable, value, message, monkeypatch, capsys):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_:
+        make_parser(add_engine_service_args, "prefill")
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_public_proto_defaults_are_the_sampling_defaults():
@@ -73,7 +103,7 @@ def test_public_proto_defaults_are_the_sampling_defaults():
 @pytest.mark.parametrize("tier", ["prefill", "decode"])
 def test_engine_flags_default_to_engine_args_and_the_tier(tier, monkeypatch):
     for variable in ("TANDEM_MODEL", "TANDEM_QUANTIZATION", "TANDEM_THREADS"):
-        monkeypatch.delenv(variable, raising=False)
+        monkeypatch.delenv(variable, raising=False)  # (the parsers without apply_env still read these three)
     parser = argparse.ArgumentParser()
     add_engine_service_args(parser, tier)
     args = EngineArgs.from_namespace(parser.parse_args([]))
