@@ -13,7 +13,7 @@ from services.convert import stats_to_proto
 from services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
 from services.logs import setup_logging
 from services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
-from services.server import Server, new_instance_id
+from services.server import Server, exit_on_signal_while_starting, new_instance_id
 from services.tracing import setup_tracing
 from shared.async_engine import AsyncEngine, build_engine
 from shared.config import EngineArgs
@@ -56,6 +56,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     print(settings_line(f"{tier} {instance_id}", args), flush=True)
     setup_logging(tier, instance_id, args.log_format)
     setup_tracing(tier, instance_id, args.otlp_traces_endpoint)
+    exit_on_signal_while_starting()
     try:
         asyncio.run(_serve(args, tier, instance_id, add_servicer, export_kv))
     except (ValueError, OSError) as e:  # a model or setting that cannot be served: one line, no traceback

@@ -31,6 +31,16 @@ GRPC_OPTIONS = [
 STOP_GRACE_S = 2.0
 
 
+def exit_on_signal_while_starting() -> None:
+    """Until serve_until_signal takes over, SIGTERM/SIGINT end the process at once (exit 0): a service still
+    loading its model has nothing to drain, and as a container's PID 1 it would otherwise ignore SIGTERM."""
+    def leave(signum, frame):
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, leave)
+
+
 def new_instance_id(tier: str) -> str:
     """A fresh id for a process of a tier ("decode-1a2b3c4d"): what logs, the registry and errors call it."""
     return f"{tier}-{uuid.uuid4().hex[:8]}"

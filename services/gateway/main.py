@@ -14,7 +14,7 @@ from services.flags import HelpFormatter, add_gateway_args, apply_env, settings_
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer
 from services.logs import setup_logging
-from services.server import Server, new_instance_id
+from services.server import Server, exit_on_signal_while_starting, new_instance_id
 from services.tracing import setup_tracing
 from shared.config import EngineArgs
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -90,4 +90,5 @@ def main(argv=None) -> None:
     print(settings_line(f"gateway {instance_id}", args), flush=True)
     setup_logging("gateway", instance_id, args.log_format)
     setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
+    exit_on_signal_while_starting()
     asyncio.run(serve(args, instance_id))
