@@ -83,7 +83,8 @@ async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
 
 
 async def _refresh_metrics(engine: AsyncEngine, metrics: EngineMetrics) -> None:
-    """Keep the metrics' EngineStats snapshot at most STATS_REFRESH_S old (a scrape never waits on the engine)."""
+    """Keep the metrics' EngineStats snapshot at most STATS_REFRESH_S old, or as old as the engine's current step
+    (a scrape and a heartbeat never wait on the engine)."""
     while True:
         metrics.stats.stats = await engine.stats()
         await asyncio.sleep(STATS_REFRESH_S)
@@ -115,12 +116,16 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
                         hash_contract=contract.to_dict() if contract else None)  # fmt: skip
 
     async def current_info() -> InstanceInfo:
-        stats = await async_engine.stats()
+        # The last snapshot, never a wait on the engine: a long step must not stop the heartbeat (the instance
+        # would drop out of the registry while it works).
+        stats = metrics.stats.stats
         info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
             stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
         return info
 
+    metrics.stats.stats = await async_engine.stats()  # (the first registration carries the real load)
     await server.start()
+    stats_refresh = asyncio.create_task(_refresh_metrics(async_engine, metrics))
     heartbeat = publisher = publishing = None
     if registry:
         try:  # registered before its first index entry: the gateway's cleanup drops unregistered incarnations
@@ -132,7 +137,6 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         publisher = KVEventPublisher(args.redis_url, instance_id, incarnation, contract, async_engine.kv_snapshot)
         publishing = asyncio.create_task(publisher.run(async_engine.kv_events))
     stats_log = asyncio.create_task(_log_stats(async_engine))
-    stats_refresh = asyncio.create_task(_refresh_metrics(async_engine, metrics))
 
     async def leave_registry() -> None:  # (a drain's first step: the gateway stops routing here at once)
         stats_log.cancel()
