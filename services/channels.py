@@ -1,6 +1,12 @@
 """ChannelPool: one gRPC channel per peer address, opened on first use, with the raised message limits and, when
-tracing is on, the interceptors that carry the trace context to the peer (services/grpc_tracing.py)."""
+tracing is on, the interceptors that carry the trace context to the peer (services/grpc_tracing.py).
+
+A channel to an address where another instance now serves (a restart on the same port) is replaced: the old
+one may still be backing off from reconnect failures to the dead process, and would refuse calls for seconds.
+Reconnect backoff is capped at RECONNECT_BACKOFF_MAX_MS for the same reason."""
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -8,12 +14,26 @@ from services.grpc_tracing import client_interceptors
 from services.server import GRPC_OPTIONS
 
 
+RECONNECT_BACKOFF_MAX_MS = 1000
+# (a local subchannel pool: with gRPC's global one, a new channel would share the old one's connection state)
+CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
+                                  ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+                                  ("grpc.use_local_subchannel_pool", 1)]
+
+
 class ChannelPool:
     def __init__(self):
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[str | None, grpc.aio.Channel]] = {}  # address -> (instance id, channel)
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS,
-                                                                interceptors=client_interceptors())
-        return self._channels[address]
+    def get(self, address: str, instance_id: str | None = None) -> grpc.aio.Channel:
+        """The channel to address; instance_id: who serves there now (None: whoever), a new one gets a new
+        channel."""
+        known = self._channels.get(address)
+        if known is None or (instance_id is not None and known[0] not in (None, instance_id)):
+            if known is not None:
+                asyncio.ensure_future(known[1].close(grace=None))  # (its calls have failed already)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+            self._channels[address] = (instance_id, channel)
+        elif known[0] is None and instance_id is not None:
+            self._channels[address] = (instance_id, known[1])
+        return self._channels[address][1]

@@ -16,8 +16,8 @@ import time
 
 import grpc
 
-from services.flags import (HelpFormatter, add_engine_args, add_observability_args, apply_env, engine_argv,
-                           port_number, positive_int)
+from services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_observability_args, apply_env,
+                           engine_argv, port_number, positive_int)
 from shared import envs
 from shared.config import EngineArgs
 
@@ -151,7 +151,7 @@ def cmd_up(args) -> int:
                            num_prefill=args.prefill,
                            num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
                            gateway_args=engine_argv(engine_args, groups=("model",)) + observability,
-                           log_dir=args.log_dir)  # fmt: skip
+                           log_dir=args.log_dir, drain_timeout_s=args.drain_timeout)  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
     try:
@@ -207,8 +207,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                    help="the prefills' --max-num-batched-tokens (default: theirs, 512)")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
     add_observability_args(p)  # (passed to every process)
+    add_drain_arg(p)
     if argv[:1] == ["up"]:  # (the same environment variables as the services; not for --prompt's sampling flags)
-        apply_env(p)
+        apply_env(p, argv)
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")
     add_sampling_args(p)
     p.set_defaults(func=cmd_up)

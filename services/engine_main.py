@@ -47,7 +47,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     parser = argparse.ArgumentParser(prog=f"python -m services.{tier}", description=description,
                                      formatter_class=HelpFormatter)  # fmt: skip
     add_engine_service_args(parser, tier)
-    apply_env(parser)
+    apply_env(parser, argv)
     args = parser.parse_args(argv)
     args.advertise_host = args.advertise_host or own_address()
     if not args.redis_url and not args.standalone:

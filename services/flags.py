@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from dataclasses import fields
 
 from services.logs import LOG_FORMATS
@@ -31,26 +32,37 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # below Kubernetes' default terminationGracePeri
 # Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
 ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+EXCLUDES = {"num_blocks": "memory_utilization", "memory_utilization": "num_blocks"}  # settings giving one thing
 
 def env_name(dest: str) -> str:
     """The environment variable that sets a service flag: --block-size -> TANDEM_BLOCK_SIZE (ENV_NAMES aside)."""
     return ENV_NAMES.get(dest, f"TANDEM_{dest.upper()}")
 
 
-def apply_env(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def apply_env(parser: argparse.ArgumentParser, argv: list[str] | None = None, skip: tuple[str, ...] = ()) -> None:
     """Make each flag of parser (but those in skip) default to its environment variable (env_name) when set,
     converted and checked as the flag would be, and name the variable in its help. A flag given on the command
-    line still wins. A bad value ends the program as a bad flag does (exit 2), naming the variable:
+    line (argv, default sys.argv[1:]) still wins, also over the variable of a setting it excludes (--num-blocks
+    and --memory-utilization). A bad value ends the program as a bad flag does (exit 2), naming the variable:
     "$TANDEM_BLOCK_SIZE='x': invalid positive_int value". Run it after the last add_argument."""
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", *skip) or action.default == argparse.SUPPRESS:
-            continue
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a.dest for a in parser._actions for option in a.option_strings
+             for token in argv if token == option or token.startswith(option + "=")}  # fmt: skip
+    actions = [a for a in parser._actions
+               if a.option_strings and a.dest not in ("help", *skip) and a.default != argparse.SUPPRESS]  # fmt: skip
+    defaults = {}
+    for action in actions:
         name = env_name(action.dest)
         if action.help and f"${name}" not in action.help:
             action.help += f" (${name})"
         raw = os.environ.get(name, "")
-        if raw:
-            parser.set_defaults(**{action.dest: _env_value(parser, action, name, raw)})
+        if raw and EXCLUDES.get(action.dest) not in given:
+            defaults[action.dest] = _env_value(parser, action, name, raw)
+    chosen = given | set(defaults)
+    for action in actions:  # a setting chosen drops the default of the one it excludes (no default pool size)
+        if EXCLUDES.get(action.dest) in chosen and action.dest not in chosen:
+            defaults[action.dest] = None
+    parser.set_defaults(**defaults)
 
 
 def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str):
@@ -91,6 +103,18 @@ def unit_fraction(value: str) -> float:
     return fraction
 
 
+def non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
+
+
+def http_port_number(value: str) -> int:
+    """argparse type: a port, 0 (any free one) or -1 (no HTTP API)."""
+    return -1 if value.strip() == "-1" else port_number(value)
+
+
 def positive_float(value: str) -> float:
     try:
         number = float(value)
@@ -118,18 +142,14 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
                     tier: str | None = None) -> None:
     """One flag per EngineArgs field in groups ("model": what the gateway needs to name the model too;
     "engine": the rest). --block-size for block_size; type, help, choices and default from the field; a field
-    with an environment variable defaults to it; a field whose default depends on the tier takes tier's (with
-    tier None, as for `tandem up`, it is left out of the namespace unless given)."""
+    whose default depends on the tier takes tier's (with tier None, as for `tandem up`, it is left out of the
+    namespace unless given). The environment variables come with apply_env."""
     for f in fields(EngineArgs):
         meta = f.metadata
         if meta["group"] not in groups:
             continue
         default = f.default
         help_ = meta["help"]
-        if meta["env"]:
-            from_env = getattr(envs, meta["env"])
-            default = default if from_env is None else from_env
-            help_ += f" (${meta['env']})"
         if f.name in TIER_DEFAULTS["decode"]:
             per_tier = ", ".join(f"{t} {values[f.name]}" for t, values in TIER_DEFAULTS.items())
             default = TIER_DEFAULTS[tier][f.name] if tier else argparse.SUPPRESS
@@ -165,23 +185,25 @@ def add_listen_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Where a service listens: --host, --port (0 picks a free one); how long it drains when told to stop."""
     parser.add_argument("--host", default="0.0.0.0", help="address to bind")
     parser.add_argument("--port", type=port_number, default=default_port, help="gRPC port (0 picks a free one)")
+    add_drain_arg(parser)
+
+
+def add_drain_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=positive_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds a stopping service (SIGTERM) gives its requests in flight to finish; new ones "
                              "are refused meanwhile, and those still running then are cancelled")  # fmt: skip
 
 
 def add_registry_args(parser: argparse.ArgumentParser, required_unless: str = "") -> None:
-    parser.add_argument("--redis-url", default=envs.REDIS_URL,
-                        help=f"Redis holding the instance registry ($REDIS_URL); required{required_unless}")
+    parser.add_argument("--redis-url", default=None,
+                        help=f"Redis holding the instance registry; required{required_unless}")
 
 
 def add_observability_args(parser: argparse.ArgumentParser) -> None:
     """Logs and traces of a service (services/logs.py, services/tracing.py)."""
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=envs.TANDEM_LOG_FORMAT,
-                        help="text, or json: one object per line with tier, instance and request ids "
-                             "($TANDEM_LOG_FORMAT)")  # fmt: skip
-    parser.add_argument("--otlp-traces-endpoint", default=envs.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
-                        or envs.OTEL_EXPORTER_OTLP_ENDPOINT,
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="text, or json: one object per line with tier, instance and request ids")
+    parser.add_argument("--otlp-traces-endpoint", default=envs.OTEL_EXPORTER_OTLP_ENDPOINT,
                         help="send OpenTelemetry traces over OTLP/gRPC to this URL, e.g. http://127.0.0.1:4317 "
                              "($OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT); none: no "
                              "tracing")  # fmt: skip
@@ -206,9 +228,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_listen_args(parser, default_port=50051)
     add_registry_args(parser)
     add_observability_args(parser)
-    parser.add_argument("--default-max-tokens", type=int, default=SamplingParams.max_tokens,
+    parser.add_argument("--default-max-tokens", type=positive_int, default=SamplingParams.max_tokens,
                         help="max_tokens of a request that does not set it")
-    parser.add_argument("--http-port", type=int, default=8000,
+    parser.add_argument("--http-port", type=http_port_number, default=8000,
                         help="port of the OpenAI-compatible HTTP API on --host (0: any free port; -1: none)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name of the HTTP API (/v1/models; requests may name it); default: the model "
@@ -216,7 +238,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=("cache-aware", "round-robin"), default="cache-aware",
                         help="cache-aware: the cost model of docs/prefix-caching.md; round-robin: ignore the prefix "
                              "index and queues")  # fmt: skip
-    parser.add_argument("--local-prefill-tokens", type=int, default=64,
+    parser.add_argument("--local-prefill-tokens", type=non_negative_int, default=64,
                         help="when the chosen decode lacks at most this many prompt tokens, it computes them itself "
                              "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
 

@@ -20,6 +20,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.flags import DEFAULT_DRAIN_TIMEOUT_S
 from shared import envs
 from shared.registry import KEY_PREFIX
 
@@ -57,6 +58,7 @@ class LocalCluster:
         gateway_args: list[str] = (),
         redis_url: str | None = None,
         log_dir: str | None = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ):
         self.model = model
         self.gateway_port = gateway_port or free_port()
@@ -65,6 +67,7 @@ class LocalCluster:
         self.prefill_args, self.decode_args, self.gateway_args = list(prefill_args), list(decode_args), list(gateway_args)
         self.redis_url = redis_url or envs.REDIS_URL
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-"))
+        self.drain_timeout_s = drain_timeout_s  # every service's --drain-timeout; stop() waits that long
         self.processes: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}  # how each child was started, for restart()
         self.addresses: dict[str, str] = {}
@@ -91,7 +94,8 @@ class LocalCluster:
             self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "no"])  # fmt: skip
             self.redis_url = f"redis://127.0.0.1:{port}/0"
-        common = ["--redis-url", self.redis_url] + (["--model", self.model] if self.model else [])
+        common = ["--redis-url", self.redis_url, "--drain-timeout", str(self.drain_timeout_s)] + (
+            ["--model", self.model] if self.model else [])  # fmt: skip
         for tier, count, extra in (("decode", self.num_decode, self.decode_args), ("prefill", self.num_prefill, self.prefill_args)):
             for i in range(count):
                 port, metrics_port = free_port(), free_port()
@@ -140,7 +144,8 @@ class LocalCluster:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}: {last} (log: {log_path})")
 
     def stop(self) -> None:
-        """SIGTERM every child (engines deregister), then SIGKILL what is left after 10 s; Redis last."""
+        """SIGTERM every child (each drains: services/server.py), then SIGKILL what is left after its drain
+        timeout and 10 s more; Redis last."""
         services = [p for name, p in self.processes.items() if name != "redis"]
         redis_proc = self.processes.get("redis")
         for group in (services, [redis_proc] if redis_proc else []):
@@ -148,7 +153,7 @@ class LocalCluster:
                 if proc.poll() is None:
                     proc.terminate()
             for proc in group:
-                _wait_or_kill(proc)
+                _wait_or_kill(proc, self.drain_timeout_s + 10)
 
     def terminate(self, name: str, timeout_s: float = 60) -> int:
         """SIGTERM one child, as an orchestrator stopping it does (an engine drains: services/server.py), and wait
@@ -201,7 +206,7 @@ class LocalCluster:
         self.stop()
 
 
-def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> None:
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -226,11 +226,10 @@ class SpeculativeConfig:
             raise ValueError("--draft-num-layers goes with --speculative-method early-exit")
 
 
-def _setting(default, help: str, kind: type | None = None, env: str | None = None, choices=None,
-             group: str = "engine"):
+def _setting(default, help: str, kind: type | None = None, choices=None, group: str = "engine"):
     """A field of EngineArgs: its default and what the flag built from it says (services/flags.py). kind: the
     flag's type when the default is None; group: "model" for the settings the gateway needs too."""
-    metadata = {"help": help, "type": kind or type(default), "env": env, "choices": choices, "group": group}
+    metadata = {"help": help, "type": kind or type(default), "choices": choices, "group": group}
     return field(default=default, metadata=metadata)
 
 
@@ -251,12 +250,11 @@ class EngineArgs:
     the defaults the README and the protos document equal these.
     """
 
-    model: str | None = _setting(None, "HF Llama-family safetensors dir (default: the converted SmolLM2)", str,
-                                 env="TANDEM_MODEL", group="model")
+    model: str | None = _setting(None, "HF Llama-family safetensors dir (default: the converted SmolLM2)", str, group="model")
     quantization: str | None = _setting(
         None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
         "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers "
-        "must agree)", str, env="TANDEM_QUANTIZATION", group="model")
+        "must agree)", str, group="model")
     dtype: str = _setting(DEFAULT_DTYPE, "float type of weights and activations (part of the model id)",
                           choices=DTYPES, group="model")
     device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
@@ -274,7 +272,7 @@ class EngineArgs:
                                            "that share a prefix (docs/prefix-caching.md)")
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
-    threads: int = _setting(1, "torch intra-op threads for this process", env="TANDEM_THREADS")
+    threads: int = _setting(1, "torch intra-op threads for this process")
     kernel_threads: int | None = _setting(
         None, "threads of the C++ CPU kernels (quantized GEMM, decode attention), the engine's own included; "
         "helpers claim work from a shared counter, so a busy neighbour process never stalls a step", int)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, fields
 
 import redis.asyncio as aioredis
@@ -16,6 +17,7 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "tandem:instance"
+REREGISTER_GRACE_S = 3.0  # (three heartbeats)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Registry:
     def __init__(self, redis_url: str, ttl_s: float = 10.0):
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.ttl_s = ttl_s
-        self._last_seen: dict[str, list[InstanceInfo]] = {}
+        self._last_seen: dict[str, tuple[list[InstanceInfo], float]] = {}  # tier -> (instances, when read)
 
     async def publish(self, info: InstanceInfo) -> None:
         await self.redis.set(info.key, json.dumps(asdict(info)), px=int(self.ttl_s * 1000))
@@ -75,20 +77,27 @@ class Registry:
     async def list_instances(self, tier: str, model_id: str | None = None) -> list[InstanceInfo]:
         """Live instances of a tier (optionally only those serving model_id), sorted by instance id.
 
-        On a Redis error returns the last list seen for that tier.
+        On a Redis error returns the last list seen for that tier, and so it does for an empty answer within
+        REREGISTER_GRACE_S of the last non-empty one: a Redis restarted without its data is empty until the
+        next heartbeats, although every instance still serves.
         """
+        now = time.monotonic()
         try:
             keys = [k async for k in self.redis.scan_iter(match=f"{KEY_PREFIX}:{tier}:*", count=100)]
             values = await self.redis.mget(keys) if keys else []
         except (RedisError, OSError) as e:
             log.warning("registry read failed, using the last list seen: %s", e)
-            return self._last_seen.get(tier, [])
-        parsed = (InstanceInfo.from_json(v) for v in values if v)
-        infos = sorted((i for i in parsed if i is not None), key=lambda i: i.instance_id)
-        if model_id is not None:
-            infos = [i for i in infos if i.model_id == model_id]
-        self._last_seen[tier] = infos
-        return infos
+            values = None
+        last_infos, last_time = self._last_seen.get(tier, ([], 0.0))
+        if values is None:  # (the last list stays the current one: an empty answer once Redis is back is not news)
+            self._last_seen[tier] = (last_infos, now)
+        else:
+            parsed = (InstanceInfo.from_json(v) for v in values if v)
+            infos = sorted((i for i in parsed if i is not None), key=lambda i: i.instance_id)
+            if infos or now - last_time > REREGISTER_GRACE_S:
+                self._last_seen[tier] = (infos, now)
+        infos = self._last_seen.get(tier, ([], 0.0))[0]
+        return infos if model_id is None else [i for i in infos if i.model_id == model_id]
 
     async def close(self) -> None:
         await self.redis.aclose()

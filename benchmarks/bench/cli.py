@@ -86,11 +86,12 @@ class _EngineFlagParser(argparse.ArgumentParser):
 
 
 def _engine_args(text: str):
-    from services.flags import add_engine_args
+    from services.flags import add_engine_args, apply_env
     from shared.config import EngineArgs
 
     parser = _EngineFlagParser(prog="--engine-args", add_help=False)
     add_engine_args(parser)  # no tier: num_blocks and max_num_batched_tokens stay None unless given
+    apply_env(parser, shlex.split(text))
     return EngineArgs.from_namespace(parser.parse_args(shlex.split(text)))
 
 

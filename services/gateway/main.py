@@ -82,7 +82,7 @@ def main(argv=None) -> None:
                                      description="Public gRPC API of the tandem cluster",
                                      formatter_class=HelpFormatter)
     add_gateway_args(parser)
-    apply_env(parser)
+    apply_env(parser, argv)
     args = parser.parse_args(argv)
     if not args.redis_url:
         parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")

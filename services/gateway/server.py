@@ -313,11 +313,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if last_error is not None:  # every instance left was tried: say why the last one failed
                     raise last_error from None
                 raise
-            log.info("request %s routed: %s", request_id, route.explain())
+            # Each placement its own id on the engines: a failed attempt's teardown (its broken KV stream) must not
+            # touch the next attempt's reservation when that lands on the same decode.
+            placement_id = request_id if attempt == 1 else f"{request_id}.{attempt}"
+            log.info("request %s routed: %s", placement_id, route.explain())
             self.metrics.observe_route(route)
             decode, prefill = route.decode, route.prefill
-            decode_call = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address)).Generate(
-                decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
+            decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address, decode.instance_id))
+            decode_call = decode_stub.Generate(
+                decode_pb2.DecodeRequest(request_id=placement_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                          cache_salt=cache_salt, compute_prompt=prefill is None, priority=priority),
                 timeout=timeout,
             )  # fmt: skip
@@ -332,8 +336,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     return decode_call, first, route, None
                 failed, doing = prefill, "prefilling"
                 skip_blocks = reply.num_cached_tokens // decode.block_size
-                prefill_reply = await prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address)).Prefill(
-                    prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                prefill_stub = prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address, prefill.instance_id))
+                prefill_reply = await prefill_stub.Prefill(
+                    prefill_pb2.PrefillRequest(request_id=placement_id, prompt_token_ids=prompt_ids,
                                                sampling_params=params, decode_address=decode.address,
                                                decode_instance_id=decode.instance_id, num_skip_blocks=skip_blocks,
                                                cache_salt=cache_salt, priority=priority),

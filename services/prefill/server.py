@@ -51,8 +51,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         stream = await self.engine.add_request(req)
         kv_span = start_span("kv_transfer", decode_instance_id=decode_id)  # (its call carries it to the decode)
         with use_span(kv_span):
-            transfer_call = decode_pb2_grpc.DecodeStub(self.channels.get(request.decode_address)).TransferKV(
-                _drain(outbox))  # fmt: skip
+            channel = self.channels.get(request.decode_address, request.decode_instance_id or None)
+            transfer_call = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(outbox))
         transfer = asyncio.ensure_future(transfer_call)
         end_when_done(kv_span, transfer)
         first_token_id = first_logprobs = None

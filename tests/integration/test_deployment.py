@@ -25,12 +25,12 @@ MAX_TOKENS = 12
 def cluster(model_dir, hf_references):
     from services.launcher import LocalCluster
 
-    engine = ["--num-blocks", "256", "--threads", "1", "--drain-timeout", "60"]
+    engine = ["--num-blocks", "256", "--threads", "1"]
     # round-robin: each prompt goes to the next instance of each tier, so the spread is certain (cache-aware
     # routing would rightly keep prompts sharing the chat template's prefix together); --local-prefill-tokens 0:
     # every prompt goes through a prefill.
     with LocalCluster(str(model_dir), num_prefill=2, num_decode=2, prefill_args=engine, decode_args=engine,
-                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"]) as c:
+                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"], drain_timeout_s=60) as c:
         yield c
 
 

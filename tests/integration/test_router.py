@@ -119,6 +119,42 @@ def test_killed_instance_is_not_a_candidate(redis_server):
     in_world(redis_server, body)
 
 
+def test_an_instance_marked_down_is_routed_around_until_its_ttl_unless_no_other_is_left(redis_server,
+                                                                                       monkeypatch):
+    async def body(world):
+        a, b = instance("prefill-a", "prefill"), instance("prefill-b", "prefill")
+        await world.register(instance("decode-1", "decode"), a, b)
+        router = world.router(local_prefill_tokens=0, policy="round-robin")
+        router.mark_down(a)  # (a call to it failed as unreachable)
+        assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-b"}
+        router.mark_down(b)  # every one down: try them anyway rather than refuse
+        assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-a", "prefill-b"}
+        monkeypatch.setattr(world.registry, "ttl_s", 0.0)
+        router.mark_down(a)  # (for one TTL: 0 s now)
+        router.mark_down(b)
+        assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-a", "prefill-b"}
+
+    in_world(redis_server, body)
+
+
+def test_the_registry_keeps_its_last_list_through_a_redis_restart(redis_server, monkeypatch):
+    """Redis down: the last list; Redis back without its data: still the last list for REREGISTER_GRACE_S (the
+    instances re-register with their next heartbeat), then what Redis says."""
+    import shared.registry
+
+    async def body(world):
+        await world.register(instance("decode-1", "decode"))
+        assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
+        redis_server.stop()
+        assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
+        redis_server.start()  # (empty: no persistence)
+        assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
+        monkeypatch.setattr(shared.registry, "REREGISTER_GRACE_S", 0.0)
+        assert await world.registry.list_instances("decode") == []
+
+    in_world(redis_server, body)
+
+
 def test_other_hash_contract_is_never_looked_up(redis_server, caplog):
     async def body(world):
         int8 = HashContract(block_size=16, model_id="smollm2:abc:int8", kv_dtype="float32")

@@ -145,10 +145,10 @@ def test_prometheus_scrapes_every_service_of_the_compose_cluster():
         assert (PROMETHEUS_YML.parent / path).is_file(), path
     jobs = {job["job_name"]: job for job in PROMETHEUS["scrape_configs"]}
     assert set(jobs) == {"gateway", "prefill", "decode"}
-    gateway_http_port = COMPOSE["services"]["gateway"]["command"][-1]
+    gateway_http_port = COMPOSE["services"]["gateway"]["environment"]["TANDEM_HTTP_PORT"]
     assert jobs["gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway_http_port}"]
     for tier in ("prefill", "decode"):
-        assert "--metrics-port" not in COMPOSE["services"][tier]["command"]  # (so the default below applies)
+        assert COMPOSE["services"][tier]["environment"]["TANDEM_METRICS_PORT"] == DEFAULT_METRICS_PORT
         assert jobs[tier]["dns_sd_configs"] == [{"names": [tier], "type": "A", "port": DEFAULT_METRICS_PORT,
                                                  "refresh_interval": "10s"}]  # fmt: skip
     # honor_labels keeps the exported tier label; it must not let a service override job or instance

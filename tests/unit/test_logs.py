@@ -11,7 +11,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from services.flags import add_engine_service_args, add_gateway_args
+from services.flags import add_engine_service_args, add_gateway_args, apply_env
 from services.logs import request_id_var, set_request_id, setup_logging
 
 log = logging.getLogger("tandem.test")
@@ -88,4 +88,5 @@ def test_every_service_takes_the_log_format_flag_and_its_variable(add_args, monk
     monkeypatch.setenv("TANDEM_LOG_FORMAT", "json")
     parser = argparse.ArgumentParser()
     add_args(parser)
+    apply_env(parser, [])
     assert parser.parse_args([]).log_format == "json"

@@ -39,7 +39,7 @@ def test_settings_table_lists_every_engine_setting_with_the_code_default():
 def make_parser(build, *args) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     build(parser, *args)
-    apply_env(parser)
+    apply_env(parser, [])
     return parser
 
 
@@ -57,6 +57,24 @@ def test_every_flag_reads_its_environment_variable_and_a_flag_given_wins(monkeyp
     assert make_parser(add_gateway_args).parse_args([]).routing == "round-robin"
 
 
+@pytest.mark.parametrize("variables, argv, expected", [
+    ({}, ["--memory-utilization", "0.1"], (None, 0.1)),  # (the tier's default pool size gives way)
+    ({"TANDEM_NUM_BLOCKS": "256"}, ["--memory-utilization", "0.1"], (None, 0.1)),  # the flag wins
+    ({"TANDEM_MEMORY_UTILIZATION": "0.1"}, ["--num-blocks", "64"], (64, None)),
+    ({"TANDEM_MEMORY_UTILIZATION": "0.1"}, [], (None, 0.1)),
+    ({"TANDEM_MEMORY_UTILIZATION": "0.1", "TANDEM_NUM_BLOCKS": "5"}, [], (5, 0.1)),  # both: EngineArgs refuses
+    ({}, [], (2048, None)),
+])  # fmt: skip
+def test_the_kv_pool_is_sized_by_what_was_chosen_last(variables, argv, expected, monkeypatch):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    add_engine_service_args(parser, "decode")
+    apply_env(parser, argv)
+    args = parser.parse_args(argv)
+    assert (args.num_blocks, args.memory_utilization) == expected
+
+
 @pytest.mark.parametrize("variable, value, message", [
     ("TANDEM_BLOCK_SIZE", "x", "$TANDEM_BLOCK_SIZE='x': invalid positive_int value"),
     ("TANDEM_NUM_BLOCKS", "0", "$TANDEM_NUM_BLOCKS='0': must be a positive integer"),
@@ -64,6 +82,7 @@ def test_every_flag_reads_its_environment_variable_and_a_flag_given_wins(monkeyp
     ("TANDEM_DRAIN_TIMEOUT", "-1", "$TANDEM_DRAIN_TIMEOUT='-1': expected a number of seconds > 0"),
     ("TANDEM_LOG_FORMAT", "xml", "$TANDEM_LOG_FORMAT='xml': choose from text, json"),
     ("TANDEM_STANDALONE", "maybe", "$TANDEM_STANDALONE='maybe': expected one of"),
+    ("TANDEM_THREADS", "abc", "$TANDEM_THREADS='abc': invalid positive_int value"),
 ])  # fmt: skip
 def test_a_bad_environment_value_refuses_to_start_naming_the_variable(variable, value, message, monkeypatch, capsys):
     monkeypatch.setenv(variable, value)
@@ -125,3 +144,14 @@ def test_the_client_cli_imports_neither_torch_nor_redis_nor_the_engine():
             "print(sorted(m for m in ('torch', 'redis', 'transformers', 'shared.engine') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--http-port", "99999"), ("--default-max-tokens", "0"),
+                                         ("--local-prefill-tokens", "-5")])
+def test_the_gateway_refuses_bad_values_at_start(flag, value, capsys):
+    parser = argparse.ArgumentParser()
+    add_gateway_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, value])
+    assert f"argument {flag}" in capsys.readouterr().err
+    assert parser.parse_args(["--http-port", "-1"]).http_port == -1  # (-1: no HTTP API)
