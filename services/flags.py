@@ -28,11 +28,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 DEFAULT_METRICS_PORT = 9090  # engine services' Prometheus endpoint (the gateway's is on its --http-port)
-DEFAULT_DRAIN_TIMEOUT_S = 30.0  # below Kubernetes' default terminationGracePeriodSeconds (30 s) plus its preStop
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # (deploy/k8s gives pods 45 s to stop: the drain and some room)
 # Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
 ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 EXCLUDES = {"num_blocks": "memory_utilization", "memory_utilization": "num_blocks"}  # settings giving one thing
+
 
 def env_name(dest: str) -> str:
     """The environment variable that sets a service flag: --block-size -> TANDEM_BLOCK_SIZE (ENV_NAMES aside)."""
@@ -273,9 +274,9 @@ def settings_table() -> str:
 def _default_cell(action: argparse.Action | None) -> str:
     if action is None:
         return "-"
-    if action.default is None or action.default is False:
-        return "none" if action.nargs != 0 and action.default is None else "off"
-    return "on" if action.default is True else f"{action.default}"
+    if isinstance(action.default, bool):
+        return "on" if action.default else "off"
+    return "none" if action.default is None else str(action.default)
 
 
 def own_address() -> str:

@@ -61,7 +61,8 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(TRACED_PREFIX):
             return handler
         refuse = self.draining and method.startswith(self.admission_prefixes)
-        return rewrap_handler(handler, lambda fn: self._wrap_unary(fn, refuse), lambda fn: self._wrap_stream(fn, refuse))
+        return rewrap_handler(handler, lambda fn: self._wrap_unary(fn, refuse),
+                              lambda fn: self._wrap_stream(fn, refuse))
 
     async def _refuse(self, context) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.tier} {self.instance_id} is draining (shutting "

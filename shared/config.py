@@ -250,7 +250,8 @@ class EngineArgs:
     the defaults the README and the protos document equal these.
     """
 
-    model: str | None = _setting(None, "HF Llama-family safetensors dir (default: the converted SmolLM2)", str, group="model")
+    model: str | None = _setting(None, "HF Llama-family safetensors dir (default: the converted SmolLM2)", str,
+                                 group="model")
     quantization: str | None = _setting(
         None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
         "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers "

@@ -30,7 +30,8 @@ def cluster(model_dir, hf_references):
     # routing would rightly keep prompts sharing the chat template's prefix together); --local-prefill-tokens 0:
     # every prompt goes through a prefill.
     with LocalCluster(str(model_dir), num_prefill=2, num_decode=2, prefill_args=engine, decode_args=engine,
-                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"], drain_timeout_s=60) as c:
+                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"],
+                      drain_timeout_s=60) as c:
         yield c
 
 
