@@ -26,3 +26,13 @@ def model_config(model_dir):
     from shared.config import ModelConfig
 
     return ModelConfig.from_dir(model_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked docker (an image build and a compose cluster, many minutes) run only with TANDEM_TEST_DOCKER=1."""
+    if os.environ.get("TANDEM_TEST_DOCKER") == "1":
+        return
+    docker = [item for item in items if item.get_closest_marker("docker")]
+    if docker:
+        config.hook.pytest_deselected(items=docker)
+        items[:] = [item for item in items if not item.get_closest_marker("docker")]
