@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def extension():
         log.warning("CPU kernels disabled: this CPU has no AVX2")
         return None
     from torch.utils.cpp_extension import _get_build_directory, load
+
+    # torch runs `ninja` from PATH: the one pip installed beside this interpreter (a venv's bin/) when the venv
+    # is not activated (a service started as /venv/bin/python)
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
     try:
         # NOTE: read here, not through shared.envs (kernels import nothing from shared); listed there.
