@@ -56,7 +56,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             if not finished:  # client cancelled or disconnected: free the blocks now
                 self.engine.abort(req.request_id)
-                log.info("request %s aborted: the gateway closed the stream", req.request_id)
+                log.info("request %s aborted: its call ended first (the gateway closed it, or a drain timed out)",
+                         req.request_id)
 
     def busy(self) -> bool:
         """False: every request here lives in a Generate call, which a drain waits for."""
