@@ -171,7 +171,7 @@ def cmd_up(args) -> int:
             cluster.check_alive()
             time.sleep(1)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: while starting, serving or answering --prompt
-        print("\nstopping", file=sys.stderr)
+        print(f"\nstopping: each service finishes its requests (up to {args.drain_timeout:.0f} s)", file=sys.stderr)
         return 130 if args.prompt is not None else 0
     finally:
         # NOTE: a second Ctrl-C/SIGTERM must not cut the stop short: the children run in their own sessions,

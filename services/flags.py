@@ -49,13 +49,14 @@ def apply_env(parser: argparse.ArgumentParser, argv: list[str] | None = None, sk
     argv = sys.argv[1:] if argv is None else argv
     given = {a.dest for a in parser._actions for option in a.option_strings
              for token in argv if token == option or token.startswith(option + "=")}  # fmt: skip
-    actions = [a for a in parser._actions
-               if a.option_strings and a.dest not in ("help", *skip) and a.default != argparse.SUPPRESS]  # fmt: skip
+    actions = [a for a in parser._actions if a.option_strings and a.dest not in ("help", *skip)]
     defaults = {}
     for action in actions:
         name = env_name(action.dest)
         if action.help and f"${name}" not in action.help:
             action.help += f" (${name})"
+        if action.default == argparse.SUPPRESS:  # (tandem up's per-tier settings: its children read the variable)
+            continue
         raw = os.environ.get(name, "")
         if raw and EXCLUDES.get(action.dest) not in given:
             defaults[action.dest] = _env_value(parser, action, name, raw)
