@@ -168,7 +168,7 @@ def cmd_up(args) -> int:
         print(f"serving; Ctrl-C to stop. Try: {sys.argv[0]} generate --gateway {cluster.gateway_address} "
               '"What is the capital of France?"', file=sys.stderr)  # fmt: skip
         while True:
-            cluster.check_alive()
+            cluster.supervise()  # (a child that exits is started again; one that keeps failing ends the cluster)
             time.sleep(1)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: while starting, serving or answering --prompt
         print(f"\nstopping: each service finishes its requests (up to {args.drain_timeout:.0f} s)", file=sys.stderr)

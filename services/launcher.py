@@ -72,6 +72,7 @@ class LocalCluster:
         self.argv: dict[str, list[str]] = {}  # how each child was started, for restart()
         self.addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus endpoint
+        self._restarts: dict[str, list[float]] = {}  # process name -> when supervise() restarted it
 
     @property
     def gateway_address(self) -> str:
@@ -134,6 +135,22 @@ class LocalCluster:
         with grpc.insecure_channel(self.gateway_address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def supervise(self, max_restarts: int = 3, window_s: float = 300) -> None:
+        """Restart every child that has exited (crashed, killed, or stopped by hand), as an orchestrator would;
+        RuntimeError (check_alive's) when one exits more than max_restarts times within window_s. Call it
+        periodically while serving."""
+        now = time.monotonic()
+        for name, proc in list(self.processes.items()):
+            if proc.poll() is None:
+                continue
+            recent = [t for t in self._restarts.get(name, []) if now - t < window_s]
+            if len(recent) >= max_restarts:
+                self.check_alive()  # (raises, with the child's last log line)
+            self._restarts[name] = recent + [now]
+            print(f"{name} exited with code {proc.returncode} (log: {self.log_dir / (name + '.log')}); restarting it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.restart(name)
 
     def check_alive(self) -> None:
         for name, proc in self.processes.items():

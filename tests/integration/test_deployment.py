@@ -1,7 +1,8 @@
 """Scaling and draining on a real 2 prefill + 2 decode cluster (`tandem up --prefill 2 --decode 2`'s topology):
 requests reach every instance, a SIGTERM'd engine drains (finishes what it runs, refuses new requests, leaves
-the registry at once, exits 0), a rolling restart of both tiers under steady load fails no request, and the loss
-of one instance per tier is survived. Every answer is checked against HF transformers fp32 greedy.
+the registry at once, exits 0), a rolling restart of both tiers under steady load fails no request, `tandem up`'s
+supervision restarts a child that exits, and the loss of one instance per tier is survived. Every answer is
+checked against HF transformers fp32 greedy.
 
 The tests share one cluster and run in file order: the last one kills instances."""
 import threading
@@ -130,6 +131,17 @@ def test_rolling_restart_of_both_tiers_under_load_fails_no_request(cluster, hf_r
     assert len(done) >= 8, f"only {len(done)} requests completed"
     log = (cluster.log_dir / "decode1.log").read_text()
     assert "drained" in log
+
+
+def test_tandem_up_restarts_a_child_that_exits_unless_it_keeps_failing(cluster, hf_references):
+    cluster.kill("decode1")  # (a crash: its record stays until its TTL)
+    with pytest.raises(RuntimeError, match="decode1 exited"):
+        cluster.supervise(max_restarts=0)  # (a child that keeps failing: the cluster gives up)
+    cluster.supervise()  # restarts it and waits until it serves again
+    assert cluster.processes["decode1"].poll() is None
+    assert len(cluster.registered_at(cluster.addresses["decode1"])) == 1
+    request, expected = requests_and_references(hf_references)[0]
+    assert generate(cluster.gateway_address, request, timeout=300).token_ids == expected
 
 
 def test_losing_one_instance_per_tier_is_survived(cluster, hf_references):
