@@ -36,9 +36,9 @@ class InstanceServicer(common_pb2_grpc.InstanceServicer):
         return stats_to_proto(await self.engine.stats())
 
 
-def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine, EngineMetrics], Any],
+def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine, EngineMetrics, Any], Any],
                 export_kv: bool = False, argv=None) -> None:
-    """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics) -> the servicer
+    """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics, args) -> the servicer
     (its busy(): work that outlives its calls), serve (gRPC, and Prometheus metrics on --metrics-port) until
     SIGTERM/SIGINT, then drain (services/server.py) and exit 0.
 
@@ -107,7 +107,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
     server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier])
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
-    servicer = add_servicer(server, async_engine, metrics)
+    servicer = add_servicer(server, async_engine, metrics, args)
     common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
     incarnation = uuid.uuid4().hex[:12]  # this start of the instance: the prefix index trusts only its entries
     contract = engine.hash_contract if publish_index else None

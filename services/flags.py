@@ -28,6 +28,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 DEFAULT_METRICS_PORT = 9090  # engine services' Prometheus endpoint (the gateway's is on its --http-port)
+DEFAULT_KV_LEASE_S = 60.0  # (a long prompt's first chunk may queue behind others on a busy prefill)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # (deploy/k8s gives pods 45 s to stop: the drain and some room)
 # Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
 ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
@@ -221,6 +222,10 @@ def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
                         help="host or IP other services use to reach this one (default: this host's IP)")
     parser.add_argument("--standalone", action="store_true",
                         help="serve without a registry (nothing can route to this instance but direct calls)")
+    if tier == "decode":
+        parser.add_argument("--kv-lease-timeout", type=positive_float, default=DEFAULT_KV_LEASE_S,
+                            help="seconds a reservation waits with no prompt KV arriving before its blocks are freed "
+                                 "and the gateway places the request again (a prefill that died or stalls)")
     parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)")
 

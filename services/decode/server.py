@@ -4,10 +4,13 @@ Thin by design: protobuf in -> AsyncEngine call -> protobuf out.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from services.engine_main import engine_main
+from services.flags import DEFAULT_KV_LEASE_S
 from services.grpc_errors import status_for
 from services.kv_wire import kv_from_message
 from services.metrics import EngineMetrics
@@ -18,13 +21,17 @@ from shared.request import Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
+LEASE_CHECK_S = 0.5
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncEngine, instance_id: str, metrics: EngineMetrics | None = None):
+    def __init__(self, engine: AsyncEngine, instance_id: str, metrics: EngineMetrics | None = None,
+                 kv_lease_s: float = DEFAULT_KV_LEASE_S):
         self.engine = engine
         self.instance_id = instance_id
         self.metrics = metrics
+        self.kv_lease_s = kv_lease_s
+        self._kv_progress: dict[str, float] = {}  # reserved request id -> when its KV last made progress
 
     async def Generate(self, request, context):
         if not request.request_id:
@@ -38,11 +45,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             stream = await self.engine.add_request(req)
         else:
             stream = await self.engine.reserve(req)
+            self._kv_progress[req.request_id] = time.monotonic()
         finished = False
         try:
             # (req.num_cached_tokens was set on the engine thread before reserve returned)
             yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0)
-            while (out := await stream.get()) is not None:
+            out = await (stream.get() if request.compute_prompt else self._first_under_lease(req.request_id, stream,
+                                                                                            context))  # fmt: skip
+            while out is not None:
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "",
                                                 error_is_invalid_request=out.error_is_invalid_request,
                                                 num_cached_tokens=req.num_cached_tokens or 0,
@@ -53,11 +63,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     msg.finish_reason = FINISH_TO_PROTO[out.finish_reason]
                     finished = True
                 yield msg
+                out = await stream.get()
         finally:
+            self._kv_progress.pop(req.request_id, None)
             if not finished:  # client cancelled or disconnected: free the blocks now
                 self.engine.abort(req.request_id)
                 log.info("request %s aborted: its call ended first (the gateway closed it, or a drain timed out)",
                          req.request_id)
+
+    async def _first_under_lease(self, request_id: str, stream: asyncio.Queue, context):
+        """The reserved request's first output (once its KV is complete). Meanwhile, when no KV has arrived for
+        kv_lease_s (or the call's deadline passed), the request is failed, its blocks freed: a prefill that died
+        or stalls must not hold them, and the gateway, reading this stream, places the request again."""
+        while True:
+            try:
+                return await asyncio.wait_for(stream.get(), LEASE_CHECK_S)
+            except asyncio.TimeoutError:
+                idle_s = time.monotonic() - self._kv_progress.get(request_id, time.monotonic())
+                left = context.time_remaining()
+                if idle_s > self.kv_lease_s or (left is not None and left <= 0):
+                    await self.engine.fail_kv_import(request_id, f"its prompt KV stopped arriving for {idle_s:.0f} "
+                                                                 "s (the prefill died or stalls): blocks freed")
 
     def busy(self) -> bool:
         """False: every request here lives in a Generate call, which a drain waits for."""
@@ -75,6 +101,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         self.metrics.observe_kv_message("any", msg.ByteSize())
                     kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config)
                     await self.engine.import_kv(msg.request_id, kv)
+                    if msg.request_id in self._kv_progress:  # (renews the reservation's lease)
+                        self._kv_progress[msg.request_id] = time.monotonic()
                     if msg.layer_end == num_layers:
                         num_blocks += msg.num_blocks
                 if msg.HasField("first_token_id"):
@@ -91,8 +119,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
 
 
-def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics) -> DecodeServicer:
-    servicer = DecodeServicer(engine, server.instance_id, metrics)
+def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics, args) -> DecodeServicer:
+    servicer = DecodeServicer(engine, server.instance_id, metrics, args.kv_lease_timeout)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
     return servicer
 

@@ -337,17 +337,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 failed, doing = prefill, "prefilling"
                 skip_blocks = reply.num_cached_tokens // decode.block_size
                 prefill_stub = prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address, prefill.instance_id))
-                prefill_reply = await prefill_stub.Prefill(
+                prefill_call = prefill_stub.Prefill(
                     prefill_pb2.PrefillRequest(request_id=placement_id, prompt_token_ids=prompt_ids,
                                                sampling_params=params, decode_address=decode.address,
                                                decode_instance_id=decode.instance_id, num_skip_blocks=skip_blocks,
                                                cache_salt=cache_salt, priority=priority),
                     timeout=timeout,
                 )  # fmt: skip
+                prefill_reply, decode_call = await _prefill_watching_decode(prefill_call, decode_call, prefill)
                 first = decode_pb2.DecodeResponse(token_ids=[prefill_reply.first_token_id])
                 if prefill_reply.HasField("first_token_logprobs"):
                     first.logprobs.append(prefill_reply.first_token_logprobs)
                 return decode_call, first, route, prefill_reply
+            except PrefillLostError as e:  # (the decode freed the reservation: the prefill died or stalls)
+                decode_call.cancel()
+                last_error = UpstreamError("UNAVAILABLE", str(e))
+                if attempt == MAX_ATTEMPTS:
+                    raise last_error from None
+                log.warning("request %s: %s; placing it again", request_id, e)
+                skipped.add(prefill.instance_id)
+                self.router.mark_down(prefill)
             except (grpc.aio.AioRpcError, UpstreamError) as e:
                 decode_call.cancel()
                 if isinstance(e, UpstreamError):  # (from _read: the decode failed while computing the prompt)
@@ -362,6 +371,51 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except BaseException:
                 decode_call.cancel()
                 raise
+
+
+class PrefillLostError(Exception):
+    """The decode failed a reservation while its prefill had not answered: the prompt's KV stopped coming."""
+
+
+class _Prefetched:
+    """A decode call whose next message is already being read (a task): read() returns that one first."""
+
+    def __init__(self, call, pending: asyncio.Task):
+        self.call, self.pending = call, pending
+
+    async def read(self):
+        if self.pending is None:
+            return await self.call.read()
+        pending, self.pending = self.pending, None
+        return await pending
+
+    def cancel(self) -> bool:
+        if self.pending is not None:
+            self.pending.cancel()
+        return self.call.cancel()
+
+
+async def _prefill_watching_decode(prefill_call, decode_call, prefill: InstanceInfo):
+    """Await the prefill's reply while reading the decode's stream, which says nothing until the prompt's KV is
+    complete, unless the decode fails the request first: its lease on the reserved blocks ran out because the
+    KV stopped coming (services/decode/server.py). Returns (prefill reply, the decode call to read on, its
+    message read meanwhile first); PrefillLostError in that case (the prefill call is cancelled); the prefill's
+    own error as it is."""
+    prefill_task = asyncio.ensure_future(prefill_call)
+    watch = asyncio.ensure_future(decode_call.read())
+    try:
+        await asyncio.wait({prefill_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and not prefill_task.done() and not watch.exception():
+            reply = watch.result()  # (a decode that broke instead: the prefill's KV transfer fails, it tells)
+            if reply is not grpc.aio.EOF and reply.error and not reply.error_is_invalid_request:
+                prefill_call.cancel()
+                raise PrefillLostError(f"prefill {prefill.instance_id} did not deliver the prompt's KV "
+                                       f"({reply.error})")
+        return await prefill_task, _Prefetched(decode_call, watch)
+    except BaseException:
+        prefill_task.cancel()
+        watch.cancel()
+        raise
 
 
 def deadline_clock(time_remaining, deadline_ms: int | None):

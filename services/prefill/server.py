@@ -122,7 +122,7 @@ async def _drain(outbox: asyncio.Queue):
         yield msg
 
 
-def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics) -> PrefillServicer:
+def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics, args) -> PrefillServicer:
     servicer = PrefillServicer(engine, metrics)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
     return servicer

@@ -77,3 +77,29 @@ def test_gateway_places_requests_elsewhere_when_a_decode_dies(model_dir, hf_refe
         del c.processes["decode1"]
         outs = generate_all(c.gateway_address, [greedy_request("chat", "What is the capital of France?", 8)] * 4)
         assert all(o.token_ids == hf_references["capital"][1][:8] for o in outs)
+
+
+def test_a_stalled_prefill_loses_its_reservation_and_the_request_is_placed_again(model_dir, hf_references):
+    """A prefill that stops (SIGSTOP) after the decode reserved the blocks: the decode frees them once no KV has
+    come for --kv-lease-timeout, the gateway, reading the decode's stream, places the request on the other
+    prefill, and the client gets the right answer; nothing leaks on either side once the prefill runs again."""
+    import signal
+
+    from services.launcher import LocalCluster
+
+    engine = ["--num-blocks", "256", "--threads", "1"]
+    with LocalCluster(str(model_dir), num_prefill=2, prefill_args=engine,
+                      decode_args=engine + ["--kv-lease-timeout", "2"],
+                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"]) as c:
+        c.processes["prefill0"].send_signal(signal.SIGSTOP)
+        try:
+            request = greedy_request("chat", "What is the capital of France?", 8)
+            expected = hf_references["capital"][1][:8]
+            for _ in range(2):  # (round-robin: one of them is routed to the stalled prefill)
+                assert generate(c.gateway_address, request, timeout=120).token_ids == expected
+            assert "did not deliver the prompt's KV" in (c.log_dir / "gateway.log").read_text()
+            decode = load(c.addresses["decode0"])
+            assert decode.num_free_blocks == decode.num_blocks and decode.num_waiting == 0
+        finally:
+            c.processes["prefill0"].send_signal(signal.SIGCONT)
+        assert all(l.num_free_blocks == l.num_blocks for l in wait_all_blocks_free(c).values())
