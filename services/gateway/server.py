@@ -18,6 +18,7 @@ from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router, SharedPrompt
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefill_watch import PrefillLostError, prefill_watching_decode
 from services.grpc_errors import error_code, peer_is_down, upstream_error
 from services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
 from shared.config import ModelConfig
@@ -344,7 +345,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                cache_salt=cache_salt, priority=priority),
                     timeout=timeout,
                 )  # fmt: skip
-                prefill_reply, decode_call = await _prefill_watching_decode(prefill_call, decode_call, prefill)
+                prefill_reply, decode_call = await prefill_watching_decode(prefill_call, decode_call, prefill)
                 first = decode_pb2.DecodeResponse(token_ids=[prefill_reply.first_token_id])
                 if prefill_reply.HasField("first_token_logprobs"):
                     first.logprobs.append(prefill_reply.first_token_logprobs)
@@ -371,51 +372,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except BaseException:
                 decode_call.cancel()
                 raise
-
-
-class PrefillLostError(Exception):
-    """The decode failed a reservation while its prefill had not answered: the prompt's KV stopped coming."""
-
-
-class _Prefetched:
-    """A decode call whose next message is already being read (a task): read() returns that one first."""
-
-    def __init__(self, call, pending: asyncio.Task):
-        self.call, self.pending = call, pending
-
-    async def read(self):
-        if self.pending is None:
-            return await self.call.read()
-        pending, self.pending = self.pending, None
-        return await pending
-
-    def cancel(self) -> bool:
-        if self.pending is not None:
-            self.pending.cancel()
-        return self.call.cancel()
-
-
-async def _prefill_watching_decode(prefill_call, decode_call, prefill: InstanceInfo):
-    """Await the prefill's reply while reading the decode's stream, which says nothing until the prompt's KV is
-    complete, unless the decode fails the request first: its lease on the reserved blocks ran out because the
-    KV stopped coming (services/decode/server.py). Returns (prefill reply, the decode call to read on, its
-    message read meanwhile first); PrefillLostError in that case (the prefill call is cancelled); the prefill's
-    own error as it is."""
-    prefill_task = asyncio.ensure_future(prefill_call)
-    watch = asyncio.ensure_future(decode_call.read())
-    try:
-        await asyncio.wait({prefill_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch.done() and not prefill_task.done() and not watch.exception():
-            reply = watch.result()  # (a decode that broke instead: the prefill's KV transfer fails, it tells)
-            if reply is not grpc.aio.EOF and reply.error and not reply.error_is_invalid_request:
-                prefill_call.cancel()
-                raise PrefillLostError(f"prefill {prefill.instance_id} did not deliver the prompt's KV "
-                                       f"({reply.error})")
-        return await prefill_task, _Prefetched(decode_call, watch)
-    except BaseException:
-        prefill_task.cancel()
-        watch.cancel()
-        raise
 
 
 def deadline_clock(time_remaining, deadline_ms: int | None):
