@@ -288,6 +288,10 @@ class PrefixIndex(_RedisUser):
                     counts[iid] += 1
         return counts
 
+    async def ping(self) -> None:
+        """Returns once Redis answers; IndexUnavailableError when it does not within timeout_s."""
+        await self._call(self.redis.ping)
+
     async def cleanup(self, live: dict[str, str]) -> int:
         """Delete the entries and state of every incarnation of this contract not in live ({instance_id:
         incarnation}); returns how many were deleted. One SMEMBERS when there is nothing to delete."""

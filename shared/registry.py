@@ -1,8 +1,8 @@
 """Instance registry in Redis: each instance's address, tier, model id, block size and load, kept by heartbeat.
 
 Key per instance: tandem:instance:<tier>:<instance_id> -> JSON, with a TTL that each heartbeat renews, so a
-killed instance disappears within ttl_s. Redis being down never stops serving: heartbeats log and retry, and
-readers keep the last list they saw.
+killed instance disappears within ttl_s. Redis being down or frozen never stops serving: heartbeats log and
+retry, and readers keep the last list they saw (list_instances).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 KEY_PREFIX = "tandem:instance"
 REREGISTER_GRACE_S = 3.0  # (three heartbeats)
+FRESH_WAIT_S = 0.25  # most a reader waits for a registry read once it has a list (0 while Redis fails)
 
 
 @dataclass
@@ -55,6 +56,8 @@ class Registry:
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.ttl_s = ttl_s
         self._last_seen: dict[str, tuple[list[InstanceInfo], float]] = {}  # tier -> (instances, when read)
+        self._healthy = True  # the last read answered
+        self._reads: dict[str, tuple[asyncio.Future, float]] = {}  # tier -> (the read in flight or the last, start)
 
     async def publish(self, info: InstanceInfo) -> None:
         await self.redis.set(info.key, json.dumps(asdict(info)), px=int(self.ttl_s * 1000))
@@ -77,17 +80,32 @@ class Registry:
     async def list_instances(self, tier: str, model_id: str | None = None) -> list[InstanceInfo]:
         """Live instances of a tier (optionally only those serving model_id), sorted by instance id.
 
-        On a Redis error returns the last list seen for that tier, and so it does for an empty answer within
-        REREGISTER_GRACE_S of the last non-empty one: a Redis restarted without its data is empty until the
-        next heartbeats, although every instance still serves.
+        Callers share one read of Redis at a time. Once a list was read, a caller waits at most FRESH_WAIT_S for
+        the read in flight (not at all while the last read failed) and otherwise gets the last list: a frozen
+        Redis (its calls time out after 2 s) must not hold up routing. On a Redis error the last list stays, and
+        so it does for an empty answer within REREGISTER_GRACE_S of the last non-empty one: a Redis restarted
+        without its data is empty until the next heartbeats, although every instance still serves.
         """
-        now = time.monotonic()
+        read, started = self._reads.get(tier, (None, 0.0))
+        if read is None or read.done():
+            read, started = self._reads[tier] = asyncio.ensure_future(self._read(tier)), time.monotonic()
+        if tier not in self._last_seen:
+            await asyncio.shield(read)
+        elif (wait_s := started + FRESH_WAIT_S * self._healthy - time.monotonic()) > 0:
+            await asyncio.wait({read}, timeout=wait_s)
+        infos = self._last_seen.get(tier, ([], 0.0))[0]
+        return infos if model_id is None else [i for i in infos if i.model_id == model_id]
+
+    async def _read(self, tier: str) -> None:
+        """Read tier's records from Redis into _last_seen (see list_instances)."""
         try:
             keys = [k async for k in self.redis.scan_iter(match=f"{KEY_PREFIX}:{tier}:*", count=100)]
             values = await self.redis.mget(keys) if keys else []
         except (RedisError, OSError) as e:
             log.warning("registry read failed, using the last list seen: %s", e)
             values = None
+        self._healthy = values is not None
+        now = time.monotonic()
         last_infos, last_time = self._last_seen.get(tier, ([], 0.0))
         if values is None:  # (the last list stays the current one: an empty answer once Redis is back is not news)
             self._last_seen[tier] = (last_infos, now)
@@ -96,8 +114,6 @@ class Registry:
             infos = sorted((i for i in parsed if i is not None), key=lambda i: i.instance_id)
             if infos or now - last_time > REREGISTER_GRACE_S:
                 self._last_seen[tier] = (infos, now)
-        infos = self._last_seen.get(tier, ([], 0.0))[0]
-        return infos if model_id is None else [i for i in infos if i.model_id == model_id]
 
     async def close(self) -> None:
         await self.redis.aclose()

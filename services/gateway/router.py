@@ -12,7 +12,9 @@ prefill the router also counts its blocks as held there: the next prompts sharin
 of computing it elsewhere (SGLang's router does the same with its approximate radix tree). Not for decodes: a
 decode must not be asked to compute a prompt whose KV is still on its way to it.
 Ties go round-robin. Instances whose hash contract differs from the gateway's are never looked up in the index
-(logged once each). If Redis cannot answer, routing is load-only until it can. routing="round-robin" ignores the
+(logged once each). If Redis cannot answer, routing is load-only until it can: after one failed lookup no request
+waits for the index until a background probe finds it answering, and instances come from the registry's last
+view (shared/registry.py). routing="round-robin" ignores the
 index and queues (the baseline the benchmark compares against).
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from shared.registry import InstanceInfo, Registry
 log = logging.getLogger(__name__)
 DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as much as 256 cached prompt tokens
 ROUTING_POLICIES = ("cache-aware", "round-robin")
+INDEX_PROBE_S = 1.0  # while the prefix index is down, how often it is asked whether it answers again
 ROUTED_HINT_S = 10.0  # seconds a routed prompt's blocks count as held where it went, before the index shows them
 
 
@@ -146,18 +149,15 @@ class Router:
         contract differs and for all while Redis cannot answer."""
         cached = {c.instance_id: 0 for c in candidates}
         indexed = {c.instance_id: c.incarnation for c in candidates if self._same_contract(c)}
-        if self.index is None or not indexed:
+        if self.index is None or not indexed or self._index_down:
             return cached, {}
         try:
             blocks = await self.index.longest_prefixes(hashes, indexed)
         except IndexUnavailableError as e:
-            if not self._index_down:
-                log.warning("prefix index unavailable, routing on load alone until it answers: %s", e)
+            log.warning("prefix index unavailable, routing on load alone until it answers: %s", e)
             self._index_down = True
+            self._probe = asyncio.ensure_future(self._probe_index())
             return cached, {}
-        if self._index_down:
-            log.info("prefix index answers again: cache-aware routing resumed")
-            self._index_down = False
         hinted = {}
         for c in candidates:
             if c.instance_id in indexed:
@@ -165,6 +165,18 @@ class Router:
                 hinted[c.instance_id] = max(0, num_routed - blocks[c.instance_id]) * self.contract.block_size
                 cached[c.instance_id] = max(blocks[c.instance_id], num_routed) * self.contract.block_size
         return cached, hinted
+
+    async def _probe_index(self) -> None:
+        """While the index is down, no request waits for it: this asks it every INDEX_PROBE_S until it answers."""
+        while True:
+            await asyncio.sleep(INDEX_PROBE_S)
+            try:
+                await self.index.ping()
+            except IndexUnavailableError:
+                continue
+            log.info("prefix index answers again: cache-aware routing resumed")
+            self._index_down = False
+            return
 
     def _remember(self, instance: InstanceInfo, hashes: list[BlockHash]) -> None:
         """The prompt's blocks go to prefill instance: count them as held there for ROUTED_HINT_S."""

@@ -150,6 +150,10 @@ def test_the_registry_keeps_its_last_list_through_a_redis_restart(redis_server, 
         redis_server.start()  # (empty: no persistence)
         assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
         monkeypatch.setattr(shared.registry, "REREGISTER_GRACE_S", 0.0)
+        for _ in range(20):  # (a read started before the grace ended may still answer first)
+            if not await world.registry.list_instances("decode"):
+                break
+            await asyncio.sleep(0.05)
         assert await world.registry.list_instances("decode") == []
 
     in_world(redis_server, body)
@@ -213,4 +217,36 @@ def test_a_prompt_just_routed_draws_its_prefix_before_the_index_shows_it(redis_s
         assert "not yet indexed" not in route.explain() and route.prefill_cached_tokens == 0, route.explain()
 
     monkeypatch.setattr(router_module, "ROUTED_HINT_S", 0.2)
+    in_world(redis_server, body)
+
+
+def test_a_frozen_redis_does_not_hold_up_routing(redis_server, caplog):
+    """Redis stopped by SIGSTOP (its calls time out instead of failing): routes come from the registry's last view
+    and without the index, none waits for Redis's 2 s timeout (before, each waited about 4 s); once Redis answers
+    again, cache-aware routing resumes by itself."""
+    import signal
+    import time
+
+    async def body(world):
+        caplog.set_level(logging.INFO)
+        holder = instance("prefill-a", "prefill")
+        await world.register(instance("decode-1", "decode"), holder, instance("prefill-b", "prefill"))
+        await world.cache(holder, CACHED)
+        router = world.router(local_prefill_tokens=0)
+        assert (await router.route(PROMPT, 300)).prefill_cached_tokens == CACHED
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            routes = [await router.route(PROMPT, 300) for _ in range(10)]
+            elapsed = time.monotonic() - started
+            assert all(r.decode.instance_id == "decode-1" and r.prefill_cached_tokens == 0 for r in routes)
+            assert elapsed < 2.0, elapsed  # (10 routes; one lookup may wait for the index's 0.5 s timeout)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        for _ in range(50):
+            if "cache-aware routing resumed" in caplog.text:
+                break
+            await asyncio.sleep(0.1)
+        assert "cache-aware routing resumed" in caplog.text
+
     in_world(redis_server, body)
