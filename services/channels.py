@@ -3,7 +3,10 @@ tracing is on, the interceptors that carry the trace context to the peer (servic
 
 A channel to an address where another instance now serves (a restart on the same port) is replaced: the old
 one may still be backing off from reconnect failures to the dead process, and would refuse calls for seconds.
-Reconnect backoff is capped at RECONNECT_BACKOFF_MAX_MS for the same reason."""
+Reconnect backoff is capped at RECONNECT_BACKOFF_MAX_MS for the same reason.
+
+With a TLSConfig every channel is TLS, presenting this process's certificate (mutual TLS: services/security.py).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +14,7 @@ import asyncio
 import grpc
 
 from services.grpc_tracing import client_interceptors
+from services.security import TLSConfig, open_channel
 from services.server import GRPC_OPTIONS
 
 
@@ -22,7 +26,8 @@ CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
 
 
 class ChannelPool:
-    def __init__(self):
+    def __init__(self, tls: TLSConfig | None = None):
+        self.tls = tls  # None: plaintext
         self._channels: dict[str, tuple[str | None, grpc.aio.Channel]] = {}  # address -> (instance id, channel)
 
     def get(self, address: str, instance_id: str | None = None) -> grpc.aio.Channel:
@@ -32,7 +37,7 @@ class ChannelPool:
         if known is None or (instance_id is not None and known[0] not in (None, instance_id)):
             if known is not None:
                 asyncio.ensure_future(known[1].close(grace=None))  # (its calls have failed already)
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+            channel = open_channel(address, self.tls, CHANNEL_OPTIONS, client_interceptors())
             self._channels[address] = (instance_id, channel)
         elif known[0] is None and instance_id is not None:
             self._channels[address] = (instance_id, known[1])

@@ -18,6 +18,8 @@ import grpc
 
 from services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_observability_args, apply_env,
                            engine_argv, port_number, positive_int)
+from services.security import (add_api_key_args, add_client_tls_args, add_tls_args, api_keys_from_args,
+                               client_tls_from_args, tls_from_args)
 from shared import envs
 from shared.config import EngineArgs
 
@@ -57,11 +59,11 @@ def _print_text(text: str) -> None:
     print(text, end="", flush=True)
 
 
-def _stream_to_terminal(address: str, request):
+def _stream_to_terminal(address: str, request, tls=None, api_key: str | None = None):
     """Stream one answer to stdout; a note on stderr when it was cut by max_tokens or aborted."""
     from services.client import generate
 
-    out = generate(address, request, on_text=_print_text)
+    out = generate(address, request, on_text=_print_text, tls=tls, api_key=api_key)
     print()
     if out.finish_reason != "stop":
         print(f"[{out.finish_reason}: {out.completion_tokens} tokens]", file=sys.stderr)
@@ -78,12 +80,14 @@ def cmd_prepare_model(args) -> int:
 def cmd_generate(args) -> int:
     from services.client import generate
 
+    tls = client_tls_from_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         if args.json:
-            print(json.dumps(generate(args.gateway, _request(args, prompt)).as_json(), ensure_ascii=False))
+            out = generate(args.gateway, _request(args, prompt), tls=tls, api_key=args.api_key)
+            print(json.dumps(out.as_json(), ensure_ascii=False))
         else:
-            _stream_to_terminal(args.gateway, _request(args, prompt))
+            _stream_to_terminal(args.gateway, _request(args, prompt), tls, args.api_key)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -94,6 +98,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    tls = client_tls_from_args(args)
     history: list[tuple[str, str]] = []
     print("tandem chat: empty line or Ctrl-D to quit; Ctrl-C stops an answer", file=sys.stderr)
     while True:
@@ -105,7 +110,7 @@ def cmd_chat(args) -> int:
         if not prompt:
             return 0
         try:
-            out = _stream_to_terminal(args.gateway, _request(args, prompt, history))
+            out = _stream_to_terminal(args.gateway, _request(args, prompt, history), tls, args.api_key)
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             continue
@@ -147,11 +152,13 @@ def cmd_up(args) -> int:
         ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else [])
     engine_flags = engine_argv(engine_args) + observability
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
+    tls, api_keys = tls_from_args(args), api_keys_from_args(args)
     cluster = LocalCluster(model=model, gateway_port=port or free_port(), http_port=http_port or free_port(),
                            num_prefill=args.prefill,
                            num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
                            gateway_args=engine_argv(engine_args, groups=("model",)) + observability,
-                           log_dir=args.log_dir, drain_timeout_s=args.drain_timeout)  # fmt: skip
+                           log_dir=args.log_dir, drain_timeout_s=args.drain_timeout, tls=tls,
+                           api_keys=api_keys.keys if api_keys else ())  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
           file=sys.stderr)  # fmt: skip
     try:
@@ -161,7 +168,8 @@ def cmd_up(args) -> int:
         print("metrics: " + ", ".join(f"{name} {url}" for name, url in cluster.metrics_urls.items()), flush=True)
         if args.prompt is not None:
             print(f"> {args.prompt}", file=sys.stderr)
-            out = _stream_to_terminal(cluster.gateway_address, _request(args, args.prompt))
+            out = _stream_to_terminal(cluster.gateway_address, _request(args, args.prompt), tls,
+                                      api_keys.keys[0] if api_keys else None)  # fmt: skip
             print(f"[{out.finish_reason}: {out.completion_tokens} tokens, TTFT {out.ttft_ms:.0f} ms, "
                   f"total {out.e2e_ms:.0f} ms]", file=sys.stderr)  # fmt: skip
             return 0
@@ -208,6 +216,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
     add_observability_args(p)  # (passed to every process)
     add_drain_arg(p)
+    add_tls_args(p, public=True)  # (the same files for every process: one identity, docs/security.md)
+    add_api_key_args(p)  # (the gateway's)
     if argv[:1] == ["up"]:  # (the same environment variables as the services; not for --prompt's sampling flags)
         apply_env(p, argv)
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")
@@ -227,6 +237,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             p.add_argument("prompt", help="the prompt ('-' reads it from stdin)")
             p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
         p.add_argument("--gateway", default=envs.TANDEM_GATEWAY, help="HOST:PORT of the gateway ($TANDEM_GATEWAY)")
+        p.add_argument("--api-key", default=envs.TANDEM_API_KEY,
+                       help="send 'authorization: Bearer KEY' (the gateway's --api-key; $TANDEM_API_KEY)")
+        add_client_tls_args(p)
         add_sampling_args(p)
         p.set_defaults(func=func)
     return parser

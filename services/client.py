@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.security import TLSConfig, bearer_metadata, open_channel
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -161,15 +161,20 @@ def _health_status(reply: health_pb2.HealthCheckResponse) -> str:
 
 class Client:
     """A synchronous client of one gateway ("host:port"), holding one channel until close() or the end of a
-    `with` block. Thread-safe: calls from several threads share the channel.
+    `with` block. Thread-safe: calls from several threads share the channel. tls: speak TLS (its ca_file, else
+    the system's roots; its cert_file / key_file as client certificate); None: plaintext. api_key: sent as
+    "authorization: Bearer <key>" with every call (the gateway's --api-key).
 
     Every RPC raises grpc.RpcError on failure; .code() is the server's status (INVALID_ARGUMENT for bad input,
-    with .details() naming the field; DEADLINE_EXCEEDED past `timeout` seconds; UNAVAILABLE when unreachable).
+    with .details() naming the field; DEADLINE_EXCEEDED past `timeout` seconds; UNAVAILABLE when unreachable or
+    when TLS fails; UNAUTHENTICATED without a valid API key). ValueError naming the setting of a TLS file that
+    cannot be read.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, *, tls: TLSConfig | None = None, api_key: str | None = None):
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._metadata = bearer_metadata(api_key)
+        self._channel = open_channel(address, tls, aio=False)
         self._gateway = gateway_pb2_grpc.GatewayStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -185,7 +190,7 @@ class Client:
     def stream_request(self, request: gateway_pb2.GenerateRequest,
                        timeout: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
         """stream() for a GenerateRequest built beforehand (build_request, make_request)."""
-        call = self._gateway.Generate(request, timeout=timeout)
+        call = self._gateway.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             yield from call
         finally:
@@ -221,9 +226,10 @@ class AsyncClient:
     Every RPC raises grpc.aio.AioRpcError (a grpc.RpcError) on failure; .code() is the server's status.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, *, tls: TLSConfig | None = None, api_key: str | None = None):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._metadata = bearer_metadata(api_key)
+        self._channel = open_channel(address, tls)
         self._gateway = gateway_pb2_grpc.GatewayStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -239,7 +245,7 @@ class AsyncClient:
     async def stream_request(self, request: gateway_pb2.GenerateRequest,
                              timeout: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """stream() for a GenerateRequest built beforehand (build_request, make_request)."""
-        call = self._gateway.Generate(request, timeout=timeout)
+        call = self._gateway.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield msg
@@ -270,14 +276,17 @@ class AsyncClient:
         await self.close()
 
 
-def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
-    """Client(address).stream_request(request) on a channel of its own, closed when the stream ends."""
-    with Client(address) as client:
+def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None, *,
+           tls: TLSConfig | None = None, api_key: str | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Client(address, tls=tls, api_key=api_key).stream_request(request) on a channel of its own, closed when the
+    stream ends."""
+    with Client(address, tls=tls, api_key=api_key) as client:
         yield from client.stream_request(request, timeout)
 
 
-def generate(address: str, request: gateway_pb2.GenerateRequest, on_text=None, timeout: float | None = None) -> Completion:
-    """Run one request to the end on a channel of its own; on_text(delta) is called as text arrives.
-    Raises grpc.RpcError on failure. NOTE: with n > 1 the completions' messages are merged into one Completion
-    (tests/integration/test_api_fuzz.py relies on that); Client.generate refuses n > 1 instead."""
-    return _collect(stream(address, request, timeout), on_text)
+def generate(address: str, request: gateway_pb2.GenerateRequest, on_text=None, timeout: float | None = None, *,
+             tls: TLSConfig | None = None, api_key: str | None = None) -> Completion:
+    """Run one request to the end on a channel of its own (tls, api_key: as Client's); on_text(delta) is called
+    as text arrives. Raises grpc.RpcError on failure. NOTE: with n > 1 the completions' messages are merged into
+    one Completion (tests/integration/test_api_fuzz.py relies on that); Client.generate refuses n > 1 instead."""
+    return _collect(stream(address, request, timeout, tls=tls, api_key=api_key), on_text)

@@ -13,6 +13,7 @@ from services.convert import stats_to_proto
 from services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
 from services.logs import setup_logging
 from services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
+from services.security import check_redis_auth, tls_from_args
 from services.server import Server, exit_on_signal_while_starting, new_instance_id
 from services.tracing import setup_tracing
 from shared.async_engine import AsyncEngine, build_engine
@@ -52,8 +53,13 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     args.advertise_host = args.advertise_host or own_address()
     if not args.redis_url and not args.standalone:
         parser.error("no registry: pass --redis-url (or set REDIS_URL), or --standalone to serve unregistered")
+    try:
+        tls = tls_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     instance_id = new_instance_id(tier)
     print(settings_line(f"{tier} {instance_id}", args), flush=True)
+    args.tls = tls  # (its server, and its channels to other instances: mutual TLS when it has a CA)
     setup_logging(tier, instance_id, args.log_format)
     setup_tracing(tier, instance_id, args.otlp_traces_endpoint)
     exit_on_signal_while_starting()
@@ -98,6 +104,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     engine_args = EngineArgs.from_namespace(args)
     if engine_args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: no CUDA device is usable here (torch {torch.__version__})")
+    if args.redis_url:
+        await check_redis_auth(args.redis_url)  # (a wrong password stops the start, before the model loads)
     registry = Registry(args.redis_url) if args.redis_url else None
     publish_index = registry is not None and engine_args.enable_prefix_caching
     engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
@@ -105,7 +113,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     metrics = EngineMetrics(tier, model_config.name, instance_id)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
-    server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier])
+    server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier], args.tls)
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
     servicer = add_servicer(server, async_engine, metrics, args)
     common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
@@ -121,6 +129,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         stats = metrics.stats.stats
         info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
             stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
+        info.tokens_per_s = round(metrics.tokens_per_s, 1)
         return info
 
     metrics.stats.stats = await async_engine.stats()  # (the first registration carries the real load)

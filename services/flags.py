@@ -13,6 +13,7 @@ import sys
 from dataclasses import fields
 
 from services.logs import LOG_FORMATS
+from services.security import add_api_key_args, add_tls_args, redacted_url
 from shared import envs
 from shared.config import TIER_DEFAULTS, EngineArgs
 from shared.request import SamplingParams
@@ -28,12 +29,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 DEFAULT_METRICS_PORT = 9090  # engine services' Prometheus endpoint (the gateway's is on its --http-port)
-DEFAULT_KV_LEASE_S = 60.0  # (a long prompt's first chunk may queue behind others on a busy prefill)
+MIN_KV_LEASE_S = 2.0
+DEFAULT_KV_LEASE_S = 10.0  # (a live prefill sends something every 0.5 s, queued prompts included)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # (deploy/k8s gives pods 45 s to stop: the drain and some room)
+DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS = 256, 1024  # gateway admission (TGI's default: 128)
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
 # Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
 ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 EXCLUDES = {"num_blocks": "memory_utilization", "memory_utilization": "num_blocks"}  # settings giving one thing
+SECRET_SETTINGS = ("api_key",)  # masked in settings_line (and so are the passwords of URLs)
 
 
 def env_name(dest: str) -> str:
@@ -84,8 +89,10 @@ def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: s
 
 
 def settings_line(name: str, args: argparse.Namespace) -> str:
-    """What a service prints at start: every setting it runs with, flags and environment resolved."""
-    return f"{name} settings: {json.dumps(vars(args), sort_keys=True, default=str)}"
+    """What a service prints at start: every setting it runs with, flags and environment resolved; secrets
+    (SECRET_SETTINGS, passwords in URLs such as --redis-url's) masked."""
+    values = {k: "***" if k in SECRET_SETTINGS and v else v for k, v in vars(args).items()}
+    return redacted_url(f"{name} settings: {json.dumps(values, sort_keys=True, default=str)}")
 
 
 def positive_int(value: str) -> int:
@@ -125,6 +132,14 @@ def positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}") from None
     if not number > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return number
+
+
+def lease_seconds(value: str) -> float:
+    """A KV lease: at least MIN_KV_LEASE_S, four of the prefill's keepalive intervals (services/prefill/server.py)."""
+    number = positive_float(value)
+    if number < MIN_KV_LEASE_S:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_KV_LEASE_S:g} seconds, got {value!r}")
     return number
 
 
@@ -199,7 +214,9 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_registry_args(parser: argparse.ArgumentParser, required_unless: str = "") -> None:
     parser.add_argument("--redis-url", default=None,
-                        help=f"Redis holding the instance registry; required{required_unless}")
+                        help=f"Redis holding the instance registry; required{required_unless}. A password and TLS "
+                             "go in the URL: redis://:PASSWORD@HOST:6379/0, rediss://HOST:6380/0?ssl_ca_certs=CA.pem "
+                             "(docs/security.md)")  # fmt: skip
 
 
 def add_observability_args(parser: argparse.ArgumentParser) -> None:
@@ -218,14 +235,16 @@ def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
     add_listen_args(parser, default_port=0)
     add_registry_args(parser, required_unless=" unless --standalone")
     add_observability_args(parser)
+    add_tls_args(parser)
     parser.add_argument("--advertise-host", default=None,
                         help="host or IP other services use to reach this one (default: this host's IP)")
     parser.add_argument("--standalone", action="store_true",
                         help="serve without a registry (nothing can route to this instance but direct calls)")
     if tier == "decode":
-        parser.add_argument("--kv-lease-timeout", type=positive_float, default=DEFAULT_KV_LEASE_S,
-                            help="seconds a reservation waits with no prompt KV arriving before its blocks are freed "
-                                 "and the gateway places the request again (a prefill that died or stalls)")
+        parser.add_argument("--kv-lease-timeout", type=lease_seconds, default=DEFAULT_KV_LEASE_S,
+                            help="seconds a reservation waits with no message from its prefill (KV, or a keepalive "
+                                 "every 0.5 s) before its blocks are freed and the gateway places the request again "
+                                 "(a prefill that died or froze)")
     parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)")
 
@@ -235,6 +254,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_listen_args(parser, default_port=50051)
     add_registry_args(parser)
     add_observability_args(parser)
+    add_tls_args(parser, public=True)
+    add_api_key_args(parser)
     parser.add_argument("--default-max-tokens", type=positive_int, default=SamplingParams.max_tokens,
                         help="max_tokens of a request that does not set it")
     parser.add_argument("--http-port", type=http_port_number, default=8000,
@@ -248,6 +269,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=non_negative_int, default=64,
                         help="when the chosen decode lacks at most this many prompt tokens, it computes them itself "
                              "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
+    parser.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                        help="requests served at once; more wait for a turn, best priority first")
+    parser.add_argument("--max-waiting-requests", type=non_negative_int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="requests that may wait for a turn; one more is refused at once (RESOURCE_EXHAUSTED / "
+                             "HTTP 429 with a retry hint)")  # fmt: skip
+    parser.add_argument("--queue-timeout", type=positive_float, default=DEFAULT_QUEUE_TIMEOUT_S,
+                        help="seconds a request may wait for a turn, or for room on a decode while every KV pool is "
+                             "full, before it is refused (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint)")
 
 
 def settings_table() -> str:

@@ -12,6 +12,7 @@ import inspect
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
                            TandemError, UnknownRequestError, UpstreamError)
@@ -55,6 +56,7 @@ def error_code(error: BaseException) -> grpc.StatusCode:
 
 # Trailing metadata of the errors our interceptors write: the peer answered (alive), or refused while draining
 ANSWERED_BY_KEY, DRAINING_KEY = "tandem-answered-by", "tandem-draining"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # a refusal's retry hint, milliseconds (gRFC A6's server pushback)
 
 
 def peer_is_down(error: grpc.aio.AioRpcError) -> bool:
@@ -87,17 +89,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        return handler and rewrap_handler(handler, self._wrap_unary, self._wrap_stream)
+        return handler and rewrap_handler(handler, self._wrap_unary, self._wrap_stream, self._wrap_client_stream,
+                                          tolerant(handler.request_deserializer))  # fmt: skip
 
     async def _abort(self, context, error: Exception):
         code, message = status_for(error, self.tier, self.instance_id)
         if code == grpc.StatusCode.INTERNAL and not isinstance(error, UpstreamError):
             log.error("unhandled error", exc_info=error)
-        await context.abort(code, message, trailing_metadata=((ANSWERED_BY_KEY, self.instance_id),))
+        metadata = [(ANSWERED_BY_KEY, self.instance_id)]
+        if (retry_after_s := getattr(error, "retry_after_s", None)) is not None:  # (an OverloadedError)
+            metadata.append((RETRY_PUSHBACK_KEY, str(int(retry_after_s * 1000))))
+        await context.abort(code, message, trailing_metadata=tuple(metadata))
 
     def _wrap_unary(self, fn):
         async def wrapper(request, context):
             try:
+                if isinstance(request, UndecodableRequest):
+                    raise InvalidRequestError(request.reason)
                 return await fn(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -112,6 +120,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def wrapper(request, context):
             try:
+                if isinstance(request, UndecodableRequest):
+                    raise InvalidRequestError(request.reason)
                 async for item in fn(request, context):
                     yield item
             except grpc.aio.AbortError:
@@ -122,12 +132,56 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapper
 
 
+    def _wrap_client_stream(self, fn):
+        wrapped = self._wrap_unary(fn)
+
+        async def decoded(requests):
+            async for msg in requests:
+                if isinstance(msg, UndecodableRequest):
+                    raise InvalidRequestError(msg.reason)  # (inside the handler: it cleans up as for any error)
+                yield msg
+
+        async def wrapper(requests, context):
+            return await wrapped(decoded(requests), context)
+
+        return wrapper
+
+
+class UndecodableRequest:
+    """What a request message whose bytes do not parse becomes (a string field that is not UTF-8, a truncated
+    field; grpcio would answer UNKNOWN naming a Python exception): ErrorInterceptor refuses it with
+    INVALID_ARGUMENT before the handler sees it. Outer interceptors may read request_id (empty)."""
+
+    request_id = ""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def ByteSize(self) -> int:
+        return 0
+
+
+def tolerant(deserializer):
+    """deserializer, returning an UndecodableRequest instead of raising on bytes that do not parse."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return UndecodableRequest(f"the request could not be parsed: {e}")
+
+    return deserialize
+
+
 def rewrap_handler(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream,
-                   wrap_client_stream=None) -> grpc.RpcMethodHandler:
+                   wrap_client_stream=None, request_deserializer=None) -> grpc.RpcMethodHandler:
     """handler with its behaviour wrapped: wrap_unary(fn) for unary-unary, wrap_stream(fn) for unary-stream,
     wrap_client_stream(fn) (default wrap_unary) for stream-unary; a bidirectional handler is returned as it is.
-    What every server interceptor here does with grpc.aio's handler API."""
-    serializers = handler.request_deserializer, handler.response_serializer
+    request_deserializer replaces the handler's (default: kept). What every server interceptor here does with
+    grpc.aio's handler API."""
+    serializers = request_deserializer or handler.request_deserializer, handler.response_serializer
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *serializers)
     if handler.unary_stream:

@@ -2,10 +2,16 @@
 
 Messages are split by blocks and layers to stay under max_bytes each, well inside gRPC's message limit.
 The receiver refuses blocks whose model id, dtype, block size or shape differ from its own.
+
+Integrity: each data message carries the XXH3-64 of its bytes (xxhash, already a dependency for the model
+digest: about 0.08 ms per 4 MiB message here, 50 GiB/s, against 1.2 ms for zlib.crc32, and 64 bits rather
+than 32), and the last message states the data messages and blocks sent; KVTransferTally checks both on the
+receiving side, and LLMEngine.finish_kv_import checks that every layer of every block the decode lacked came.
 """
 from __future__ import annotations
 
 import torch
+import xxhash
 
 from shared.config import CacheConfig, ModelConfig, dtype_name
 from shared.engine import KVBlocks
@@ -30,7 +36,7 @@ def kv_to_messages(
         nb = min(blocks_per_msg, num_blocks - b)
         for layer in range(0, num_layers, layers_per_msg):
             nl = min(layers_per_msg, num_layers - layer)
-            chunk = data[layer : layer + nl, :, b : b + nb].contiguous()
+            raw = data[layer : layer + nl, :, b : b + nb].contiguous().view(torch.uint8).numpy().tobytes()
             messages.append(
                 decode_pb2.KVBlocksMessage(
                     request_id=request_id,
@@ -43,15 +49,62 @@ def kv_to_messages(
                     layer_end=layer + nl,
                     first_block_index=kv.first_block_index + b,
                     num_blocks=nb,
-                    data=chunk.view(torch.uint8).numpy().tobytes(),
+                    data=raw,
+                    checksum=checksum(raw),
                 )
             )
     return messages
 
 
+def checksum(data: bytes) -> int:
+    """XXH3-64 of a message's data bytes (KVBlocksMessage.checksum), an unsigned 64-bit int."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def last_message(request_id: str, first_token_id: int, num_messages_sent: int,
+                 num_blocks_sent: int) -> decode_pb2.KVBlocksMessage:
+    """The message that ends a transfer: the first sampled token and the totals the receiver checks
+    (num_messages_sent: data messages before it; num_blocks_sent: blocks they carried, each counted once)."""
+    return decode_pb2.KVBlocksMessage(request_id=request_id, first_token_id=first_token_id,
+                                      num_messages_sent=num_messages_sent, num_blocks_sent=num_blocks_sent)
+
+
+class KVTransferTally:
+    """The receiver's count of one TransferKV stream: its request id (every message must name the same one), its
+    data messages and the blocks they carried (a block counts once its last layer has come), checked against
+    the totals of the last message. Methods raise InvalidRequestError naming the field at fault."""
+
+    def __init__(self, request_id: str, num_layers: int):
+        if not request_id:
+            raise InvalidRequestError("KV transfer refused: request_id is required")
+        self.request_id, self.num_layers = request_id, num_layers
+        self.num_messages = self.num_blocks = 0
+
+    def add(self, msg: decode_pb2.KVBlocksMessage) -> None:
+        """Count a message (before its data is used): its request id must be the stream's."""
+        if msg.request_id != self.request_id:
+            raise InvalidRequestError(f"KV transfer refused: request_id changed mid-stream from {self.request_id!r} "
+                                      f"to {msg.request_id!r}")  # fmt: skip
+        if msg.num_blocks:
+            self.num_messages += 1
+            if msg.layer_end == self.num_layers:
+                self.num_blocks += msg.num_blocks
+
+    def check_totals(self, last: decode_pb2.KVBlocksMessage) -> None:
+        """The last message's totals against what arrived: a transfer with messages lost or added is refused."""
+        for field, received in (("num_messages_sent", self.num_messages), ("num_blocks_sent", self.num_blocks)):
+            if not last.HasField(field):
+                raise InvalidRequestError(f"KV transfer refused: the last message lacks {field}")
+            if getattr(last, field) != received:
+                raise InvalidRequestError(f"KV transfer incomplete: {field} is {getattr(last, field)}, "
+                                          f"{received} arrived")  # fmt: skip
+
+
 def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, cache_config: CacheConfig) -> KVBlocks:
-    """Check a message against this instance and view its bytes as a tensor. InvalidRequestError on any
-    mismatch."""
+    """Check a data message (num_blocks > 0) against this instance and its checksum, and view its bytes as a
+    tensor [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, head_dim] in the KV cache dtype.
+    InvalidRequestError naming the field on any mismatch (the block range is checked on import, against the
+    request's reserved blocks: LLMEngine.import_kv)."""
     want = {
         "model_id": model_config.model_id,
         "dtype": cache_config.kv_dtype,
@@ -71,5 +124,11 @@ def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, 
     if len(msg.data) != expected_bytes:
         raise InvalidRequestError(
             f"KV transfer refused: {len(msg.data)} bytes for shape {shape}, expected {expected_bytes}")
+    if not msg.HasField("checksum"):
+        raise InvalidRequestError("KV transfer refused: checksum is missing")
+    if checksum(msg.data) != msg.checksum:
+        raise InvalidRequestError(f"KV transfer refused: checksum mismatch for blocks {msg.first_block_index}.."
+                                  f"{msg.first_block_index + msg.num_blocks} of layers [{msg.layer_start}, "
+                                  f"{msg.layer_end}): the data is corrupt")  # fmt: skip
     data = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(cache_config.dtype).view(shape)
     return KVBlocks(msg.first_block_index, data, msg.layer_start)

@@ -21,6 +21,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.flags import DEFAULT_DRAIN_TIMEOUT_S
+from services.security import TLSConfig, open_channel
 from shared import envs
 from shared.registry import KEY_PREFIX
 
@@ -44,7 +45,12 @@ def redis_server_binary() -> str:
 
 
 class LocalCluster:
-    """Start with start(), stop with stop() (or use as a context manager). Logs go to log_dir/<name>.log."""
+    """Start with start(), stop with stop() (or use as a context manager). Logs go to log_dir/<name>.log.
+
+    tls: every process serves TLS with these files and calls the others with them (mutual TLS when it has a CA;
+    the gateway requires client certificates when tls.require_client_cert). api_keys: the gateway's. Secrets go
+    to the children through their environment (REDIS_URL, TANDEM_API_KEY), not their command lines.
+    """
 
     def __init__(
         self,
@@ -59,6 +65,8 @@ class LocalCluster:
         redis_url: str | None = None,
         log_dir: str | None = None,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        tls: TLSConfig | None = None,
+        api_keys: tuple[str, ...] = (),
     ):
         self.model = model
         self.gateway_port = gateway_port or free_port()
@@ -68,6 +76,7 @@ class LocalCluster:
         self.redis_url = redis_url or envs.REDIS_URL
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-"))
         self.drain_timeout_s = drain_timeout_s  # every service's --drain-timeout; stop() waits that long
+        self.tls, self.api_keys = tls, tuple(api_keys)
         self.processes: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}  # how each child was started, for restart()
         self.addresses: dict[str, str] = {}
@@ -80,12 +89,16 @@ class LocalCluster:
 
     @property
     def openai_base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}/v1"
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.log_dir / f"{name}.log", "a" if name in self.argv else "w")  # a restart appends
         self.argv[name] = argv
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if name != "redis":
+            env["REDIS_URL"] = self.redis_url
+        if name == "gateway" and self.api_keys:
+            env["TANDEM_API_KEY"] = ",".join(self.api_keys)
         self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def start(self, timeout_s: float = 180) -> LocalCluster:
@@ -95,7 +108,7 @@ class LocalCluster:
             self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "no"])  # fmt: skip
             self.redis_url = f"redis://127.0.0.1:{port}/0"
-        common = ["--redis-url", self.redis_url, "--drain-timeout", str(self.drain_timeout_s)] + (
+        common = ["--drain-timeout", str(self.drain_timeout_s), *(self.tls.argv() if self.tls else [])] + (
             ["--model", self.model] if self.model else [])  # fmt: skip
         for tier, count, extra in (("decode", self.num_decode, self.decode_args), ("prefill", self.num_prefill, self.prefill_args)):
             for i in range(count):
@@ -108,7 +121,8 @@ class LocalCluster:
         self.metrics_urls["gateway"] = f"http://127.0.0.1:{self.http_port}/metrics"
         self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--port", str(self.gateway_port),
                                 "--http-port", str(self.http_port), "--host", "127.0.0.1", *common,
-                                *self.gateway_args])  # fmt: skip
+                                *(["--tls-client-auth", "require"] if self.tls and self.tls.require_client_cert
+                                  else []), *self.gateway_args])  # fmt: skip
         try:
             self.wait_ready(timeout_s)
         except BaseException:
@@ -132,7 +146,7 @@ class LocalCluster:
         raise TimeoutError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}")
 
     def _gateway_serving(self) -> bool:
-        with grpc.insecure_channel(self.gateway_address) as channel:
+        with open_channel(self.gateway_address, self.tls, aio=False) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shared.engine_stats import EngineStats, StepStats
 
 STATS_REFRESH_S = 1.0
+RATE_MIN_STEP_TOKENS, RATE_EWMA_ALPHA = 32, 0.2  # EngineMetrics.tokens_per_s
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)  # fmt: skip  (seconds: vLLM's TTFT buckets)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -88,6 +89,7 @@ class EngineMetrics:
         labels = {"model_name": model_name, "tier": tier, "instance_id": instance_id}
         self.stats = StatsCollector(labels)
         self.registry.register(self.stats)
+        self.tokens_per_s = 0.0  # (observe_step)
         names = list(labels)
 
         def histogram(name: str, doc: str, buckets, extra=()):
@@ -111,7 +113,13 @@ class EngineMetrics:
                                               "first message to its answer (prefill)", LATENCY_BUCKETS, ["peer"])  # fmt: skip
 
     def observe_step(self, step: StepStats) -> None:
-        """AsyncEngine's on_step (engine thread; prometheus_client's metrics are thread-safe)."""
+        """AsyncEngine's on_step (engine thread; prometheus_client's metrics are thread-safe). Also keeps
+        tokens_per_s, the registry's measure of how fast this instance works off its queue: an EWMA over steps of
+        at least RATE_MIN_STEP_TOKENS tokens (decode-sized steps say little about prefill speed)."""
+        if step.num_tokens >= RATE_MIN_STEP_TOKENS and step.duration_s > 0:
+            rate = step.num_tokens / step.duration_s
+            self.tokens_per_s = rate if not self.tokens_per_s else self.tokens_per_s + RATE_EWMA_ALPHA * (
+                rate - self.tokens_per_s)
         self.iteration_tokens.observe(step.num_tokens)
         self.step_duration.observe(step.duration_s)
         self.step_requests.observe(step.num_requests)

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.flags import DEFAULT_DRAIN_TIMEOUT_S
 from services.grpc_errors import DRAINING_KEY, ErrorInterceptor, rewrap_handler
 from services.grpc_tracing import TRACED_PREFIX, RequestContextInterceptor
+from services.security import TLSConfig
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -28,6 +29,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# The gateway's public port receives at most this much per message: any request within the field limits (README
+# "Limits": 64 characters per token of context, 256 Ki characters of structured_output) fits with room to spare
+PUBLIC_MAX_RECEIVE_BYTES = 8 * 1024 * 1024
 STOP_GRACE_S = 2.0
 
 
@@ -100,18 +104,26 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
 
 class Server:
     """An asyncio gRPC server bound to host:port (0 picks a free port: see .port). admission_prefixes: the
-    methods a drain refuses (see the module docstring).
+    methods a drain refuses (see the module docstring). tls: serve TLS (mutual TLS when it requires client
+    certificates; services/security.py), plaintext when None. auth: an interceptor that refuses unauthenticated
+    calls (the gateway's API keys), before they count as in flight.
 
-    OSError if the address cannot be bound.
+    OSError if the address cannot be bound; ValueError naming the setting of a TLS file that cannot be read.
     """
 
     def __init__(self, tier: str, instance_id: str, host: str, port: int,
-                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, admission_prefixes: tuple[str, ...] = ()):
+                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, admission_prefixes: tuple[str, ...] = (),
+                 tls: TLSConfig | None = None, auth: grpc.aio.ServerInterceptor | None = None):
         self.tier, self.instance_id, self.drain_timeout_s = tier, instance_id, drain_timeout_s
         self.drain = DrainInterceptor(tier, instance_id, admission_prefixes)
-        interceptors = [RequestContextInterceptor(), self.drain, ErrorInterceptor(tier, instance_id)]  # outermost first
-        self.grpc = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        interceptors = [RequestContextInterceptor(), *([auth] if auth else []), self.drain,
+                        ErrorInterceptor(tier, instance_id)]  # outermost first
+        options = [(key, PUBLIC_MAX_RECEIVE_BYTES if tier == "gateway" and key == "grpc.max_receive_message_length"
+                    else value) for key, value in GRPC_OPTIONS]  # fmt: skip
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=options)
+        address = f"{host}:{port}"
+        self.port = self.grpc.add_secure_port(address, tls.server_credentials()) if tls else \
+            self.grpc.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.health = health.aio.HealthServicer()

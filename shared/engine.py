@@ -87,6 +87,8 @@ class LLMEngine:
                                                record_events=kv_events)
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self._num_exported_blocks: dict[str, int] = {}  # prefill tier: leading blocks of a request already sent
+        # decode tier: per request waiting for KV, which layers of which of its blocks arrived [num_blocks, num_layers]
+        self._kv_received: dict[str, torch.Tensor] = {}
         self.num_blocks_exported = self.num_blocks_imported = 0
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step_stats: StepStats | None = None
@@ -157,15 +159,23 @@ class LLMEngine:
         return num_cached
 
     def import_kv(self, request_id: str, kv: KVBlocks) -> None:
-        """Write received blocks into the pool at the request's reserved block ids. UnknownRequestError for an
-        id not here; InvalidRequestError when the request is not waiting for KV or the blocks overrun it."""
+        """Write received blocks into the pool at the request's reserved block ids, and record which layers of
+        which blocks came (finish_kv_import checks that all did). kv.data [num_layers_in_msg, 2, n, block_size,
+        num_kv_heads, head_dim] in the KV cache dtype. UnknownRequestError for an id not here;
+        InvalidRequestError when the request is not waiting for KV or the blocks or layers overrun it."""
         request = self._get(request_id)
         if request.status != RequestStatus.WAITING_FOR_KV:
             raise InvalidRequestError(f"request {request_id!r} is not waiting for KV")
         block_table = self.kv_cache_manager.get_block_table(request_id)
-        n = kv.data.shape[2]
+        n, num_layers = kv.data.shape[2], self.model_config.num_hidden_layers
         if kv.first_block_index + n > len(block_table):
-            raise InvalidRequestError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the prompt")
+            raise InvalidRequestError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the "
+                                      f"request's {len(block_table)} reserved blocks (first_block_index, num_blocks)")
+        if kv.layer_start + kv.data.shape[0] > num_layers:
+            raise InvalidRequestError(f"KV layers from {kv.layer_start} overrun the model's {num_layers} layers")
+        if (received := self._kv_received.get(request_id)) is None:
+            received = self._kv_received[request_id] = torch.zeros(len(block_table), num_layers, dtype=torch.bool)
+        received[kv.first_block_index : kv.first_block_index + n, kv.layer_start : kv.layer_start + kv.data.shape[0]] = True  # fmt: skip
         # NOTE: blocks this pool had cached are shared with other requests: never overwritten
         skip = max(0, request.num_cached_tokens // self.cache_config.block_size - kv.first_block_index)
         if skip >= n:
@@ -181,6 +191,8 @@ class LLMEngine:
         """The prompt's KV is complete and the prefill sampled first_token_id: join the running batch.
 
         Returns a finished RequestOutput if that first token already ends the request, else None.
+        InvalidRequestError when the request is not waiting for KV, the token is outside the vocabulary or its
+        structured_output, or some layer of a block it lacked never arrived (the caller then fails the import).
         """
         request = self._get(request_id)
         if request.status != RequestStatus.WAITING_FOR_KV:
@@ -189,6 +201,8 @@ class LLMEngine:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         if request.grammar is not None and not request.grammar.num_valid([first_token_id]):
             raise InvalidRequestError(f"first token id {first_token_id} violates the request's structured_output")
+        self._check_kv_complete(request)
+        self._kv_received.pop(request_id, None)
         request.num_computed_tokens = request.num_prompt_tokens
         request.arrival_time = time.monotonic()  # (its queue time: from joining the batch, not from the reserve)
         self.kv_cache_manager.cache_full_blocks(request)
@@ -197,6 +211,20 @@ class LLMEngine:
             return self._finish(request, reason, RequestOutput(request_id, []))
         self.scheduler.add_request(request)
         return None
+
+    def _check_kv_complete(self, request: Request) -> None:
+        """InvalidRequestError unless every layer of every block this pool lacked (all but its cached prefix)
+        arrived by import_kv: a truncated transfer must never decode from stale blocks."""
+        num_blocks = len(self.kv_cache_manager.get_block_table(request.request_id))
+        num_cached = (request.num_cached_tokens or 0) // self.cache_config.block_size
+        received = self._kv_received.get(request.request_id)
+        if received is None:
+            received = torch.zeros(num_blocks, self.model_config.num_hidden_layers, dtype=torch.bool)
+        missing = (~received[num_cached:].all(dim=1)).nonzero().flatten()
+        if len(missing):
+            first, count = int(missing[0]) + num_cached, len(missing)
+            raise InvalidRequestError(f"KV transfer incomplete: {count} of the {num_blocks - num_cached} blocks it "
+                                      f"needed lack layers (the first: block {first})")  # fmt: skip
 
     def fail_kv_import(self, request_id: str, error: str) -> RequestOutput | None:
         """A KV transfer broke: fail the request if it is still waiting for its KV (blocks freed) and return its
@@ -227,6 +255,7 @@ class LLMEngine:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._num_exported_blocks.pop(request.request_id, None)
+        self._kv_received.pop(request.request_id, None)
         out.finish_reason, out.error = reason, error
         return out
 

@@ -30,6 +30,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "REDIS_URL": (_str("REDIS_URL"), "Redis holding the instance registry"),
     "REDIS_SERVER": (_str("REDIS_SERVER"), "redis-server binary `tandem up` starts when REDIS_URL is unset"),
     "TANDEM_GATEWAY": (lambda: os.environ.get("TANDEM_GATEWAY") or "127.0.0.1:50051", "gateway of the client CLI"),
+    # (the client CLI's security settings: the same names as the gateway's flags, docs/security.md)
+    "TANDEM_API_KEY": (lambda: (os.environ.get("TANDEM_API_KEY") or "").split(",")[0].strip() or None,
+                       "API key the client CLI sends (the first, when comma-separated)"),
+    "TANDEM_TLS_CA_FILE": (_str("TANDEM_TLS_CA_FILE"), "client CLI: CA bundle that verifies the gateway (TLS)"),
+    "TANDEM_TLS_CERT_FILE": (_str("TANDEM_TLS_CERT_FILE"), "client CLI: client certificate (TLS)"),
+    "TANDEM_TLS_KEY_FILE": (_str("TANDEM_TLS_KEY_FILE"), "client CLI: key of the client certificate"),
+    "TANDEM_TLS_SERVER_NAME": (_str("TANDEM_TLS_SERVER_NAME"), "client CLI: name the gateway's certificate holds"),
     "TANDEM_CPU_ARCH": (_str("TANDEM_CPU_ARCH"), "-march of the C++ CPU kernels' build (default native; read by "
                         "kernels/cpu_ext.py)"),
     "TANDEM_TRITON_ON_CPU": (lambda: os.environ.get("TANDEM_TRITON_ON_CPU") == "1",

@@ -33,6 +33,7 @@ class InstanceInfo:
     num_running: int = 0
     num_waiting: int = 0
     num_queued_tokens: int = 0  # tokens still to compute over its requests (the router's queue estimate)
+    tokens_per_s: float = 0.0  # tokens its recent steps computed per second of step time (0: not measured yet)
     incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
 
@@ -102,8 +103,11 @@ class Registry:
             keys = [k async for k in self.redis.scan_iter(match=f"{KEY_PREFIX}:{tier}:*", count=100)]
             values = await self.redis.mget(keys) if keys else []
         except (RedisError, OSError) as e:
-            log.warning("registry read failed, using the last list seen: %s", e)
+            if self._healthy:  # (once per outage)
+                log.warning("registry read failed, using the last list seen until Redis answers: %s", e)
             values = None
+        if values is not None and not self._healthy:
+            log.info("registry answers again")
         self._healthy = values is not None
         now = time.monotonic()
         last_infos, last_time = self._last_seen.get(tier, ([], 0.0))

@@ -12,7 +12,7 @@ from services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_params
 from services.engine_main import engine_main
 from services.flags import DEFAULT_KV_LEASE_S
 from services.grpc_errors import status_for
-from services.kv_wire import kv_from_message
+from services.kv_wire import KVTransferTally, kv_from_message
 from services.metrics import EngineMetrics
 from services.tracing import annotate
 from shared.async_engine import AsyncEngine
@@ -32,6 +32,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics = metrics
         self.kv_lease_s = kv_lease_s
         self._kv_progress: dict[str, float] = {}  # reserved request id -> when its KV last made progress
+        self._transfers: set[str] = set()  # request ids whose TransferKV call is under way
 
     async def Generate(self, request, context):
         if not request.request_id:
@@ -52,9 +53,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0)
             out = await (stream.get() if request.compute_prompt else self._first_under_lease(req.request_id, stream,
                                                                                             context))  # fmt: skip
+            kv_lost = not request.compute_prompt and out is not None and bool(out.error)  # (its import failed)
             while out is not None:
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, error=out.error or "",
                                                 error_is_invalid_request=out.error_is_invalid_request,
+                                                error_is_unavailable=kv_lost and not out.error_is_invalid_request,
                                                 num_cached_tokens=req.num_cached_tokens or 0,
                                                 num_draft_tokens=out.num_draft_tokens,
                                                 num_accepted_tokens=out.num_accepted_tokens,
@@ -90,33 +93,54 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return False
 
     async def TransferKV(self, request_iterator, context):
-        num_blocks = 0
-        request_id = None
-        num_layers = self.engine.model_config.num_hidden_layers
+        """Prefill -> decode: one request's prompt KV (services/kv_wire.py). Each data message is checked (model,
+        dtype, shape, checksum, block and layer range against the reservation) and written at once; the last one
+        (first_token_id) states the totals sent, which must equal what arrived, and every layer of every block the
+        request lacked must have come (LLMEngine.finish_kv_import) before it joins the batch. A refused transfer
+        fails the request (blocks freed; its Generate stream carries the reason) and answers INVALID_ARGUMENT;
+        an unknown request id answers NOT_FOUND; a second transfer for a request whose transfer is under way
+        (or done) is refused with INVALID_ARGUMENT and leaves that request alone."""
+        tally: KVTransferTally | None = None
+        owner = False  # this call is the request's transfer (not a concurrent repeat): its failure fails it
         try:
             async for msg in request_iterator:
-                request_id = msg.request_id
-                if msg.num_blocks:
+                if tally is None:
+                    tally = KVTransferTally(msg.request_id, self.engine.model_config.num_hidden_layers)
+                    if msg.request_id in self._transfers:
+                        raise InvalidRequestError(f"KV transfer refused: request {msg.request_id!r} already has one "
+                                                  "under way")  # fmt: skip
+                    self._transfers.add(msg.request_id)
+                    owner = True
+                tally.add(msg)
+                if owner and msg.request_id in self._kv_progress:  # (renews the reservation's lease; keepalives too)
+                    self._kv_progress[msg.request_id] = time.monotonic()
+                if msg.num_blocks or msg.data:
                     if self.metrics is not None:
                         self.metrics.observe_kv_message("any", msg.ByteSize())
+                    if not msg.num_blocks:
+                        raise InvalidRequestError(f"KV transfer refused: num_blocks is 0 but data has {len(msg.data)} "
+                                                  "bytes")  # fmt: skip
                     kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config)
                     await self.engine.import_kv(msg.request_id, kv)
-                    if msg.request_id in self._kv_progress:  # (renews the reservation's lease)
-                        self._kv_progress[msg.request_id] = time.monotonic()
-                    if msg.layer_end == num_layers:
-                        num_blocks += msg.num_blocks
                 if msg.HasField("first_token_id"):
+                    tally.check_totals(msg)
                     await self.engine.finish_kv_import(msg.request_id, msg.first_token_id)
-                    annotate(blocks_received=num_blocks)
-                    return decode_pb2.TransferKVResponse(num_blocks_received=num_blocks)
-            raise InvalidRequestError("KV stream ended without the first token")
+                    annotate(blocks_received=tally.num_blocks)
+                    return decode_pb2.TransferKVResponse(num_blocks_received=tally.num_blocks)
+            raise InvalidRequestError("KV transfer incomplete: the stream ended without the last message "
+                                      "(first_token_id)")  # fmt: skip
         except BaseException as e:
             # A broken transfer fails the request here so the gateway hears of it and the blocks are freed; one
             # already decoding (a stray repeat) is left alone.
-            if request_id is not None:
+            if owner:
                 reason = status_for(e, "decode", self.instance_id)[1] if isinstance(e, Exception) else "cancelled"
-                await self.engine.fail_kv_import(request_id, f"KV transfer failed: {reason}")
+                error = reason if reason.startswith("KV transfer") else f"KV transfer failed: {reason}"
+                log.warning("request %s: %s", tally.request_id, error)
+                await self.engine.fail_kv_import(tally.request_id, error)
             raise
+        finally:
+            if owner:
+                self._transfers.discard(tally.request_id)
 
 
 def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics, args) -> DecodeServicer:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from services.flags import HelpFormatter, add_gateway_args, apply_env, settings_line
+from services.channels import ChannelPool
+from services.gateway.admission import AdmissionQueue
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer
 from services.logs import setup_logging
+from services.security import APIKeyInterceptor, api_keys_from_args, check_redis_auth, tls_from_args
 from services.server import Server, exit_on_signal_while_starting, new_instance_id
 from services.tracing import setup_tracing
 from shared.config import EngineArgs
@@ -22,7 +26,7 @@ from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-async def serve(args, instance_id: str) -> None:
+async def serve(args, instance_id: str, tls, api_keys) -> None:
     import torch
     from transformers import AutoTokenizer
 
@@ -32,6 +36,7 @@ async def serve(args, instance_id: str) -> None:
     from shared.registry import Registry
 
     torch.set_num_threads(1)
+    await check_redis_auth(args.redis_url)  # (a wrong password stops the start: ValueError naming --redis-url)
     model_dir = args.model or default_model_dir()
     model_config = EngineArgs.from_namespace(args).create_model_config(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -39,8 +44,13 @@ async def serve(args, instance_id: str) -> None:
     index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
                     args.local_prefill_tokens)
-    server = Server("gateway", instance_id, args.host, args.port, args.drain_timeout, ("/tandem.v1.Gateway/",))
-    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id)
+    # The engines are called with the same certificate and CA (mutual TLS when they require it); API keys guard
+    # the public API, not health or reflection.
+    server = Server("gateway", instance_id, args.host, args.port, args.drain_timeout, ("/tandem.v1.Gateway/",),
+                    tls, APIKeyInterceptor(api_keys) if api_keys else None)  # fmt: skip
+    admission = AdmissionQueue(args.max_concurrent_requests, args.max_waiting_requests, args.queue_timeout)
+    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id,
+                               ChannelPool(tls), admission)  # fmt: skip
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
@@ -48,14 +58,18 @@ async def serve(args, instance_id: str) -> None:
     if args.http_port >= 0:  # (up before health says SERVING)
         from services.gateway.openai_api import create_app, serve_http
 
-        app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id)
-        http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout)
+        app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id, api_keys)
+        http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout, tls)
     await server.start()
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
-    print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing)", flush=True)
+    security = (f"TLS{' with client certificates' if tls.require_client_cert else ''}" if tls else "plaintext") + (
+        f", {len(api_keys.keys)} API key(s)" if api_keys else ", no API key")  # fmt: skip
+    print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing; {security})",
+          flush=True)  # fmt: skip
     if http is not None:
-        print(f"OpenAI-compatible API at http://{args.host}:{http_port}/v1; metrics on "
-              f"http://{args.host}:{http_port}/metrics", flush=True)  # fmt: skip
+        scheme = "https" if tls else "http"
+        print(f"OpenAI-compatible API at {scheme}://{args.host}:{http_port}/v1; metrics on "
+              f"{scheme}://{args.host}:{http_port}/metrics", flush=True)  # fmt: skip
 
     async def stop_http() -> None:  # (uvicorn stops accepting, and finishes the requests it has)
         if http is not None:
@@ -86,9 +100,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not args.redis_url:
         parser.error("no registry: pass --redis-url (or set REDIS_URL); the gateway finds instances there")
+    try:
+        tls, api_keys = tls_from_args(args), api_keys_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     instance_id = new_instance_id("gateway")
     print(settings_line(f"gateway {instance_id}", args), flush=True)
     setup_logging("gateway", instance_id, args.log_format)
     setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
     exit_on_signal_while_starting()
-    asyncio.run(serve(args, instance_id))
+    try:
+        asyncio.run(serve(args, instance_id, tls, api_keys))
+    except ValueError as e:  # (a setting that cannot work, e.g. a password Redis refuses: one line, no traceback)
+        sys.exit(f"error: {e}")

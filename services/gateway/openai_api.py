@@ -29,7 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                               completion_sampling_params, param_named, prompts, sampling_params)
 from services.gateway.openai_responses import ResponseShape, collect, sse
+from services.gateway.server import STREAM_BUFFER
 from services.grpc_errors import status_for
+from services.security import APIKeys, TLSConfig
+from services.server import PUBLIC_MAX_RECEIVE_BYTES
 from shared.errors import InvalidRequestError, TandemError
 from tandem.v1 import common_pb2, gateway_pb2
 
@@ -57,7 +60,9 @@ def api_error(error: Exception, instance_id: str) -> APIError:
         log.error("unhandled error", exc_info=error)
     status = HTTP_STATUS.get(code, 500)
     param = param_named(message.split(": ", 1)[-1]) if status == 400 else None
-    return APIError(status, message, http_param(param, None, False), code=code.name.lower())
+    retry_after_s = getattr(error, "retry_after_s", None)  # (an OverloadedError)
+    headers = {"Retry-After": str(int(retry_after_s))} if retry_after_s is not None else None
+    return APIError(status, message, http_param(param, None, False), code=code.name.lower(), headers=headers)
 
 
 def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> str | None:
@@ -76,9 +81,10 @@ def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> st
 
 
 # -- the app -------------------------------------------------------------------------------------------------
-def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
+def create_app(servicer, model_name: str, instance_id: str, api_keys: APIKeys | None = None) -> FastAPI:
     """The FastAPI app over a GatewayServicer (services/gateway/server.py); model_name: the id /v1/models
-    lists and requests may name."""
+    lists and requests may name. With api_keys, every /v1 path answers 401 (OpenAI's invalid_api_key error)
+    unless the request has "Authorization: Bearer <key>", as vLLM's --api-key; /health and /metrics stay open."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
     tokenizer = servicer.tokenizer
     created = int(time.time())
@@ -89,7 +95,7 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         return e
 
     def error_response(e: APIError) -> JSONResponse:
-        return JSONResponse(counted(e).body(), status_code=e.status)
+        return JSONResponse(counted(e).body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -106,6 +112,10 @@ def create_app(servicer, model_name: str, instance_id: str) -> FastAPI:
         param = where[0] if where else None  # (later items name nested fields and pydantic's union branches)
         message = f"{'.'.join(where)}: {first.get('msg')}" if where else f"the body is not a JSON object: {first.get('msg')}"
         return error_response(APIError(400, message, param))
+
+    app.add_middleware(BodyLimitMiddleware)
+    if api_keys is not None:  # (added last: runs first, so no body of an unauthenticated client is read)
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
 
     @app.get("/health")
     async def health():
@@ -234,15 +244,15 @@ async def merge(streams) -> AsyncIterator[tuple[int, gateway_pb2.GenerateRespons
     """Every stream's messages as (its index in streams, message) in arrival order, the streams running at once
     (a request's prompts are served concurrently, like the n completions of one prompt). The first error is
     raised; closing the merge cancels every stream, and so their calls on both tiers."""
-    arrivals: asyncio.Queue = asyncio.Queue()
+    arrivals: asyncio.Queue = asyncio.Queue(STREAM_BUFFER)  # (bounded: a slow client holds back the streams)
 
     async def pump(p: int, stream) -> None:
         try:
             async for msg in stream:
-                arrivals.put_nowait((p, msg))
+                await arrivals.put((p, msg))
         except Exception as e:
-            arrivals.put_nowait((p, e))
-        arrivals.put_nowait((p, None))
+            await arrivals.put((p, e))
+        await arrivals.put((p, None))
 
     tasks = [asyncio.create_task(pump(p, stream)) for p, stream in enumerate(streams)]
     try:
@@ -276,18 +286,71 @@ async def _first_messages(messages, num_streams: int, instance_id: str) -> list:
     return first
 
 
-async def serve_http(app: FastAPI, host: str, port: int, drain_timeout_s: float):
+class BodyLimitMiddleware:
+    """ASGI middleware: a request body over PUBLIC_MAX_RECEIVE_BYTES (the public gRPC port's message limit) gets
+    413 before any of it is parsed; the body is read here (at most that much) and replayed to the app."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        size, chunks, more = int(length) if length.isdigit() else 0, [], True
+        while more and size <= PUBLIC_MAX_RECEIVE_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # (nobody to answer)
+            chunks.append(message.get("body", b""))
+            size = max(size, sum(map(len, chunks)))
+            more = message.get("more_body", False)
+        if size > PUBLIC_MAX_RECEIVE_BYTES:
+            error = APIError(413, f"the request body has more than {PUBLIC_MAX_RECEIVE_BYTES} bytes, the limit")
+            return await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # (later reads: the client's disconnect)
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class APIKeyMiddleware:
+    """ASGI middleware (not BaseHTTPMiddleware, which would stand between a stream and its disconnect): a /v1
+    request without "Authorization: Bearer <key>" of api_keys gets 401 and OpenAI's invalid_api_key error."""
+
+    def __init__(self, app, api_keys: APIKeys):
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        refusal = self.api_keys.refusal(header)
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        error = APIError(401, f"{refusal} (the gateway's --api-key)", code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+async def serve_http(app: FastAPI, host: str, port: int, drain_timeout_s: float, tls: TLSConfig | None = None):
     """Start uvicorn for app on host:port (0: any free port) inside the running event loop, without its own
     signal handling (the gateway's Server handles SIGTERM; once should_exit is set, requests in flight get
-    drain_timeout_s to finish). Returns (uvicorn.Server, bound port, serving task).
-    OSError if the address cannot be bound."""
+    drain_timeout_s to finish); HTTPS with tls's certificate (and client certificates when it requires them).
+    Returns (uvicorn.Server, bound port, serving task).
+    OSError if the address cannot be bound or a TLS file cannot be loaded."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=drain_timeout_s,
+                            timeout_graceful_shutdown=drain_timeout_s, **(tls.uvicorn_settings() if tls else {}),
                             log_config=None)  # (its lines go through the gateway's own log format: services/logs.py)
     server = uvicorn.Server(config)
     server.capture_signals = _no_signals  # type: ignore[method-assign]

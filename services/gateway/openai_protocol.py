@@ -9,16 +9,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.server import MAX_N
+from services.gateway.server import MAX_ID_CHARS, MAX_N
 from tandem.v1 import common_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+MAX_PROMPTS = 64  # prompts in one completions request (a list of strings or of token id lists); README "Limits"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    """An HTTP error answer: status, OpenAI's error body, and headers (a 429's Retry-After, in seconds)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -127,7 +131,9 @@ class CompletionRequest(SamplingFields):
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     """The request's fields as the gRPC API's SamplingParams (validated there: generate_n raises
-    InvalidRequestError naming the field)."""
+    InvalidRequestError naming the field; the size limits too: GatewayServicer.check_params)."""
+    if body.cache_salt is not None and len(body.cache_salt) > MAX_ID_CHARS:
+        raise APIError(400, f"cache_salt has {len(body.cache_salt)} characters; at most {MAX_ID_CHARS}", "cache_salt")
     p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
     for token, bias in (body.logit_bias or {}).items():
         if not (token.isascii() and token.isdigit()) or int(token) >= 2**32:
@@ -230,7 +236,8 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
 
 def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
     """The completions API's prompt field as a list of prompts: a string, a list of strings, a list of token
-    ids (one prompt) or a list of token id lists. APIError 400 for anything else or an empty prompt."""
+    ids (one prompt) or a list of token id lists (at most MAX_PROMPTS). APIError 400 for anything else, an empty
+    prompt or token ids outside [0, vocab_size)."""
     def is_ids(x) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -240,6 +247,8 @@ def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
                                                           or all(is_ids(p) for p in prompt)):  # fmt: skip
         raise APIError(400, "prompt must be a non-empty string, list of strings, list of token ids, or list of token "
                             "id lists", "prompt")  # fmt: skip
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"prompt has {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
     for p in prompt:
         if not p:
             raise APIError(400, "prompt is empty", "prompt")

@@ -3,6 +3,7 @@ first token from the prefill at once, the rest from the decode, as UTF-8-safe te
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -14,11 +15,13 @@ import xxhash
 from services.channels import ChannelPool
 from services.client import finish_name
 from services.convert import sampling_params_from_proto
+from services.gateway.admission import AdmissionQueue, OverloadedError
 from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
 from services.gateway.router import Route, Router, SharedPrompt
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_watch import PrefillLostError, prefill_watching_decode
+from services.flags import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_QUEUE_TIMEOUT_S
 from services.grpc_errors import error_code, peer_is_down, upstream_error
 from services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
 from shared.config import ModelConfig
@@ -29,11 +32,24 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gate
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant")
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # failed placements of one request (a full decode is no failure: the request waits for room)
+STREAM_BUFFER = 64  # messages a request's merged completions may hold for a client that reads slowly
+ROOM_POLL_S, ROOM_POLL_MAX_S = 0.05, 1.0  # first and longest pause between placements while every decode is full
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 MAX_N = 16  # most completions of one prompt per request
+# Size limits on a request's fields (README "Limits"), enforced by GatewayServicer.tokenize and check_params for
+# both public APIs. A prompt's own limits follow from the model's context: at most max_model_len - 1 tokens, and
+# at most MAX_CHARS_PER_TOKEN * max_model_len characters before it is tokenized.
+MAX_CHARS_PER_TOKEN = 64
+MAX_STOP = 32  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
+MAX_STOP_CHARS = 256  # characters per stop string (the text stream holds back this much at most)
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a json_schema, regex or grammar's text; choice: all choices together
+MAX_CHOICES = 1024  # structured_output choice entries
+MAX_ID_CHARS = 256  # request_id and cache_salt
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -44,18 +60,24 @@ def seed_for(seed: int, index: int) -> int:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, model_config: ModelConfig, tokenizer, router: Router, default_max_tokens: int,
-                 instance_id: str):
+                 instance_id: str, channels: ChannelPool | None = None, admission: AdmissionQueue | None = None):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.router = router
         self.default_max_tokens = default_max_tokens
-        self.channels = ChannelPool()
+        self.channels = channels or ChannelPool()  # (the gateway's TLS settings: services/gateway/main.py)
         self.metrics = GatewayMetrics(model_config.name, instance_id)  # (served at /metrics on the HTTP port)
+        self.admission = admission or AdmissionQueue(DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS,
+                                                     DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
 
     def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
         role. Chat turns give exactly apply_chat_template(..., add_generation_prompt=True, tokenize=True)'s ids
         (the template writes any special tokens itself; nothing is added)."""
+        for name in ("request_id", "cache_salt"):
+            if len(getattr(request, name)) > MAX_ID_CHARS:
+                raise InvalidRequestError(f"{name} has {len(getattr(request, name))} characters; at most "
+                                          f"{MAX_ID_CHARS}")  # fmt: skip
         kind = request.WhichOneof("input")
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -73,7 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _check_chars(self, num_chars: int) -> None:
         # Cheap bound before tokenizing: no real prompt needs more than 64 characters per token of context.
-        limit = 64 * self.model_config.max_model_len
+        limit = MAX_CHARS_PER_TOKEN * self.model_config.max_model_len
         if num_chars > limit:
             raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
 
@@ -103,6 +125,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         max_len = self.model_config.max_model_len
         if num_prompt_tokens >= max_len:
             raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")
+        check_counts(p)
         defaults = {} if p.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
         params = sampling_params_from_proto(p, **defaults)
         if params.min_tokens > params.max_tokens:
@@ -114,6 +137,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if any(not s for s in p.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         if params.structured_output is not None:
+            check_structured_output_size(p.structured_output)
             check_grammar(params.structured_output)
         proto_params = common_pb2.SamplingParams()
         proto_params.CopyFrom(p)
@@ -128,15 +152,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         places the prompt; the others wait until its decode holds the prompt's KV and then go to that decode,
         which reuses the prompt's blocks from its prefix cache (computing only the last partial block): the
         prompt is computed once, not n times. Completion i > 0 of a seeded request uses seed_for(seed, i).
-        Completion ids are request_id, then request_id-1, request_id-2, ..."""
+        Completion ids are request_id, then request_id-1, request_id-2, ...
+        The request holds one of the gateway's admission slots throughout (services/gateway/admission.py):
+        OverloadedError when none comes free in time."""
+        # (fail before anything starts or waits; off the event loop: a huge grammar takes seconds to check)
+        await asyncio.to_thread(self.check_params, len(prompt_ids), p)
+        async with self.admission.slot(priority, time_remaining):
+            async for msg in self._generate_n(prompt_ids, p, request_id, cache_salt, time_remaining, t0, priority):
+                yield msg
+
+    async def _generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str,
+                          cache_salt: str | None, time_remaining, t0: float | None,
+                          priority: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         if p.beam_width > 1:
             async for msg in run_beam_search(self, prompt_ids, p, request_id or uuid.uuid4().hex, cache_salt,
                                              time_remaining, t0 or time.perf_counter(), priority):  # fmt: skip
                 yield msg
             return
         n = p.n if p.HasField("n") else 1
-        # (fail before anything starts; off the event loop: a huge grammar takes seconds to check)
-        await asyncio.to_thread(self.check_params, len(prompt_ids), p)
         request_id = request_id or uuid.uuid4().hex
         if n == 1:
             async for msg in self.generate(prompt_ids, p, request_id, cache_salt, time_remaining, t0,
@@ -144,7 +177,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield msg
             return
         shared = SharedPrompt()
-        messages: asyncio.Queue = asyncio.Queue()
+        messages: asyncio.Queue = asyncio.Queue(STREAM_BUFFER)  # (bounded: a slow reader holds back the decodes)
 
         async def run(index: int) -> None:
             params = common_pb2.SamplingParams()
@@ -157,11 +190,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for msg in self.generate(prompt_ids, params, f"{request_id}-{index}" if index else request_id,
                                                cache_salt, time_remaining, t0, shared, index, priority):  # fmt: skip
                     msg.index = index
-                    messages.put_nowait(msg)
-            except BaseException as e:
-                messages.put_nowait(e)
+                    await messages.put(msg)
+            except Exception as e:
+                await messages.put(e)
                 raise
-            messages.put_nowait(None)
+            await messages.put(None)
 
         tasks = [asyncio.create_task(run(i)) for i in range(n)]
         try:
@@ -273,17 +306,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
 
-    @staticmethod
-    async def _read(decode_call, decode: InstanceInfo) -> decode_pb2.DecodeResponse:
-        """The decode's next message; UpstreamError if the call failed, ended early or the decode failed it."""
+    async def _read(self, decode_call, decode: InstanceInfo) -> decode_pb2.DecodeResponse:
+        """The decode's next message; UpstreamError if the call failed, ended early or the decode failed it: a
+        decode found dead is routed around from then on (Router.mark_down), and one whose prompt KV never came
+        whole (its prefill died after sending the first token) says UNAVAILABLE: the client may retry."""
         try:
             reply = await decode_call.read()
         except grpc.aio.AioRpcError as e:
+            if peer_is_down(e):
+                self.router.mark_down(decode)
             raise upstream_error(e, "decode", decode.instance_id, "decoding") from None
         if reply is grpc.aio.EOF:
             raise UpstreamError("INTERNAL", f"decode {decode.instance_id} ended the stream without a finish reason")
         if reply.error:
-            status = "INVALID_ARGUMENT" if reply.error_is_invalid_request else "INTERNAL"
+            status = ("INVALID_ARGUMENT" if reply.error_is_invalid_request else
+                      "UNAVAILABLE" if reply.error_is_unavailable else "INTERNAL")  # fmt: skip
             raise UpstreamError(status, f"decode {decode.instance_id}: {reply.error}")
         return reply
 
@@ -294,12 +331,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         decode lacks are sent), or let the decode compute the prompt itself (Route.prefill None). Returns
         (decode stream, the message carrying the first token, route, prefill reply or None); the first token
         comes from the prefill reply or the decode's stream. An instance that is unreachable (dead but still in
-        the registry until its TTL) or full is skipped and the request is placed again, up to MAX_ATTEMPTS
-        times. The client's deadline, if it set one, bounds every call. pinned: a decode to try first, computing
-        the prompt there (it holds the prompt's blocks: generate_n)."""
+        the registry until its TTL) or fails is skipped and the request is placed again, up to MAX_ATTEMPTS
+        failures. When every decode is full, the request waits for room (polling, with backoff) for as long as
+        the admission queue lets a request wait, then OverloadedError. The client's deadline, if it set one,
+        bounds every call; a prefill whose queue would already take longer refuses the request at once
+        (DeadlineError). pinned: a decode to try first, computing the prompt there (it holds the prompt's
+        blocks: generate_n)."""
         skipped: set[str] = set()
         last_error: UpstreamError | None = None
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        num_failures, room_wait_s, started = 0, ROOM_POLL_S, time.monotonic()
+        for attempt in itertools.count(1):
             timeout = time_remaining()
             if timeout is not None and timeout <= 0:
                 raise DeadlineError("the request's deadline passed before it was placed")
@@ -311,9 +352,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     route = await self.router.route(prompt_ids, len(prompt_ids) + params.max_tokens, cache_salt,
                                                     skipped, local=not params.HasField("prompt_logprobs"))
             except NoInstanceError:
-                if last_error is not None:  # every instance left was tried: say why the last one failed
+                if last_error is None:
+                    raise
+                if last_error.status != "RESOURCE_EXHAUSTED":  # every instance left was tried: say why one failed
                     raise last_error from None
-                raise
+                # Every decode is full: wait for room (requests finish), within the admission queue's bound
+                waited_s = time.monotonic() - started
+                left_s = self.admission.max_wait_s - waited_s  # (and the refusal must reach the client in time)
+                if timeout is not None:
+                    left_s = min(left_s, timeout - ROOM_POLL_S)
+                if left_s <= 0:
+                    raise OverloadedError(f"no decode has room for the request's KV after {waited_s:.1f} s "
+                                          f"({last_error})", self.admission.retry_after_s()) from None
+                await asyncio.sleep(min(room_wait_s, left_s))
+                room_wait_s = min(2 * room_wait_s, ROOM_POLL_MAX_S)
+                skipped.clear()
+                last_error = None
+                continue
+            check_predicted_ttft(route, len(prompt_ids), timeout)
             # Each placement its own id on the engines: a failed attempt's teardown (its broken KV stream) must not
             # touch the next attempt's reservation when that lands on the same decode.
             placement_id = request_id if attempt == 1 else f"{request_id}.{attempt}"
@@ -353,7 +409,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except PrefillLostError as e:  # (the decode freed the reservation: the prefill died or stalls)
                 decode_call.cancel()
                 last_error = UpstreamError("UNAVAILABLE", str(e))
-                if attempt == MAX_ATTEMPTS:
+                if (num_failures := num_failures + 1) == MAX_ATTEMPTS:
                     raise last_error from None
                 log.warning("request %s: %s; placing it again", request_id, e)
                 skipped.add(prefill.instance_id)
@@ -363,15 +419,65 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if isinstance(e, UpstreamError):  # (from _read: the decode failed while computing the prompt)
                     raise
                 last_error = upstream_error(e, failed.tier, failed.instance_id, doing)
-                if e.code() not in RETRY_CODES or attempt == MAX_ATTEMPTS:
+                full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # (a decode's pool: not a failure)
+                if e.code() not in RETRY_CODES or (not full and (num_failures := num_failures + 1) == MAX_ATTEMPTS):
                     raise last_error from None
-                log.warning("request %s: placing it again", request_id)
+                if failed is prefill and not peer_is_down(e):
+                    failed = decode  # (the prefill answered: its transfer to the decode failed; try another decode)
+                log.warning("request %s: %s %s %s; placing it again", request_id, failed.tier, failed.instance_id,
+                            "is full" if full else "failed")  # fmt: skip
                 skipped.add(failed.instance_id)
                 if peer_is_down(e):
                     self.router.mark_down(failed)
             except BaseException:
                 decode_call.cancel()
                 raise
+
+
+def check_predicted_ttft(route: Route, num_prompt_tokens: int, time_left_s: float | None) -> None:
+    """DeadlineError when the route's prefill would take longer than time_left_s (seconds) to reach this prompt's
+    first token: its queue plus the prompt's uncached tokens at the rate its recent steps computed
+    (InstanceInfo.tokens_per_s). Nothing is checked without a deadline, a prefill or a measured rate."""
+    prefill = route.prefill
+    if time_left_s is None or prefill is None or not prefill.tokens_per_s:
+        return
+    num_tokens = prefill.num_queued_tokens + num_prompt_tokens - route.prefill_cached_tokens
+    predicted_s = num_tokens / prefill.tokens_per_s
+    if predicted_s > time_left_s:
+        raise DeadlineError(f"refused at once: the predicted time to first token ({predicted_s:.1f} s: "
+                            f"{num_tokens} tokens to compute on prefill {prefill.instance_id} at "
+                            f"{prefill.tokens_per_s:.0f} tokens/s) exceeds the {time_left_s:.1f} s left before the "
+                            "request's deadline")  # fmt: skip
+
+
+def check_counts(p: common_pb2.SamplingParams) -> None:
+    """InvalidRequestError naming the field when a repeated field of p is over its limit (MAX_STOP stop strings
+    of at most MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS stop_token_ids, MAX_LOGIT_BIAS logit_bias entries)."""
+    if len(p.stop) > MAX_STOP:
+        raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {MAX_STOP}")
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        longest = max(len(s) for s in p.stop)
+        raise InvalidRequestError(f"stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+
+
+def check_structured_output_size(so: common_pb2.StructuredOutput) -> None:
+    """InvalidRequestError naming structured_output when its text (a json_schema, regex or grammar; choice: all
+    choices together) has more than MAX_STRUCTURED_OUTPUT_CHARS characters or choice more than MAX_CHOICES
+    entries: checked before the grammar is compiled."""
+    kind = so.WhichOneof("kind")
+    if kind == "choice":
+        if len(so.choice.choices) > MAX_CHOICES:
+            raise InvalidRequestError(f"structured_output.choice has {len(so.choice.choices)} entries; at most "
+                                      f"{MAX_CHOICES}")  # fmt: skip
+        size = sum(len(c) for c in so.choice.choices)
+    else:
+        size = len(getattr(so, kind)) if kind in ("json_schema", "regex", "grammar") else 0
+    if size > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise InvalidRequestError(f"structured_output has {size} characters; at most {MAX_STRUCTURED_OUTPUT_CHARS}")
 
 
 def deadline_clock(time_remaining, deadline_ms: int | None):

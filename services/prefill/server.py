@@ -13,7 +13,7 @@ from services.channels import ChannelPool
 from services.convert import logprobs_to_proto, sampling_params_from_proto
 from services.engine_main import engine_main
 from services.grpc_errors import upstream_error
-from services.kv_wire import kv_to_messages
+from services.kv_wire import kv_to_messages, last_message
 from services.metrics import EngineMetrics
 from services.tracing import annotate, bind_request, end_when_done, start_span, traced, use_span
 from shared.async_engine import AsyncEngine
@@ -22,12 +22,14 @@ from shared.request import FinishReason, Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+KV_KEEPALIVE_S = 0.5  # most seconds between two messages of a transfer (the decode's --kv-lease-timeout is >= 2)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics | None = None):
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics | None = None,
+                 channels: ChannelPool | None = None):
         self.engine, self.metrics = engine, metrics
-        self.channels = ChannelPool()
+        self.channels = channels or ChannelPool()  # (to the decodes; with the service's TLS settings)
         self._transfers: set[asyncio.Task] = set()
 
     @traced("prefill")
@@ -52,12 +54,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         kv_span = start_span("kv_transfer", decode_instance_id=decode_id)  # (its call carries it to the decode)
         with use_span(kv_span):
             channel = self.channels.get(request.decode_address, request.decode_instance_id or None)
-            transfer_call = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(outbox))
+            transfer_call = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(outbox, req.request_id))
         transfer = asyncio.ensure_future(transfer_call)
         end_when_done(kv_span, transfer)
         first_token_id = first_logprobs = None
         prompt_logprobs = []
-        num_blocks_sent = num_bytes_sent = 0
+        num_blocks_sent = num_bytes_sent = num_messages_sent = 0
         try:
             while (out := await stream.get()) is not None:
                 if out.kv is not None:
@@ -65,6 +67,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     num_bytes_sent += out.kv.data.nbytes
                     for msg in kv_to_messages(req.request_id, out.kv, self.engine.model_config):
                         outbox.put_nowait(msg)
+                        num_messages_sent += 1
                         if self.metrics is not None:
                             self.metrics.observe_kv_message(decode_id, msg.ByteSize())
                 if out.finish_reason == FinishReason.ABORT:
@@ -74,7 +77,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     first_token_id = out.new_token_ids[0]
                     first_logprobs = out.logprobs[0] if out.logprobs else None
                     prompt_logprobs = out.prompt_logprobs or []
-            outbox.put_nowait(decode_pb2.KVBlocksMessage(request_id=req.request_id, first_token_id=first_token_id))
+            if first_token_id is None:  # (the engine always samples one; never send a last message without it)
+                raise RequestFailedError("prefill failed: the prompt ended without a first token")
+            outbox.put_nowait(last_message(req.request_id, first_token_id, num_messages_sent, num_blocks_sent))
             outbox.put_nowait(None)
             annotate(kv_span, blocks_sent=num_blocks_sent, bytes_sent=num_bytes_sent)
         except BaseException:
@@ -110,20 +115,40 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.metrics is not None and task.exception() is None:
             self.metrics.kv_transfer_duration.labels(**self.metrics.labels, peer=decode_id).observe(
                 time.perf_counter() - start)
-        if task.exception() is not None:
+        if task.exception() is not None:  # (the decode failed the request itself: its Generate stream says why)
             log.warning("request %s: KV transfer to decode %s failed: %s", request_id, decode_id, task.exception())
         elif task.result().num_blocks_received != num_blocks_sent:
-            log.error("request %s: decode %s received %d KV blocks, %d were sent", request_id, decode_id,
-                      task.result().num_blocks_received, num_blocks_sent)  # fmt: skip
+            # NOTE: cannot happen between tiers of this version: the decode checks the last message's totals (and
+            # that every layer of every block it lacked came) before it acknowledges, and fails the request
+            # otherwise. The first token went to the gateway already, so there is nothing left to fail here: a
+            # mismatch means the tiers disagree on the protocol (a version skew or a bug), logged as such.
+            log.error("request %s: protocol violation: decode %s acknowledged %d KV blocks, %d were sent", request_id,
+                      decode_id, task.result().num_blocks_received, num_blocks_sent)  # fmt: skip
 
 
-async def _drain(outbox: asyncio.Queue):
-    while (msg := await outbox.get()) is not None:
-        yield msg
+async def _drain(outbox: asyncio.Queue, request_id: str):
+    """The TransferKV stream: outbox's messages until None. While none comes for KV_KEEPALIVE_S (the prompt is
+    queued behind others, or a long chunk computes), an empty message naming the request renews the decode's
+    lease on its reservation: only a prefill that died or froze goes silent."""
+    get = None
+    try:
+        while True:
+            get = get or asyncio.ensure_future(outbox.get())
+            done, _ = await asyncio.wait({get}, timeout=KV_KEEPALIVE_S)
+            if not done:
+                yield decode_pb2.KVBlocksMessage(request_id=request_id)
+                continue
+            msg, get = get.result(), None
+            if msg is None:
+                return
+            yield msg
+    finally:
+        if get is not None:
+            get.cancel()
 
 
 def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics, args) -> PrefillServicer:
-    servicer = PrefillServicer(engine, metrics)
+    servicer = PrefillServicer(engine, metrics, ChannelPool(args.tls))
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
     return servicer
 

@@ -39,21 +39,56 @@ def wait_all_blocks_free(cluster, timeout_s: float = 30) -> dict[str, common_pb2
         time.sleep(0.2)
 
 
-class RedisServer:
-    """A redis-server child on a fixed loopback port that a test can stop, restart and pause."""
+def wait_idle(cluster, names=None, timeout_s: float = 60) -> dict[str, common_pb2.InstanceLoad]:
+    """Poll the engine instances named (default: all) until each has every block free and no request running or
+    waiting; return the last loads seen (the caller asserts on them)."""
+    addresses = {name: cluster.addresses[name] for name in (names or cluster.addresses)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = {name: load(address) for name, address in addresses.items()}
+        if time.monotonic() > deadline or all(
+                (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0) for l in loads.values()):
+            return loads
+        time.sleep(0.2)
 
-    def __init__(self):
+
+def kv_transfer(decode_address: str, model_config, request_id: str, num_blocks: int, first_token_id: int = 5,
+                first_block_index: int = 0, block_size: int = 16, max_bytes: int = 4 * 1024 * 1024) -> list:
+    """A complete, valid TransferKV stream of zeros (float32 KV) for blocks first_block_index.. of a request
+    reserved on a decode: its data messages (at most max_bytes of data each), then the last message with
+    first_token_id and the totals."""
+    import torch
+
+    from services.kv_wire import kv_to_messages, last_message
+    from shared.engine import KVBlocks
+
+    shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, model_config.num_key_value_heads,
+             model_config.head_dim)  # fmt: skip
+    messages = kv_to_messages(request_id, KVBlocks(first_block_index, torch.zeros(shape)), model_config, max_bytes)
+    model_id = load(decode_address).model_id
+    for m in messages:
+        m.model_id = model_id
+    return messages + [last_message(request_id, first_token_id, len(messages), num_blocks)]
+
+
+class RedisServer:
+    """A redis-server child on a fixed loopback port that a test can stop, restart and pause; with password, it
+    runs with --requirepass and url carries the password."""
+
+    def __init__(self, password: str | None = None):
         from services.launcher import free_port
 
-        self.port, self.proc = free_port(), None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.port, self.proc, self.password = free_port(), None, password
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
 
     def start(self):
         from services.launcher import redis_server_binary
 
         self.proc = subprocess.Popen([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
-        client, deadline = redis.Redis(port=self.port), time.monotonic() + 10
+                                      "--save", "", "--appendonly", "no",
+                                      *(["--requirepass", self.password] if self.password else [])],
+                                     stdout=subprocess.DEVNULL)  # fmt: skip
+        client, deadline = redis.Redis(port=self.port, password=self.password), time.monotonic() + 10
         while True:
             try:
                 client.ping()
@@ -68,6 +103,38 @@ class RedisServer:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
             self.proc.wait(10)
+
+    def pause(self):
+        """SIGSTOP: the server is frozen (connections stay open, nothing answers) until resume()."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process (VmRSS in /proc/<pid>/status), in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def metric_samples(url: str, name: str) -> dict[frozenset, float]:
+    """{frozenset of (label, value): sample value} of one metric family's samples at a Prometheus endpoint."""
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).text
+    return {frozenset(s.labels.items()): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}  # fmt: skip
+
+
+def tracebacks(cluster) -> dict[str, int]:
+    """{service: number of tracebacks in its log} for every service log of a LocalCluster with any."""
+    counts = {path.stem: path.read_text(errors="replace").count("Traceback") for path in cluster.log_dir.glob("*.log")}
+    return {name: n for name, n in counts.items() if n}
 
 
 def hf_constrained(hf_model, model_config, ids: list[int], grammar: str, max_new_tokens: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Property tests (hypothesis): random and malformed requests through both public APIs never crash a service.
 Each answer is a success or a client error (gRPC INVALID_ARGUMENT / HTTP 400 or 404) whose message names the
 field at fault, and after every example the cluster still answers a plain request and every KV block is free."""
+import json
 import math
 
 import grpc
@@ -97,6 +98,27 @@ def test_http_garbage_bodies(cluster, raw):
     assert r.status_code == 400 and "error" in r.json()
 
 
+def test_http_body_over_the_limit_is_refused_before_it_is_parsed(cluster):
+    from services.server import PUBLIC_MAX_RECEIVE_BYTES
+
+    big = b'{"prompt": "' + b"a" * PUBLIC_MAX_RECEIVE_BYTES + b'", "max_tokens": 1}'
+    r = httpx.post(cluster.openai_base_url + "/completions", content=big, timeout=60,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and str(PUBLIC_MAX_RECEIVE_BYTES) in r.json()["error"]["message"]
+
+    def chunks():  # (no Content-Length: counted as it arrives)
+        yield b'{"prompt": "'
+        for _ in range(PUBLIC_MAX_RECEIVE_BYTES // 2**20 + 1):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    r = httpx.post(cluster.openai_base_url + "/completions", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 413
+    ok = httpx.post(cluster.openai_base_url + "/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"]
+
+
 def _check_http_answer(r, body: dict) -> None:
     """A success with choices (a JSON body) or a 400 / 404 in OpenAI's shape whose param names the field."""
     if r.status_code != 200:
@@ -115,3 +137,128 @@ def _still_serving(cluster):
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+
+
+# -- hand-encoded and oversized requests ---------------------------------------------------------------------
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (wire type 2), encoded by hand: Python protobuf refuses to build a
+    message whose string is not valid UTF-8, so these bytes go out with an identity serializer."""
+    tag, length = number << 3 | 2, len(payload)
+    varint = bytearray()
+    while True:
+        byte, length = length & 0x7F, length >> 7
+        varint.append(byte | (0x80 if length else 0))
+        if not length:
+            break
+    return bytes([tag]) + bytes(varint) + payload
+
+
+BAD_UTF8 = b"caf\xc3(\xff\xfe"
+RAW_REQUESTS = {  # GenerateRequest: prompt 1, chat 2 (ChatMessages: messages 1; ChatMessage: role 1, content 2),
+    # sampling_params 3 (SamplingParams.stop 7), request_id 4, cache_salt 5
+    "prompt": _field(1, BAD_UTF8),
+    "chat content": _field(2, _field(1, _field(1, b"user") + _field(2, BAD_UTF8))),
+    "chat role": _field(2, _field(1, _field(1, BAD_UTF8) + _field(2, b"Hi"))),
+    "request_id": _field(1, b"Hi") + _field(4, BAD_UTF8),
+    "cache_salt": _field(1, b"Hi") + _field(5, BAD_UTF8),
+    "stop": _field(1, b"Hi") + _field(3, _field(7, BAD_UTF8)),
+    "truncated": _field(1, b"Hi")[:-1],
+}
+
+
+@pytest.mark.parametrize("where", sorted(RAW_REQUESTS))
+def test_grpc_invalid_utf8_and_broken_bytes_are_invalid_argument(cluster, where):
+    from tandem.v1 import gateway_pb2
+
+    with grpc.insecure_channel(cluster.gateway_address) as channel:
+        call = channel.unary_stream("/tandem.v1.Gateway/Generate", request_serializer=lambda b: b,
+                                    response_deserializer=gateway_pb2.GenerateResponse.FromString)  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(RAW_REQUESTS[where], timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
+    assert "could not be parsed" in err.value.details()
+    if where != "truncated":
+        assert "UTF-8" in err.value.details()
+    _still_serving(cluster)
+
+
+def _oversized(model_config) -> dict:
+    """Requests over each limit (README "Limits") -> the field their error must name."""
+    from services.gateway import server as limits
+
+    cases = {
+        "stop": make_request("Hi", stop=["x"] * (limits.MAX_STOP + 1)),
+        "stop strings": make_request("Hi", stop=["y" * (limits.MAX_STOP_CHARS + 1)]),
+        "stop_token_ids": make_request("Hi"),
+        "logit_bias": make_request("Hi"),
+        "structured_output": make_request("Hi"),
+        "structured_output.choice": make_request("Hi"),
+        "request_id": make_request("Hi"),
+        "cache_salt": make_request("Hi"),
+        "tokens; the model's context": make_request("hello " * 9000, raw=True),
+        "characters": make_request("z" * (limits.MAX_CHARS_PER_TOKEN * model_config.max_model_len + 1), raw=True),
+        "n must be": make_request("Hi"),
+        "logprobs": make_request("Hi"),
+    }
+    cases["stop_token_ids"].sampling_params.stop_token_ids.extend([1] * (limits.MAX_STOP_TOKEN_IDS + 1))
+    for t in range(limits.MAX_LOGIT_BIAS + 1):
+        cases["logit_bias"].sampling_params.logit_bias[t] = 1.0
+    cases["structured_output"].sampling_params.structured_output.regex = "a" * (limits.MAX_STRUCTURED_OUTPUT_CHARS + 1)
+    cases["structured_output.choice"].sampling_params.structured_output.choice.choices.extend(
+        ["c"] * (limits.MAX_CHOICES + 1))
+    cases["request_id"].request_id = "r" * (limits.MAX_ID_CHARS + 1)
+    cases["cache_salt"].cache_salt = "s" * (limits.MAX_ID_CHARS + 1)
+    cases["n must be"].sampling_params.n = 2**31 - 1
+    cases["logprobs"].sampling_params.logprobs = 2**31 - 1
+    return cases
+
+
+def test_grpc_requests_over_each_limit_name_the_field(cluster, model_config):
+    assert model_config.max_model_len < 9000  # (the token case below is over the context)
+    for words, request in _oversized(model_config).items():
+        with pytest.raises(grpc.RpcError) as err:
+            generate(cluster.gateway_address, request, timeout=120)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (words, err.value.details())
+        assert words in err.value.details(), (words, err.value.details())
+    _still_serving(cluster)
+
+
+HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
+    ("completions", '{"prompt": "Hi", "temperature": NaN}', "temperature"),
+    ("completions", '{"prompt": "Hi", "top_p": Infinity}', "top_p"),
+    ("completions", '{"prompt": "Hi", "presence_penalty": -Infinity}', "presence_penalty"),
+    ("completions", '{"prompt": "Hi", "n": 100000000000000000000}', "n"),
+    ("completions", '{"prompt": "Hi", "n": 17}', "n"),
+    ("completions", '{"prompt": "Hi", "logprobs": 100000000000000000000}', "logprobs"),
+    ("completions", '{"prompt": "Hi", "logprobs": 21}', "logprobs"),
+    ("completions", '{"prompt": "Hi", "max_tokens": 1000000000000000000000000000000}', "max_tokens"),
+    ("completions", '{"prompt": "Hi", "seed": 1e400}', "seed"),
+    ("completions", '{"prompt": "Hi", "stop": ' + json.dumps(["s"] * 33) + "}", "stop"),
+    ("completions", '{"prompt": "Hi", "stop": ' + json.dumps("x" * 257) + "}", "stop"),
+    ("completions", '{"prompt": "Hi", "stop_token_ids": ' + json.dumps([1] * 257) + "}", "stop_token_ids"),
+    ("completions", '{"prompt": "Hi", "logit_bias": ' + json.dumps({str(i): 1 for i in range(1025)}) + "}",
+     "logit_bias"),
+    ("completions", '{"prompt": ' + json.dumps(["Hi"] * 65) + "}", "prompt"),
+    ("completions", '{"prompt": "Hi", "cache_salt": ' + json.dumps("s" * 257) + "}", "cache_salt"),
+    ("completions", '{"prompt": "Hi", "structured_outputs": {"regex": ' + json.dumps("a" * 262145) + "}}",
+     "structured_outputs"),
+    ("completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+    ("completions", '{"prompt": "Hi", "stop": ' + "[" * 5000 + "]" * 5000 + "}", None),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 99, "logprobs": true}',
+     "top_logprobs"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -1}',
+     "max_completion_tokens"),
+    ("chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint,body,param", HTTP_CASES, ids=[f"{i}" for i in range(len(HTTP_CASES))])
+def test_http_hostile_bodies_are_400_naming_the_field(cluster, endpoint, body, param):
+    r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", content=body, timeout=120,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, (body[:200], r.status_code, r.text[:500])
+    error = r.json()["error"]
+    assert error["message"], error
+    if param is not None:
+        assert error["param"] == param, (body[:200], error)
+    _still_serving(cluster)

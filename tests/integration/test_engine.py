@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
+from shared.engine import KVBlocks, LLMEngine
 from shared.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 
@@ -86,6 +86,7 @@ def test_abort_frees_blocks_and_rejects_oversized_requests(model_config):
 def test_eos_from_prefill_finishes_on_import(model_config):
     engine = LLMEngine(model_config, CacheConfig(16, 8), SchedulerConfig(64, 8))
     engine.reserve(Request("r", [1, 2, 3], greedy()))
+    engine.import_kv("r", KVBlocks(0, torch.zeros_like(engine.model_runner.kv_caches[:, :, :1])))
     out = engine.finish_kv_import("r", model_config.eos_token_ids[0])
     assert out.finish_reason == FinishReason.STOP and engine.num_free_blocks == 8
 

@@ -7,7 +7,7 @@ import pytest
 
 from services.client import generate, make_request
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.integration.helpers import generate_all, greedy_request, load, wait_all_blocks_free
+from tests.integration.helpers import generate_all, greedy_request, kv_transfer, load, wait_all_blocks_free
 
 
 def decode_request(request_id: str, n: int = 40) -> decode_pb2.DecodeRequest:
@@ -49,16 +49,18 @@ def test_duplicate_request_id_is_refused_without_hurting_the_first(cluster, hf_r
     assert result["out"].token_ids == expected[:30]
 
 
-def test_repeated_kv_completion_is_refused_and_decode_stays_healthy(cluster):
+def test_repeated_kv_completion_is_refused_and_decode_stays_healthy(cluster, model_config):
     with grpc.insecure_channel(cluster.addresses["decode0"]) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
         call = stub.Generate(decode_request("twice", n=3), timeout=60)
         assert next(call).reserved
-        last = decode_pb2.KVBlocksMessage(request_id="twice", first_token_id=5)
-        stub.TransferKV(iter([last]), timeout=30)
-        with pytest.raises(grpc.RpcError) as err:
-            stub.TransferKV(iter([last]), timeout=30)
-        assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        transfer = kv_transfer(cluster.addresses["decode0"], model_config, "twice", num_blocks=1)
+        assert stub.TransferKV(iter(transfer), timeout=30).num_blocks_received == 1
+        for repeat in (transfer, transfer[-1:]):  # (the whole transfer again, or its last message alone)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.TransferKV(iter(repeat), timeout=30)
+            assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+            assert any(w in err.value.details() for w in ("not waiting for KV", "unknown request", "KV transfer"))
         replies = list(call)  # the stray repeat must not have failed the live request
         assert replies[-1].HasField("finish_reason") and not any(r.error for r in replies)
     wait_all_blocks_free(cluster)

@@ -1,0 +1,455 @@
+"""Faults on a real 2 prefill + 2 decode cluster with a Redis of the test's own (issue 16), each bounded in time:
+Redis stopped and frozen under load, slow clients (gRPC and HTTP SSE), 200 requests cancelled or timed out at
+random points, then kill -9 of a decode mid-stream and of a prefill mid-transfer. Loopback only.
+
+The first test (a reservation's KV lease while its prompt queues on a busy prefill) runs a small cluster of its
+own before the shared one starts; the others share one cluster and run in file order: the last two kill an
+instance each (decode, then prefill).
+Every call has a timeout and every thread is joined with one, so no test can hang. Measurements (latencies,
+RSS, times to UNAVAILABLE) are printed: run with -s to see them."""
+import json
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from services.client import Completion, generate, make_request
+from tandem.v1 import gateway_pb2_grpc
+from tests.integration.helpers import (RedisServer, generate_all, greedy_request, load, metric_samples, rss_mb,
+                                       tracebacks, wait_idle)
+from tests.prompts import LONG_TEXT, PROMPTS
+
+LONG_PROMPT = "\n\n".join(f"Part {i + 1}. {LONG_TEXT}" for i in range(5))  # raw, about 1,500 tokens
+PREFILL_CHUNK = 64  # --max-num-batched-tokens of the prefills: a long prompt takes ~24 steps, its KV streams meanwhile
+SHORT = [(name, kind, text) for name, kind, text in PROMPTS if name != "long_summary"]
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, hf_references, redis_server):
+    from services.launcher import LocalCluster
+
+    engine = ["--num-blocks", "320", "--threads", "1"]
+    # --local-prefill-tokens 0: every prompt goes through a prefill and its KV over the wire to a decode
+    with LocalCluster(str(model_dir), num_prefill=2, num_decode=2, redis_url=redis_server.url, drain_timeout_s=5,
+                      prefill_args=engine + ["--max-num-batched-tokens", str(PREFILL_CHUNK)],
+                      decode_args=engine,
+                      gateway_args=["--local-prefill-tokens", "0"]) as c:
+        yield c
+
+
+def instance_id(cluster, name: str) -> str:
+    (key,) = cluster.registered_at(cluster.addresses[name])
+    return key.decode().rsplit(":", 1)[1]
+
+
+def stats(xs: list[float]) -> str:
+    if not xs:
+        return "none"
+    xs = sorted(xs)
+    return (f"n={len(xs)} mean={statistics.mean(xs):.2f}s p50={xs[len(xs) // 2]:.2f}s "
+            f"p90={xs[int(len(xs) * 0.9)]:.2f}s max={xs[-1]:.2f}s")
+
+
+def short_requests(hf_references, max_tokens: int):
+    return [(greedy_request(kind, text, max_tokens), hf_references[name][1][:max_tokens]) for name, kind, text in SHORT]
+
+
+# -- the reservation lease under a queue ----------------------------------------------------------------------------
+def test_a_prompt_queued_on_a_busy_prefill_keeps_its_reservation(model_dir, tokenizer, hf_greedy):
+    """Found by the random-faults test with --kv-lease-timeout 10 on a loaded machine (long prompts queued at both
+    prefills: 21 reservations lost in 162 s, both prefills marked down, one plain request failed UNAVAILABLE):
+    the lease ran from the reservation, and a prefill sent nothing for a queued prompt. Now its keepalives renew
+    it. Here: one prefill (chunks of 32 tokens), a 2 s lease, three long prompts at once; the second and third
+    wait behind the first (~48 steps) with no KV sent for them, and must keep their reservations."""
+    from services.launcher import LocalCluster
+
+    ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
+    expected = hf_greedy(ids, 48)[:8]
+    engine = ["--num-blocks", "400", "--threads", "1"]
+    with LocalCluster(str(model_dir), drain_timeout_s=5, prefill_args=engine + ["--max-num-batched-tokens", "32"],
+                      decode_args=engine + ["--kv-lease-timeout", "2"],
+                      gateway_args=["--local-prefill-tokens", "0"]) as c:
+        requests = [make_request(LONG_PROMPT, raw=True, max_tokens=8, temperature=0.0, cache_salt=f"queued-{i}")
+                    for i in range(3)]  # fmt: skip
+
+        def run(request) -> str:
+            try:
+                out = generate(c.gateway_address, request, timeout=120)
+                return "OK" if out.token_ids == expected else f"WRONG {out.token_ids}"
+            except grpc.RpcError as e:
+                return f"{e.code().name}: {e.details()}"
+
+        with ThreadPoolExecutor(3) as pool:
+            outcomes = list(pool.map(run, requests, timeout=300))
+        lost = (c.log_dir / "gateway.log").read_text().count("did not deliver the prompt's KV")
+        print(f"\nthree long prompts queued on one prefill, 2 s lease: {outcomes}; reservations lost: {lost}")
+        loads = wait_idle(c, timeout_s=30)
+    assert outcomes == ["OK"] * 3
+    assert lost == 0
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+
+
+# -- c. Redis stopped, then frozen, under steady load ---------------------------------------------------------------
+def test_redis_stopped_or_frozen_fails_no_request(cluster, redis_server, hf_references):
+    request, expected = greedy_request("chat", "What is the capital of France?", 8), hf_references["capital"][1][:8]
+    phase, records, failures, stop = ["baseline"], [], [], threading.Event()
+
+    def client_loop(k: int) -> None:
+        while not stop.is_set():
+            started_in, t = phase[0], time.monotonic()
+            try:
+                out = generate(cluster.gateway_address, request, timeout=60)
+                if out.token_ids != expected:
+                    failures.append(f"{started_in}: {out.token_ids} != {expected}")
+            except grpc.RpcError as e:
+                failures.append(f"{started_in}: {e.code().name}: {e.details()}")
+            records.append((started_in, phase[0], time.monotonic() - t))
+
+    clients = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(3)]
+    for t in clients:
+        t.start()
+    try:
+        time.sleep(8)
+        phase[0] = "stopped"
+        redis_server.stop()
+        time.sleep(12)  # (longer than the registry's 10 s TTL)
+        phase[0] = "restarted"
+        redis_server.start()  # (empty: the instances publish again at their next heartbeat)
+        time.sleep(8)
+        phase[0] = "frozen"
+        redis_server.pause()
+        time.sleep(12)
+        phase[0] = "resumed"
+        redis_server.resume()
+        time.sleep(8)
+    finally:
+        redis_server.resume()
+        stop.set()
+        for t in clients:
+            t.join(timeout=90)
+    assert not any(t.is_alive() for t in clients), "a client is still waiting 90 s after the last phase"
+    print("\nRedis fault: per-request E2E latency by the phase the request started in (3 client threads, 8 tokens)")
+    for name in ("baseline", "stopped", "restarted", "frozen", "resumed"):
+        print(f"  {name:9s} {stats([d for p, _, d in records if p == name])}")
+    spanning = [d for p, q, d in records if p != q]
+    print(f"  spanning a phase change: {stats(spanning)}")
+    assert not failures, failures
+    assert len([r for r in records if r[0] == "frozen"]) >= 3, "almost no request ran while Redis was frozen"
+
+
+# -- d. slow clients ------------------------------------------------------------------------------------------------
+def test_a_slow_client_holds_up_no_one_and_buffering_is_bounded(cluster, hf_references):
+    pid = cluster.processes["gateway"].pid
+    samples, sampling = [(0.0, rss_mb(pid))], threading.Event()
+    t0 = time.monotonic()
+
+    def sample_rss() -> None:
+        while not sampling.wait(0.5):
+            samples.append((time.monotonic() - t0, rss_mb(pid)))
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    base_url = cluster.openai_base_url
+    model = httpx.get(f"{base_url}/models", timeout=10).json()["data"][0]["id"]
+    channel = grpc.insecure_channel(cluster.gateway_address)
+    http = httpx.Client(timeout=httpx.Timeout(120))
+    try:
+        slow_grpc = gateway_pb2_grpc.GatewayStub(channel).Generate(
+            make_request("Tell me a very long story about a dragon.", max_tokens=2000, temperature=0.0,
+                         ignore_eos=True, cache_salt="slow-grpc"), timeout=180)  # fmt: skip
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        slow_http = http.stream("POST", f"{base_url}/completions", json=body)
+        response = slow_http.__enter__()  # (headers come with the first token; nothing is read after them)
+        assert response.status_code == 200
+        # meanwhile other streams run to the end, exactly
+        pairs = short_requests(hf_references, 16)
+        for _ in range(2):
+            started = time.monotonic()
+            outs = generate_all(cluster.gateway_address, [r for r, _ in pairs])
+            assert [o.token_ids for o in outs] == [e for _, e in pairs]
+            print(f"\nslow clients: {len(pairs)} other requests done in {time.monotonic() - started:.1f}s")
+        time.sleep(max(0.0, 20 - (time.monotonic() - t0)))  # the slow clients read nothing for 20 s
+        decodes = {n: load(a) for n, a in cluster.addresses.items() if n.startswith("decode")}
+        print("slow clients after 20 s unread: decode loads",
+              {n: (l.num_running, l.num_blocks - l.num_free_blocks) for n, l in decodes.items()})
+        # the HTTP client now reads it all: every token is there
+        text, usage = "", None
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    text += choice.get("text", "")
+        slow_http.__exit__(None, None, None)
+        assert usage is not None and usage["completion_tokens"] == 400, usage
+        # the gRPC client reads a few messages, then cancels
+        got = Completion()
+        for _ in range(5):
+            got.add(next(slow_grpc))
+        slow_grpc.cancel()
+        assert len(got.token_ids) >= 5
+    finally:
+        http.close()
+        channel.close()
+    loads = wait_idle(cluster, timeout_s=30)
+    sampling.set()
+    sampler.join(timeout=5)
+    samples.append((time.monotonic() - t0, rss_mb(pid)))
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+    start, peak, end = samples[0][1], max(r for _, r in samples), samples[-1][1]
+    print(f"slow clients: gateway RSS start {start:.0f} MB, max {peak:.0f} MB, end {end:.0f} MB "
+          f"({len(samples)} samples over {samples[-1][0]:.0f} s)")
+    assert peak - start < 150, f"the gateway grew by {peak - start:.0f} MB"
+
+
+# -- e. 200 requests cancelled or timed out at random points --------------------------------------------------------
+def test_random_cancellations_and_deadlines_leave_nothing_behind(cluster, tokenizer, hf_references, hf_greedy):
+    rng = random.Random(16)
+    base_url = cluster.openai_base_url
+    model = httpx.get(f"{base_url}/models", timeout=10).json()["data"][0]["id"]
+    long_ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
+    long_reference = hf_greedy(long_ids, 48)
+    traceback_counts = tracebacks(cluster)
+    specs = []
+    for i in range(200):
+        api = "http" if rng.random() < 0.2 else "grpc"
+        is_long = rng.random() < 0.12
+        name, kind, text = ("long", "raw", LONG_PROMPT) if is_long else rng.choice(SHORT)
+        action = rng.choices(["complete", "cancel", "deadline_ms", "timeout"], [3, 3, 2, 2])[0]
+        if api == "http" and action == "deadline_ms":
+            action = "timeout"
+        delay = rng.uniform(0.0, 3.0 if is_long else 1.5)
+        specs.append(dict(i=i, api=api, name=name, kind=kind, text=text, action=action, delay=delay,
+                          max_tokens=rng.randint(1, 48), salt=f"e{rng.randrange(1 << 30)}" if is_long else None))
+
+    def expected(spec) -> list[int]:
+        ref = long_reference if spec["name"] == "long" else hf_references[spec["name"]][1]
+        return ref[: spec["max_tokens"]]
+
+    def run_grpc(spec, channel) -> str:
+        request = make_request(spec["text"], raw=spec["kind"] == "raw", max_tokens=spec["max_tokens"],
+                               temperature=0.0, cache_salt=spec["salt"])  # fmt: skip
+        timeout = 120.0
+        if spec["action"] == "deadline_ms":
+            request.deadline_ms = max(1, int(spec["delay"] * 1000))
+        elif spec["action"] == "timeout":
+            timeout = spec["delay"]
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout)
+        timer = threading.Timer(spec["delay"], call.cancel)
+        if spec["action"] == "cancel":
+            timer.start()
+        out = Completion()
+        try:
+            for msg in call:
+                out.add(msg)
+        except grpc.RpcError as e:
+            return f"{e.code().name} {e.details()}"
+        finally:
+            timer.cancel()
+        return "OK" if out.token_ids == expected(spec) and out.finish_reason else f"WRONG {out.token_ids}"
+
+    def run_http(spec) -> str:
+        body = {"model": model, "max_tokens": spec["max_tokens"], "temperature": 0, "stream": True}
+        if spec["salt"]:
+            body["cache_salt"] = spec["salt"]
+        if spec["kind"] == "raw":
+            url, body["prompt"] = f"{base_url}/completions", spec["text"]
+        else:
+            url, body["messages"] = f"{base_url}/chat/completions", [{"role": "user", "content": spec["text"]}]
+        limit = spec["delay"] if spec["action"] != "complete" else 120.0
+        started = time.monotonic()
+        try:
+            with httpx.Client(timeout=httpx.Timeout(120, read=limit)) as client:
+                with client.stream("POST", url, json=body) as response:
+                    if response.status_code != 200:
+                        return f"HTTP {response.status_code}"
+                    for line in response.iter_lines():
+                        if spec["action"] != "complete" and time.monotonic() - started > limit:
+                            return "CANCELLED"  # (closing the response disconnects: the request is aborted)
+                        if line == "data: [DONE]":
+                            return "OK"
+                        if '"error"' in line:
+                            return f"SSE error {line[:200]}"
+                    return "ended without [DONE]"
+        except httpx.TimeoutException:
+            return "CANCELLED"
+
+    def run(spec) -> tuple[dict, str, float]:
+        t = time.monotonic()
+        if spec["api"] == "http":
+            outcome = run_http(spec)
+        else:
+            with grpc.insecure_channel(cluster.gateway_address) as channel:
+                outcome = run_grpc(spec, channel)
+        return spec, outcome, time.monotonic() - t
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(run, s) for s in specs]
+        results = [f.result(timeout=600) for f in futures]
+    elapsed = time.monotonic() - started
+    table: dict[tuple[str, str], dict[str, int]] = {}
+    for spec, outcome, _ in results:
+        key = (spec["api"], spec["action"])
+        table.setdefault(key, {})
+        table[key][outcome.split(" ")[0]] = table[key].get(outcome.split(" ")[0], 0) + 1
+    print(f"\nrandom faults: 200 requests in {elapsed:.0f} s; outcomes by (api, action): {table}")
+    loads = wait_idle(cluster, timeout_s=60)
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+    unexpected = [(s["i"], s["api"], s["action"], s["name"], o) for s, o, _ in results
+                  if not (o == "OK" or (s["action"] != "complete" and o.split(" ")[0] in ("CANCELLED",
+                                                                                          "DEADLINE_EXCEEDED")))]
+    assert not unexpected, unexpected
+    assert tracebacks(cluster) == traceback_counts, "new tracebacks in the service logs"
+    pairs = short_requests(hf_references, 16)
+    outs = generate_all(cluster.gateway_address, [r for r, _ in pairs])
+    assert [o.token_ids for o in outs] == [e for _, e in pairs]
+
+
+# -- a. kill -9 of a decode mid-stream ------------------------------------------------------------------------------
+def test_kill_9_of_a_decode_mid_stream(cluster, hf_references):
+    """Streams on both decodes; the victim is the one with fewer of them, so that its last registry record (kept
+    until its TTL) makes it the router's first choice: only a gateway that stops routing there at once avoids it."""
+    channel = grpc.insecure_channel(cluster.gateway_address)
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    results: list[dict] = []
+    decodes = [n for n in cluster.addresses if n.startswith("decode")]
+
+    def read(i: int) -> None:
+        request = make_request(f"Write a long story about the number {i}.", max_tokens=200, temperature=0.0,
+                               ignore_eos=True, cache_salt=f"kill-decode-{i}")  # fmt: skip
+        try:
+            for msg in stub.Generate(request, timeout=180):
+                results[i]["tokens"] += len(msg.token_ids)
+                if msg.HasField("finish_reason"):
+                    results[i]["finish"] = msg.finish_reason
+        except grpc.RpcError as e:
+            results[i].update(code=e.code(), details=e.details())
+        results[i]["ended"] = time.monotonic()
+
+    readers: list[threading.Thread] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # one stream at a time (the registry's loads then spread them) until each decode has 2
+            running = {n: load(cluster.addresses[n]).num_running for n in decodes}
+            if all(k >= 2 for k in running.values()) or len(readers) == 10:
+                if all(r["tokens"] >= 2 for r in results):
+                    break
+            else:
+                results.append(dict(tokens=0))
+                readers.append(threading.Thread(target=read, args=(len(readers),), daemon=True))
+                readers[-1].start()
+            assert time.monotonic() < deadline and all("ended" not in r for r in results), results
+            time.sleep(0.5)
+        running = {n: load(cluster.addresses[n]).num_running for n in decodes}
+        victim = min((n for n, k in running.items() if k >= 2), key=lambda n: running[n])
+        survivor = next(n for n in decodes if n != victim)
+        victim_id = instance_id(cluster, victim)
+        metrics_url = cluster.metrics_urls["gateway"]
+        decisions_before = metric_samples(metrics_url, "tandem:router_decisions_total")
+        log_offset = len((cluster.log_dir / "gateway.log").read_text())
+        generated_before = load(cluster.addresses[survivor]).num_generation_tokens
+        killed_at = time.monotonic()
+        cluster.kill(victim)  # SIGKILL: its registry record stays until its TTL runs out
+        # new requests right after the kill all succeed
+        pairs = short_requests(hf_references, 8)
+        outs = generate_all(cluster.gateway_address, [r for r, _ in pairs])
+        assert [o.token_ids for o in outs] == [e for _, e in pairs]
+        decisions_after = metric_samples(metrics_url, "tandem:router_decisions_total")
+        for t in readers:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in readers)
+    finally:
+        channel.close()
+    del cluster.processes[victim], cluster.addresses[victim]
+    failed = [r for r in results if "code" in r]
+    times = [r["ended"] - killed_at for r in failed]
+    print(f"\nkill -9 {victim} ({running}): {len(failed)} of {len(results)} streams failed, after "
+          f"{', '.join(f'{t:.2f}' for t in times)} s: {sorted({(r['code'].name, r['details']) for r in failed})}")
+    assert len(failed) == running[victim], results
+    for r in failed:
+        assert r["code"] == grpc.StatusCode.UNAVAILABLE and "decode" in r["details"], r
+        assert r["ended"] - killed_at < 5, r
+    for r in results:
+        assert "code" in r or (r["tokens"] == 200 and "finish" in r), r
+    assert load(cluster.addresses[survivor]).num_generation_tokens > generated_before
+    # ... and none of them was routed to the dead decode: the gateway stopped routing there at its first broken
+    # stream (not only after a reservation failed there)
+    to_victim = {dict(k)["reason"]: v - decisions_before.get(k, 0) for k, v in decisions_after.items()
+                 if ("instance_id", victim_id) in k and v != decisions_before.get(k, 0)}  # fmt: skip
+    failed_there = (cluster.log_dir / "gateway.log").read_text()[log_offset:].count(f"decode {victim_id} failed "
+                                                                                    "while reserving")  # fmt: skip
+    print(f"kill -9 {victim}: new requests routed to it after the kill: {to_victim or 0}; placements that failed "
+          f"there and were placed again: {failed_there}")
+    assert not to_victim and not failed_there, f"routed to the dead decode {victim_id}: {to_victim}"
+    loads = wait_idle(cluster, timeout_s=30)
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+
+
+# -- b. kill -9 of a prefill mid-transfer ---------------------------------------------------------------------------
+def test_kill_9_of_a_prefill_mid_transfer(cluster, tokenizer, hf_greedy):
+    ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
+    expected = hf_greedy(ids, 48)[:16]
+    prefills = [n for n in cluster.addresses if n.startswith("prefill")]
+    exported = {n: load(cluster.addresses[n]).num_blocks_exported for n in prefills}
+    result: dict = {}
+
+    def run() -> None:
+        request = make_request(LONG_PROMPT, raw=True, max_tokens=16, temperature=0.0, cache_salt="kill-prefill")
+        out = Completion()
+        try:
+            with grpc.insecure_channel(cluster.gateway_address) as channel:
+                for msg in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=180):
+                    result.setdefault("first_token_at", time.monotonic())
+                    out.add(msg)
+        except grpc.RpcError as e:
+            result.update(code=e.code(), details=e.details())
+        result.update(out=out, ended=time.monotonic())
+
+    client = threading.Thread(target=run, daemon=True)
+    client.start()
+    deadline, victim = time.monotonic() + 120, None
+    while victim is None:  # the prefill that has sent some of the prompt's KV blocks and is still computing
+        assert time.monotonic() < deadline and client.is_alive(), ("no KV transfer seen", result)
+        for n in prefills:
+            l = load(cluster.addresses[n])
+            if l.num_running and l.num_blocks_exported - exported[n] >= 3:
+                victim, sent = n, l.num_blocks_exported - exported[n]
+        time.sleep(0.02)
+    killed_at = time.monotonic()
+    cluster.kill(victim)
+    client.join(timeout=180)
+    assert not client.is_alive()
+    del cluster.processes[victim], cluster.addresses[victim]
+    first_before_kill = result.get("first_token_at", float("inf")) < killed_at
+    print(f"\nkill -9 {victim} after {sent} of {len(ids) // 16} KV blocks sent: "
+          f"{result.get('code', 'OK')} after {result['ended'] - killed_at:.1f} s, first token before the kill: "
+          f"{first_before_kill}")
+    if first_before_kill:
+        assert result.get("code") == grpc.StatusCode.UNAVAILABLE, result
+    else:
+        assert "code" not in result, result
+        assert result["out"].token_ids == expected
+        assert "placing it again" in (cluster.log_dir / "gateway.log").read_text()
+    loads = wait_idle(cluster, timeout_s=30)
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
