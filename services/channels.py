@@ -19,10 +19,15 @@ from services.server import GRPC_OPTIONS
 
 
 RECONNECT_BACKOFF_MAX_MS = 1000
+# A peer that stops answering HTTP/2 pings (a frozen process: the kernel still holds its connections open) fails
+# the calls to it, UNAVAILABLE, KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS after it froze (only while calls are open).
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 5_000
 # (a local subchannel pool: with gRPC's global one, a new channel would share the old one's connection state)
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
                                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
-                                  ("grpc.use_local_subchannel_pool", 1)]
+                                  ("grpc.use_local_subchannel_pool", 1),
+                                  ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                                  ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
 
 
 class ChannelPool:

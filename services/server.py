@@ -28,6 +28,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # (servers: accept the keepalive pings of our channels, services/channels.py, as often as they come)
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 # The gateway's public port receives at most this much per message: any request within the field limits (README
 # "Limits": 64 characters per token of context, 256 Ki characters of structured_output) fits with room to spare

@@ -324,6 +324,61 @@ def test_random_cancellations_and_deadlines_leave_nothing_behind(cluster, tokeni
     assert [o.token_ids for o in outs] == [e for _, e in pairs]
 
 
+# -- a frozen decode mid-stream -------------------------------------------------------------------------------------
+def test_a_frozen_decode_fails_its_streams_and_recovers(cluster):
+    """A decode stopped by SIGSTOP keeps its connections open (the kernel answers for it), so only the gateway's
+    keepalive pings (services/channels.py) can tell: its streams, which set no deadline, end UNAVAILABLE within
+    KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (and some scheduling); once it runs again it frees their blocks."""
+    import signal
+
+    from services.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+
+    results: dict[int, str] = {}
+    ended: dict[int, float] = {}
+
+    def read(i: int) -> None:
+        request = make_request(f"Count slowly from {i}.", max_tokens=400, temperature=0.0, ignore_eos=True,
+                               cache_salt=f"frozen-{i}")  # fmt: skip
+        try:
+            for _ in generate_stream(cluster.gateway_address, request):
+                pass
+            results[i] = "OK"
+        except grpc.RpcError as e:
+            results[i] = f"{e.code().name}: {e.details()}"
+        ended[i] = time.monotonic()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + 120
+    decodes = [n for n in cluster.addresses if n.startswith("decode")]
+    while not (busy := [n for n in decodes if load(cluster.addresses[n]).num_running]):
+        assert time.monotonic() < deadline, "no stream reached a decode"
+        time.sleep(0.2)
+    victim = busy[0]
+    cluster.processes[victim].send_signal(signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        for t in readers:
+            t.join(timeout=(KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 45)
+    finally:
+        cluster.processes[victim].send_signal(signal.SIGCONT)
+    after = {i: f"{ended[i] - frozen_at:.1f} s" for i in ended}
+    print(f"\nfrozen {victim}: outcomes {results}, ended after the freeze: {after}")
+    assert not any(t.is_alive() for t in readers), "a stream on the frozen decode never ended"
+    assert any(r.startswith("UNAVAILABLE") and "decode" in r for r in results.values()), results
+    assert all(r == "OK" or r.startswith("UNAVAILABLE") for r in results.values()), results
+    loads = wait_idle(cluster, timeout_s=60)
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+
+
+def generate_stream(address: str, request):
+    """The gateway's Generate stream for request, without a deadline (what a frozen peer must not hang forever)."""
+    with grpc.insecure_channel(address) as channel:
+        yield from gateway_pb2_grpc.GatewayStub(channel).Generate(request)
+
+
 # -- a. kill -9 of a decode mid-stream ------------------------------------------------------------------------------
 def test_kill_9_of_a_decode_mid_stream(cluster, hf_references):
     """Streams on both decodes; the victim is the one with fewer of them, so that its last registry record (kept
