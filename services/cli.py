@@ -16,8 +16,9 @@ import time
 
 import grpc
 
-from services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_observability_args, apply_env,
-                           engine_argv, port_number, positive_int)
+from services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_gateway_policy_args,
+                           add_observability_args, apply_env, engine_argv, gateway_policy_argv, port_number,
+                           positive_int)
 from services.security import (add_api_key_args, add_client_tls_args, add_tls_args, api_keys_from_args,
                                client_tls_from_args, tls_from_args)
 from shared import envs
@@ -122,6 +123,7 @@ def cmd_chat(args) -> int:
 
 def _check_port_free(port: int) -> None:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the services bind: TIME_WAIT is no conflict)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -156,7 +158,8 @@ def cmd_up(args) -> int:
     cluster = LocalCluster(model=model, gateway_port=port or free_port(), http_port=http_port or free_port(),
                            num_prefill=args.prefill,
                            num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
-                           gateway_args=engine_argv(engine_args, groups=("model",)) + observability,
+                           gateway_args=engine_argv(engine_args, groups=("model",)) + observability
+                           + gateway_policy_argv(args),
                            log_dir=args.log_dir, drain_timeout_s=args.drain_timeout, tls=tls,
                            api_keys=api_keys.keys if api_keys else ())  # fmt: skip
     print(f"starting redis, {args.decode} decode, {args.prefill} prefill and a gateway (logs: {cluster.log_dir})",
@@ -173,8 +176,13 @@ def cmd_up(args) -> int:
             print(f"[{out.finish_reason}: {out.completion_tokens} tokens, TTFT {out.ttft_ms:.0f} ms, "
                   f"total {out.e2e_ms:.0f} ms]", file=sys.stderr)  # fmt: skip
             return 0
+        secure = [*(["--tls-ca-file", tls.ca_file] if tls and tls.ca_file else ["--tls"] if tls else []),
+                  *(["--tls-cert-file", tls.cert_file, "--tls-key-file", tls.key_file]
+                    if tls and args.tls_client_auth == "require" else []),
+                  *(["--tls-server-name", tls.server_name] if tls and tls.server_name else []),
+                  *(["--api-key", "KEY"] if api_keys else [])]  # fmt: skip
         print(f"serving; Ctrl-C to stop. Try: {sys.argv[0]} generate --gateway {cluster.gateway_address} "
-              '"What is the capital of France?"', file=sys.stderr)  # fmt: skip
+              f"{' '.join(secure + [''])}\"What is the capital of France?\"", file=sys.stderr)  # fmt: skip
         while True:
             cluster.supervise()  # (a child that exits is started again; one that keeps failing ends the cluster)
             time.sleep(1)
@@ -200,7 +208,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare_model)
 
     up_text = ("Every engine flag is passed to each prefill and decode process (python -m services.decode --help); "
-               "--prefill-chunk to the prefills only.")
+               "--prefill-chunk to the prefills only; the gateway's policy flags (routing, admission) to the gateway.")
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
                        formatter_class=defaults, description=up_text)
     add_engine_args(p)
@@ -218,6 +226,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     add_drain_arg(p)
     add_tls_args(p, public=True)  # (the same files for every process: one identity, docs/security.md)
     add_api_key_args(p)  # (the gateway's)
+    add_gateway_policy_args(p)
     if argv[:1] == ["up"]:  # (the same environment variables as the services; not for --prompt's sampling flags)
         apply_env(p, argv)
     p.add_argument("--prompt", default=None, help="send this prompt, print the answer, and shut down")

@@ -195,6 +195,16 @@ def engine_argv(engine_args: EngineArgs, groups: tuple[str, ...] = ("model", "en
     return argv
 
 
+def gateway_policy_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_gateway_policy_args whose values in args differ from their defaults: what `tandem up`
+    passes to its gateway."""
+    parser = argparse.ArgumentParser()
+    add_gateway_policy_args(parser)
+    return [a for action in parser._actions if action.option_strings and action.dest != "help"
+            and getattr(args, action.dest) != action.default
+            for a in (action.option_strings[0], str(getattr(args, action.dest)))]  # fmt: skip
+
+
 def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
@@ -256,10 +266,15 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_observability_args(parser)
     add_tls_args(parser, public=True)
     add_api_key_args(parser)
-    parser.add_argument("--default-max-tokens", type=positive_int, default=SamplingParams.max_tokens,
-                        help="max_tokens of a request that does not set it")
     parser.add_argument("--http-port", type=http_port_number, default=8000,
                         help="port of the OpenAI-compatible HTTP API on --host (0: any free port; -1: none)")
+    add_gateway_policy_args(parser)
+
+
+def add_gateway_policy_args(parser: argparse.ArgumentParser) -> None:
+    """The gateway's serving policy: defaults, naming, routing, admission (`tandem up` takes them too)."""
+    parser.add_argument("--default-max-tokens", type=positive_int, default=SamplingParams.max_tokens,
+                        help="max_tokens of a request that does not set it")
     parser.add_argument("--served-model-name", default=None,
                         help="model name of the HTTP API (/v1/models; requests may name it); default: the model "
                              "directory's name")  # fmt: skip

@@ -118,7 +118,7 @@ class LocalCluster:
                 self._spawn(f"{tier}{i}", [sys.executable, "-m", f"services.{tier}", "--port", str(port),
                                            "--metrics-port", str(metrics_port), "--host", "127.0.0.1",
                                            "--advertise-host", "127.0.0.1", *common, *extra])  # fmt: skip
-        self.metrics_urls["gateway"] = f"http://127.0.0.1:{self.http_port}/metrics"
+        self.metrics_urls["gateway"] = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}/metrics"
         self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--port", str(self.gateway_port),
                                 "--http-port", str(self.http_port), "--host", "127.0.0.1", *common,
                                 *(["--tls-client-auth", "require"] if self.tls and self.tls.require_client_cert
@@ -143,7 +143,9 @@ class LocalCluster:
             except (redis.RedisError, grpc.RpcError):
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}")
+        hint = ("; with TLS the certificate must hold 127.0.0.1 (IP:127.0.0.1 in its subjectAltName), or pass "
+                "--tls-server-name with a name it holds") if self.tls and not self.tls.server_name else ""
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f}s; logs in {self.log_dir}{hint}")
 
     def _gateway_serving(self) -> bool:
         with open_channel(self.gateway_address, self.tls, aio=False) as channel:

@@ -155,3 +155,14 @@ def test_the_gateway_refuses_bad_values_at_start(flag, value, capsys):
         parser.parse_args([flag, value])
     assert f"argument {flag}" in capsys.readouterr().err
     assert parser.parse_args(["--http-port", "-1"]).http_port == -1  # (-1: no HTTP API)
+
+
+def test_tandem_up_passes_the_gateway_policy_flags_it_was_given_to_the_gateway():
+    from services.cli import build_parser
+    from services.flags import gateway_policy_argv
+
+    argv = ["up", "--max-concurrent-requests", "3", "--routing", "round-robin", "--queue-timeout", "2.5"]
+    args = build_parser(argv).parse_args(argv)
+    assert gateway_policy_argv(args) == ["--routing", "round-robin", "--max-concurrent-requests", "3",
+                                         "--queue-timeout", "2.5"]
+    assert gateway_policy_argv(build_parser(["up"]).parse_args(["up"])) == []  # (defaults: the gateway's own)
