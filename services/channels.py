@@ -27,7 +27,11 @@ CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
                                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
                                   ("grpc.use_local_subchannel_pool", 1),
                                   ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-                                  ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
+                                  ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                                  # (gRPC's own ping timeout is what ends the call: 60 s unless set)
+                                  ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                                  # (else 2 pings, then none while the caller sends no data: a long stream's)
+                                  ("grpc.http2.max_pings_without_data", 0)]
 
 
 class ChannelPool:

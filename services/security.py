@@ -38,6 +38,7 @@ class TLSConfig:
     ca_file: str | None = None  # CA bundle that verifies peers (servers we call; clients when required)
     server_name: str | None = None  # name expected in servers' certificates (default: the address's host)
     require_client_cert: bool = False  # server side: a client without a certificate signed by ca_file is refused
+    client_ca_file: str | None = None  # server side: the CA of the clients' certificates instead of ca_file (gateway)
 
     def _read(self, setting: str) -> bytes | None:
         path = getattr(self, setting)
@@ -52,8 +53,12 @@ class TLSConfig:
         """Credentials for grpc.Server.add_secure_port. ValueError naming the setting of a file that cannot
         be read."""
         return grpc.ssl_server_credentials([(self._read("key_file"), self._read("cert_file"))],
-                                           root_certificates=self._read("ca_file") if self.require_client_cert
+                                           root_certificates=self._read(self._client_ca) if self.require_client_cert
                                            else None, require_client_auth=self.require_client_cert)  # fmt: skip
+
+    @property
+    def _client_ca(self) -> str:
+        return "client_ca_file" if self.client_ca_file else "ca_file"
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Credentials for a channel to a TLS server: ca_file's roots (or the system's), and this process's
@@ -72,7 +77,7 @@ class TLSConfig:
 
         settings = {"ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
         if self.require_client_cert:
-            settings |= {"ssl_ca_certs": self.ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+            settings |= {"ssl_ca_certs": getattr(self, self._client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
         return settings
 
     def argv(self) -> list[str]:
@@ -108,7 +113,11 @@ def add_tls_args(parser: argparse.ArgumentParser, public: bool = False) -> None:
     if public:
         parser.add_argument("--tls-client-auth", choices=CLIENT_AUTH_CHOICES, default="none",
                             help="require: the gRPC and HTTP clients of the gateway must present a certificate "
-                                 "signed by --tls-ca-file (none: TLS and API keys only)")  # fmt: skip
+                                 "signed by --tls-client-ca-file, else --tls-ca-file (none: TLS and API keys only)")
+        parser.add_argument("--tls-client-ca-file", default=None,
+                            help="PEM CA bundle of the public clients' certificates under --tls-client-auth require: "
+                                 "a CA other than --tls-ca-file, whose certificates the prefill and decode services "
+                                 "accept (a public client holding one could call them directly)")  # fmt: skip
 
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
@@ -126,12 +135,15 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
         if given:
             raise ValueError(f"{given[0]} needs --tls-cert-file and --tls-key-file (a service serves TLS with them)")
         return None
-    if client_auth == "require" and not args.tls_ca_file:
-        raise ValueError("--tls-client-auth require needs --tls-ca-file (the CA client certificates are checked "
-                         "against)")  # fmt: skip
+    client_ca = getattr(args, "tls_client_ca_file", None)
+    if client_auth == "require" and not (args.tls_ca_file or client_ca):
+        raise ValueError("--tls-client-auth require needs --tls-client-ca-file or --tls-ca-file (the CA client "
+                         "certificates are checked against)")  # fmt: skip
+    if client_ca and client_auth != "require":
+        raise ValueError("--tls-client-ca-file needs --tls-client-auth require")
     require = client_auth == "require" if client_auth is not None else args.tls_ca_file is not None
-    tls = TLSConfig(cert, key, args.tls_ca_file, args.tls_server_name, require)
-    for setting in ("cert_file", "key_file", "ca_file"):
+    tls = TLSConfig(cert, key, args.tls_ca_file, args.tls_server_name, require, client_ca)
+    for setting in ("cert_file", "key_file", "ca_file", "client_ca_file"):
         tls._read(setting)  # (an unreadable file stops the start, naming its flag)
     return tls
 

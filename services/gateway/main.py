@@ -62,6 +62,9 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
         http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout, tls)
     await server.start()
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))
+    if tls and tls.require_client_cert and not tls.client_ca_file:
+        log.warning("--tls-client-auth require without --tls-client-ca-file: public clients' certificates come from "
+                    "--tls-ca-file, which the prefill and decode services accept too (docs/security.md)")
     security = (f"TLS{' with client certificates' if tls.require_client_cert else ''}" if tls else "plaintext") + (
         f", {len(api_keys.keys)} API key(s)" if api_keys else ", no API key")  # fmt: skip
     print(f"gateway {server.instance_id} serving on {args.host}:{server.port} ({args.routing} routing; {security})",

@@ -70,6 +70,20 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_of_its_ca(pki):
                        "server not trusted": "UNAVAILABLE"}  # fmt: skip
 
 
+def test_a_separate_client_ca_admits_public_clients_and_not_internal_certificates(pki):
+    """The gateway's --tls-client-ca-file: public clients hold certificates of their own CA (here "other"), which
+    the internal services (trusting only ca.pem) refuse; an internal certificate is no public credential either."""
+    server_tls = identity(pki, "ip", require_client_cert=True, client_ca_file=pki["other-ca.pem"])
+    results = probe(server_tls, {
+        "public client (its own CA)": TLSConfig(pki["rogue.pem"], pki["rogue.key"], pki["ca.pem"]),
+        "internal certificate": identity(pki, "ip"),
+    })  # fmt: skip
+    assert results == {"public client (its own CA)": "SERVING", "internal certificate": "UNAVAILABLE"}
+    internal = probe(identity(pki, "ip", require_client_cert=True),
+                     {"public client": TLSConfig(pki["rogue.pem"], pki["rogue.key"], pki["ca.pem"])})
+    assert internal == {"public client": "UNAVAILABLE"}
+
+
 def test_tls_without_client_certificates_and_the_server_name_override(pki):
     server_tls = identity(pki, "named")  # (a certificate for tandem-internal, dialled as 127.0.0.1)
     results = probe(server_tls, {"no client certificate, name override": TLSConfig(ca_file=pki["ca.pem"],
@@ -111,7 +125,7 @@ def test_tls_settings_that_cannot_work_name_the_flag(argv, message):
 
 def test_client_auth_without_a_ca_is_refused(pki):
     argv = ["--tls-cert-file", pki["ip.pem"], "--tls-key-file", pki["ip.key"], "--tls-client-auth", "require"]
-    with pytest.raises(ValueError, match="--tls-client-auth require needs --tls-ca-file"):
+    with pytest.raises(ValueError, match="--tls-client-auth require needs --tls-client-ca-file or --tls-ca-file"):
         tls_from_args(gateway_args(argv))
 
 
