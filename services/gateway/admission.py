@@ -2,9 +2,10 @@
 and what a refused client is told.
 
 A request takes a slot for its whole life (AdmissionQueue.slot). With every slot taken it waits, best priority
-first then oldest (vLLM's priority order), at most max_wait_s and never past its own deadline; with max_waiting
-requests already waiting it is refused at once. A refusal is OverloadedError: RESOURCE_EXHAUSTED (HTTP 429) with a
-retry hint, sent as gRPC's server pushback trailer `grpc-retry-pushback-ms` (gRFC A6) and HTTP's `Retry-After`.
+first then oldest (vLLM's priority order), at most max_wait_s (then OverloadedError) and never past its own
+deadline (then DeadlineError); with max_waiting requests already waiting it is refused at once. A refusal is
+OverloadedError: RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, sent as gRPC's server pushback trailer
+`grpc-retry-pushback-ms` (gRFC A6) and HTTP's `Retry-After`.
 The same wait bound applies while every decode's KV pool is full (GatewayServicer._start waits for room).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import time
 from contextlib import asynccontextmanager
 
-from shared.errors import NoCapacityError
+from shared.errors import DeadlineError, NoCapacityError
 
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
 DURATION_EWMA_ALPHA = 0.1  # weight of each finished request in the mean request duration
@@ -56,9 +57,8 @@ class AdmissionQueue:
     @asynccontextmanager
     async def slot(self, priority: int = 0, time_remaining=lambda: None):
         """Hold one slot for the body. time_remaining() -> seconds left before the request's deadline, or None.
-        OverloadedError when the waiting room is full or no slot came within max_wait_s or the time left;
-        DeadlineError is not raised here (a deadline that passes while waiting is a refusal too: the request
-        never started)."""
+        OverloadedError when the waiting room is full or no slot came within max_wait_s; DeadlineError when the
+        request's deadline came first."""
         if self.num_running >= self.max_running or self.num_waiting:
             await self._wait(priority, time_remaining())
         else:
@@ -85,6 +85,10 @@ class AdmissionQueue:
             if granted.done():  # (granted just as the wait ended: keep the slot)
                 return
             granted.cancel()
+            if timeout < self.max_wait_s:
+                raise DeadlineError(f"the request's deadline passed while it waited {timeout:.1f} s for a slot "
+                                    f"({self.num_running} running, --max-concurrent-requests {self.max_running})"
+                                    ) from None  # fmt: skip
             raise OverloadedError(f"the gateway is overloaded: no request slot came free within {timeout:.1f} s "
                                   f"({self.num_running} running, --max-concurrent-requests {self.max_running})",
                                   self.retry_after_s()) from None  # fmt: skip

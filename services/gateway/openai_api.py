@@ -85,7 +85,7 @@ def create_app(servicer, model_name: str, instance_id: str, api_keys: APIKeys | 
     """The FastAPI app over a GatewayServicer (services/gateway/server.py); model_name: the id /v1/models
     lists and requests may name. With api_keys, every /v1 path answers 401 (OpenAI's invalid_api_key error)
     unless the request has "Authorization: Bearer <key>", as vLLM's --api-key; /health and /metrics stay open."""
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer = servicer.tokenizer
     created = int(time.time())
 
@@ -104,6 +104,12 @@ def create_app(servicer, model_name: str, instance_id: str, api_keys: APIKeys | 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):  # (unknown paths, unreadable bodies, ...)
         return error_response(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _not_utf8(request: Request, e: UnicodeEncodeError):  # (JSON may escape lone surrogates: "\ud800")
+        bad = e.object[e.start : e.end].encode("unicode_escape").decode()
+        return error_response(APIError(400, f"a string of the request is not valid Unicode: it holds {bad} (a lone "
+                                            "UTF-16 surrogate)"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -180,6 +186,10 @@ def create_app(servicer, model_name: str, instance_id: str, api_keys: APIKeys | 
         """Run every prompt's completions; answer with one JSON body or an SSE stream of chunks."""
         kind = "chat.completion" if shape.chat else "text_completion"
         response_id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
+        admission = servicer.admission  # (a slot per prompt: more than it can ever hold would be refused forever)
+        if len(prompts) > (room := admission.max_running + admission.max_waiting):
+            raise APIError(400, f"{len(prompts)} prompts: this gateway holds at most {room} at once "
+                                "(--max-concurrent-requests + --max-waiting-requests)", "prompt")
         for prompt_ids in prompts:  # (bad parameters fail before anything runs; off the event loop: a huge
             try:                     # grammar takes seconds to check)
                 await asyncio.to_thread(servicer.check_params, len(prompt_ids), params)

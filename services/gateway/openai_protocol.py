@@ -142,8 +142,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     p.stop.extend(stop)
     for t in body.stop_token_ids or ():
-        if t < 0:
-            raise APIError(400, f"stop_token_ids must be >= 0, got {t}", "stop_token_ids")
+        if not 0 <= t < 2**32:
+            raise APIError(400, f"stop_token_ids must be token ids (>= 0), got {t}", "stop_token_ids")
         p.stop_token_ids.append(t)
     fields = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "min_p": body.min_p, "presence_penalty": body.presence_penalty,

@@ -276,7 +276,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     finish_reason = common_pb2.FINISH_REASON_STOP
                 if finish_reason is not None:
                     break
-                reply = await self._read(decode_call, decode)
+                reply = await self._read(decode_call, decode, route.prefill)
                 if shared is not None:  # a decode message: the prompt's KV arrived and is in its prefix cache
                     shared.ready.set()
         except BaseException as e:
@@ -306,10 +306,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timings=gateway_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms),
         )
 
-    async def _read(self, decode_call, decode: InstanceInfo) -> decode_pb2.DecodeResponse:
+    async def _read(self, decode_call, decode: InstanceInfo,
+                    prefill: InstanceInfo | None = None) -> decode_pb2.DecodeResponse:
         """The decode's next message; UpstreamError if the call failed, ended early or the decode failed it: a
         decode found dead is routed around from then on (Router.mark_down), and one whose prompt KV never came
-        whole (its prefill died after sending the first token) says UNAVAILABLE: the client may retry."""
+        whole (its prefill, named, died after sending the first token) says UNAVAILABLE: the client may retry."""
         try:
             reply = await decode_call.read()
         except grpc.aio.AioRpcError as e:
@@ -321,7 +322,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if reply.error:
             status = ("INVALID_ARGUMENT" if reply.error_is_invalid_request else
                       "UNAVAILABLE" if reply.error_is_unavailable else "INTERNAL")  # fmt: skip
-            raise UpstreamError(status, f"decode {decode.instance_id}: {reply.error}")
+            source = f" (the prompt's KV came from prefill {prefill.instance_id})" if (
+                reply.error_is_unavailable and prefill is not None) else ""  # fmt: skip
+            raise UpstreamError(status, f"decode {decode.instance_id}: {reply.error}{source}")
         return reply
 
     @traced("place")
@@ -333,10 +336,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         comes from the prefill reply or the decode's stream. An instance that is unreachable (dead but still in
         the registry until its TTL) or fails is skipped and the request is placed again, up to MAX_ATTEMPTS
         failures. When every decode is full, the request waits for room (polling, with backoff) for as long as
-        the admission queue lets a request wait, then OverloadedError. The client's deadline, if it set one,
-        bounds every call; a prefill whose queue would already take longer refuses the request at once
-        (DeadlineError). pinned: a decode to try first, computing the prompt there (it holds the prompt's
-        blocks: generate_n)."""
+        the admission queue lets a request wait, then OverloadedError (DeadlineError when its deadline comes
+        first). The client's deadline, if it set one, bounds every call; a prefill whose queue would already
+        take longer refuses the request at once (DeadlineError). pinned: a decode to try first, computing the
+        prompt there (it holds the prompt's blocks: generate_n)."""
         skipped: set[str] = set()
         last_error: UpstreamError | None = None
         num_failures, room_wait_s, started = 0, ROOM_POLL_S, time.monotonic()
@@ -358,12 +361,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise last_error from None
                 # Every decode is full: wait for room (requests finish), within the admission queue's bound
                 waited_s = time.monotonic() - started
-                left_s = self.admission.max_wait_s - waited_s  # (and the refusal must reach the client in time)
-                if timeout is not None:
-                    left_s = min(left_s, timeout - ROOM_POLL_S)
-                if left_s <= 0:
+                if waited_s >= self.admission.max_wait_s:
                     raise OverloadedError(f"no decode has room for the request's KV after {waited_s:.1f} s "
                                           f"({last_error})", self.admission.retry_after_s()) from None
+                left_s = self.admission.max_wait_s - waited_s
+                if timeout is not None and timeout - ROOM_POLL_S < left_s:  # (the answer must reach the client)
+                    if (left_s := timeout - ROOM_POLL_S) <= 0:
+                        raise DeadlineError(f"the request's deadline passed while it waited {waited_s:.1f} s for "
+                                            f"room on a decode ({last_error})") from None
                 await asyncio.sleep(min(room_wait_s, left_s))
                 room_wait_s = min(2 * room_wait_s, ROOM_POLL_MAX_S)
                 skipped.clear()

@@ -15,6 +15,7 @@ from tests.integration.helpers import greedy_request, wait_all_blocks_free
 
 DECODE_BLOCKS = 24  # x 16 tokens: 384 tokens of KV on the decode
 FILLER_TOKENS = 360  # a reservation of 23 blocks: no 37-token prompt fits beside it
+QUEUE_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,8 @@ def small_cluster(model_dir):
     engine = ["--threads", "1", "--block-size", "16"]
     with LocalCluster(str(model_dir), prefill_args=engine + ["--num-blocks", "256"],
                       decode_args=engine + ["--num-blocks", str(DECODE_BLOCKS)],
-                      gateway_args=["--max-concurrent-requests", "2", "--max-waiting-requests", "1",
-                                    "--queue-timeout", "60", "--local-prefill-tokens", "0"]) as c:  # fmt: skip
+                      gateway_args=["--max-concurrent-requests", "2", "--max-waiting-requests", "1", "--queue-timeout",
+                                    str(QUEUE_TIMEOUT_S), "--local-prefill-tokens", "0"]) as c:  # fmt: skip
         yield c
 
 
@@ -76,9 +77,15 @@ def test_a_full_decode_pool_makes_requests_wait_then_run_or_be_refused_with_a_re
         started = time.monotonic()
         start(small_cluster, bounded, results, "bounded").join()
         error = results["bounded"]
+        assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "waited" in error.details() and "room on a decode" in error.details()
+        assert 1.0 <= time.monotonic() - started < QUEUE_TIMEOUT_S  # (it waited for room, within its deadline)
+        started = time.monotonic()
+        start(small_cluster, greedy_request("chat", "What is the capital of France?", 8), results, "timeout").join()
+        error = results["timeout"]
         assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "no decode has room" in error.details() and pushback_ms(error) >= 1000
-        assert 1.0 <= time.monotonic() - started < 30  # (it waited for room, within its deadline)
+        assert time.monotonic() - started >= QUEUE_TIMEOUT_S  # (it waited the whole --queue-timeout)
         waiting = start(small_cluster, greedy_request("chat", "What is the capital of France?", 8), results, "waits")
         time.sleep(1.0)
         assert "waits" not in results  # (still waiting for room)
@@ -124,3 +131,12 @@ def test_a_request_larger_than_the_decode_pool_is_refused_at_once(small_cluster)
             list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"holds {DECODE_BLOCKS * 16}" in e.value.details()
+
+
+def test_more_prompts_than_the_gateway_can_ever_hold_is_a_400_not_a_429(small_cluster):
+    """Each prompt of an HTTP request takes a slot: 4 prompts against 2 slots + 1 waiting place could never run,
+    so a retry hint would be a lie (breaker)."""
+    r = httpx.post(small_cluster.openai_base_url + "/completions", timeout=30,
+                   json={"prompt": ["a", "b", "c", "d"], "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "at most 3" in r.json()["error"]["message"]

@@ -249,6 +249,11 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
     ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -1}',
      "max_completion_tokens"),
     ("chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+    # (found by the breaker: 500s) lone UTF-16 surrogates, which JSON can escape; token ids past 2^32
+    ("completions", '{"prompt": "\\ud800 lone surrogate"}', None),
+    ("completions", '{"prompt": "Hi", "stop": ["\\udc00"]}', None),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', None),
+    ("completions", '{"prompt": "Hi", "stop_token_ids": [8589934592]}', "stop_token_ids"),
 ]  # fmt: skip
 
 
