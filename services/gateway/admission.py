@@ -7,6 +7,7 @@ deadline (then DeadlineError); with max_waiting requests already waiting it is r
 OverloadedError: RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, sent as gRPC's server pushback trailer
 `grpc-retry-pushback-ms` (gRFC A6) and HTTP's `Retry-After`.
 The same wait bound applies while every decode's KV pool is full (GatewayServicer._start waits for room).
+check_predicted_ttft refuses at once a request whose deadline its prefill's queue would already miss.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 import time
 from contextlib import asynccontextmanager
 
+from services.gateway.router import Route
 from shared.errors import DeadlineError, NoCapacityError
 
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
@@ -104,3 +106,19 @@ class AdmissionQueue:
             if not granted.done():
                 self.num_running += 1
                 granted.set_result(None)
+
+
+def check_predicted_ttft(route: Route, num_prompt_tokens: int, time_left_s: float | None) -> None:
+    """DeadlineError when the route's prefill would take longer than time_left_s (seconds) to reach this prompt's
+    first token: its queue plus the prompt's uncached tokens at the rate its recent steps computed
+    (InstanceInfo.tokens_per_s). Nothing is checked without a deadline, a prefill or a measured rate."""
+    prefill = route.prefill
+    if time_left_s is None or prefill is None or not prefill.tokens_per_s:
+        return
+    num_tokens = prefill.num_queued_tokens + num_prompt_tokens - route.prefill_cached_tokens
+    predicted_s = num_tokens / prefill.tokens_per_s
+    if predicted_s > time_left_s:
+        raise DeadlineError(f"refused at once: the predicted time to first token ({predicted_s:.1f} s: "
+                            f"{num_tokens} tokens to compute on prefill {prefill.instance_id} at "
+                            f"{prefill.tokens_per_s:.0f} tokens/s) exceeds the {time_left_s:.1f} s left before the "
+                            "request's deadline")  # fmt: skip

@@ -15,9 +15,11 @@ import xxhash
 from services.channels import ChannelPool
 from services.client import finish_name
 from services.convert import sampling_params_from_proto
-from services.gateway.admission import AdmissionQueue, OverloadedError
+from services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
 from services.gateway.beam_search import check_beam_params, run_beam_search
 from services.gateway.detokenizer import TextStream
+from services.gateway.limits import (MAX_CHARS_PER_TOKEN, MAX_ID_CHARS, MAX_N, check_counts,
+                                     check_structured_output_size)
 from services.gateway.router import Route, Router, SharedPrompt
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_watch import PrefillLostError, prefill_watching_decode
@@ -38,18 +40,6 @@ ROOM_POLL_S, ROOM_POLL_MAX_S = 0.05, 1.0  # first and longest pause between plac
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-MAX_N = 16  # most completions of one prompt per request
-# Size limits on a request's fields (README "Limits"), enforced by GatewayServicer.tokenize and check_params for
-# both public APIs. A prompt's own limits follow from the model's context: at most max_model_len - 1 tokens, and
-# at most MAX_CHARS_PER_TOKEN * max_model_len characters before it is tokenized.
-MAX_CHARS_PER_TOKEN = 64
-MAX_STOP = 32  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
-MAX_STOP_CHARS = 256  # characters per stop string (the text stream holds back this much at most)
-MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
-MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
-MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a json_schema, regex or grammar's text; choice: all choices together
-MAX_CHOICES = 1024  # structured_output choice entries
-MAX_ID_CHARS = 256  # request_id and cache_salt
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -437,52 +427,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except BaseException:
                 decode_call.cancel()
                 raise
-
-
-def check_predicted_ttft(route: Route, num_prompt_tokens: int, time_left_s: float | None) -> None:
-    """DeadlineError when the route's prefill would take longer than time_left_s (seconds) to reach this prompt's
-    first token: its queue plus the prompt's uncached tokens at the rate its recent steps computed
-    (InstanceInfo.tokens_per_s). Nothing is checked without a deadline, a prefill or a measured rate."""
-    prefill = route.prefill
-    if time_left_s is None or prefill is None or not prefill.tokens_per_s:
-        return
-    num_tokens = prefill.num_queued_tokens + num_prompt_tokens - route.prefill_cached_tokens
-    predicted_s = num_tokens / prefill.tokens_per_s
-    if predicted_s > time_left_s:
-        raise DeadlineError(f"refused at once: the predicted time to first token ({predicted_s:.1f} s: "
-                            f"{num_tokens} tokens to compute on prefill {prefill.instance_id} at "
-                            f"{prefill.tokens_per_s:.0f} tokens/s) exceeds the {time_left_s:.1f} s left before the "
-                            "request's deadline")  # fmt: skip
-
-
-def check_counts(p: common_pb2.SamplingParams) -> None:
-    """InvalidRequestError naming the field when a repeated field of p is over its limit (MAX_STOP stop strings
-    of at most MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS stop_token_ids, MAX_LOGIT_BIAS logit_bias entries)."""
-    if len(p.stop) > MAX_STOP:
-        raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {MAX_STOP}")
-    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
-        longest = max(len(s) for s in p.stop)
-        raise InvalidRequestError(f"stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}")
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
-    if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequestError(f"logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
-
-
-def check_structured_output_size(so: common_pb2.StructuredOutput) -> None:
-    """InvalidRequestError naming structured_output when its text (a json_schema, regex or grammar; choice: all
-    choices together) has more than MAX_STRUCTURED_OUTPUT_CHARS characters or choice more than MAX_CHOICES
-    entries: checked before the grammar is compiled."""
-    kind = so.WhichOneof("kind")
-    if kind == "choice":
-        if len(so.choice.choices) > MAX_CHOICES:
-            raise InvalidRequestError(f"structured_output.choice has {len(so.choice.choices)} entries; at most "
-                                      f"{MAX_CHOICES}")  # fmt: skip
-        size = sum(len(c) for c in so.choice.choices)
-    else:
-        size = len(getattr(so, kind)) if kind in ("json_schema", "regex", "grammar") else 0
-    if size > MAX_STRUCTURED_OUTPUT_CHARS:
-        raise InvalidRequestError(f"structured_output has {size} characters; at most {MAX_STRUCTURED_OUTPUT_CHARS}")
 
 
 def deadline_clock(time_remaining, deadline_ms: int | None):

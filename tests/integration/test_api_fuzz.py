@@ -184,7 +184,7 @@ def test_grpc_invalid_utf8_and_broken_bytes_are_invalid_argument(cluster, where)
 
 def _oversized(model_config) -> dict:
     """Requests over each limit (README "Limits") -> the field their error must name."""
-    from services.gateway import server as limits
+    from services.gateway import limits
 
     cases = {
         "stop": make_request("Hi", stop=["x"] * (limits.MAX_STOP + 1)),

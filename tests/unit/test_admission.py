@@ -1,12 +1,11 @@
 """The gateway's admission queue (services/gateway/admission.py) and its refusal of a request whose predicted time to
-first token exceeds its deadline (services/gateway/server.py check_predicted_ttft)."""
+first token exceeds its deadline (check_predicted_ttft)."""
 import asyncio
 
 import pytest
 
-from services.gateway.admission import AdmissionQueue, OverloadedError
+from services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
 from services.gateway.router import Route
-from services.gateway.server import check_predicted_ttft
 from shared.errors import DeadlineError
 from shared.registry import InstanceInfo
 
