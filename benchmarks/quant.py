@@ -13,37 +13,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.quant import weight_bytes
-from shared.request import Request, SamplingParams
+from shared.config import ModelConfig
+from tools.evaluation import engine_speed
 from tools.prepare_model import prepare_model
-
-
-def measure(config: ModelConfig, device: str, prompt_len: int, decode_tokens: int) -> dict:
-    engine = LLMEngine(config, CacheConfig(16, 256, enable_prefix_caching=False), SchedulerConfig(prompt_len, 8), device)
-    prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
-    params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request(Request("warm", prompt[:32], SamplingParams(max_tokens=2, temperature=0.0)))
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.add_request(Request("r", prompt, params))
-    t = time.perf_counter()
-    engine.step()  # the whole prompt in one step
-    prefill_s = time.perf_counter() - t
-    t, n = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        n += sum(len(o.new_token_ids) for o in engine.step())
-    return {
-        "weight_format": config.weight_format,
-        "weight_bytes": weight_bytes(engine.model_runner.model),
-        "prefill_tokens_per_s": round(prompt_len / prefill_s, 1),
-        "decode_tokens_per_s": round(n / (time.perf_counter() - t), 1),
-    }
 
 
 def main(argv=None) -> None:
@@ -61,7 +36,7 @@ def main(argv=None) -> None:
         int8 = tempfile.mkdtemp(prefix="tandem-int8-")
         subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "8",
                         "--out", int8, "--model", str(model_dir)], check=True)  # fmt: skip
-    rows = [measure(ModelConfig.from_dir(model_dir, q), args.device, args.prompt_len, args.decode_tokens)
+    rows = [engine_speed(ModelConfig.from_dir(model_dir, q), args.device, args.prompt_len, args.decode_tokens)
             for q in (None, int8, "gguf")]  # fmt: skip
     base = rows[0]
     for row in rows:

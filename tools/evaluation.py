@@ -90,3 +90,34 @@ def compare_to_reference(model: nn.Module, windows: torch.Tensor, reference: lis
         agree += (ref.argmax(-1) == logq.argmax(-1)).sum().item()
         count += window.numel()
     return Agreement(kl=kl_sum / count, top1=agree / count, num_positions=count)
+
+
+def engine_speed(config, device: str = "cpu", prompt_len: int = 512, decode_tokens: int = 64) -> dict:
+    """Weight bytes, prefill tokens/s (one prompt_len-token prompt in one step) and single-stream greedy decode
+    tokens/s of the serving engine (shared.engine.LLMEngine) for one ModelConfig, on device; torch's thread
+    count is the caller's. Returns {"weight_format", "weight_bytes", "prefill_tokens_per_s",
+    "decode_tokens_per_s"}."""
+    import time
+
+    from shared.config import CacheConfig, SchedulerConfig
+    from shared.engine import LLMEngine
+    from shared.quant import weight_bytes
+    from shared.request import Request, SamplingParams
+
+    engine = LLMEngine(config, CacheConfig(16, 256, enable_prefix_caching=False), SchedulerConfig(prompt_len, 8),
+                       device)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
+    engine.add_request(Request("warm", prompt[:32], SamplingParams(max_tokens=2, temperature=0.0)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(Request("r", prompt, SamplingParams(max_tokens=decode_tokens, temperature=0.0,
+                                                           ignore_eos=True)))
+    start = time.perf_counter()
+    engine.step()  # the whole prompt in one step
+    prefill_s = time.perf_counter() - start
+    start, generated = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    return {"weight_format": config.weight_format, "weight_bytes": weight_bytes(engine.model_runner.model),
+            "prefill_tokens_per_s": round(prompt_len / prefill_s, 1),
+            "decode_tokens_per_s": round(generated / (time.perf_counter() - start), 1)}

@@ -1,38 +1,83 @@
-"""`tandem quantize`: write a weight-only quantized checkpoint of a float model.
+"""`tandem quantize`: write a weight-only quantized checkpoint of a float model, or rank its layers by
+sensitivity.
 
-    tandem quantize --method rtn|gptq|awq --bits 4|8 [--group-size G] --out DIR [--model DIR]
+    tandem quantize --method rtn|gptq|awq|llmint8 --bits 4|8 [--group-size G] --out DIR [--model DIR]
+    tandem quantize --method rtn|gptq --bits 4 (--budget-bytes N | --max-kl X) [--high-precision int8|float] --out DIR
+    tandem quantize --analyze --bits 4 [--json]
 
+--analyze prints every linear's sensitivity (KL over calibration windows with only that linear quantized to
+the --bits/--group-size format, shared/quant/sensitivity.py), most sensitive first, and a summary per layer type.
+--budget-bytes / --max-kl run the same analysis and write a mixed-precision checkpoint: the linears that remove the
+most KL per byte keep --high-precision, the rest take the --bits format.
 Standalone: python -m tools.quantize ... (the tandem CLI wires the same functions). Bad arguments raise ValueError.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from shared.quant import QuantConfig, apply_quantized_state, quantize_model, save_quantized, weight_bytes
+from shared.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
 from tools.evaluation import CALIBRATION_TEXT, load_hf_model, text_token_ids
 from tools.prepare_model import float_model_dir
 
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", choices=("rtn", "gptq", "awq"), required=True)
+    parser.add_argument("--method", choices=("rtn", "gptq", "awq", "llmint8"), default="rtn",
+                        help="rtn, gptq, awq, or llmint8 (outlier-aware INT8, LLM.int8()'s decomposition)")
     parser.add_argument("--bits", type=int, choices=(4, 8), required=True)
     parser.add_argument("--group-size", type=int, default=None,
                         help="input channels per scale: INT4 32, 64 or 128 (default 128); INT8 per channel "
                              "(default) or, with rtn, 32 or 64")
-    parser.add_argument("--out", required=True, help="output checkpoint directory (new or empty)")
+    parser.add_argument("--out", default=None, help="output checkpoint directory (new or empty)")
     parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
-    parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT), help="calibration text for gptq/awq")
+    parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT),
+                        help="calibration text for gptq, awq, llmint8 and the sensitivity analysis")
     parser.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    parser.add_argument("--outlier-threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help="llmint8: input channels whose calibration |activation| reaches this stay float")
+    parser.add_argument("--outlier-max-fraction", type=float, default=DEFAULT_MAX_FRACTION,
+                        help="llmint8: at most this share of a linear's input channels stays float")
+    mixed = parser.add_argument_group("sensitivity analysis and mixed precision")
+    mixed.add_argument("--analyze", action="store_true",
+                       help="print each linear's sensitivity to the --bits format (no checkpoint is written)")
+    mixed.add_argument("--json", action="store_true", help="--analyze: print JSON instead of a table")
+    mixed.add_argument("--budget-bytes", type=int, default=None,
+                       help="mixed precision: total weight bytes the checkpoint may take")
+    mixed.add_argument("--max-kl", type=float, default=None,
+                       help="mixed precision: calibration KL (nats per position) the checkpoint must stay within")
+    mixed.add_argument("--high-precision", choices=("int8", "float"), default="int8",
+                       help="format of the linears mixed precision keeps (float: the model's dtype)")
+    mixed.add_argument("--calib-windows", type=int, default=4, help="analysis: calibration windows")
+    mixed.add_argument("--calib-seq-len", type=int, default=128, help="analysis: tokens per window")
+    mixed.add_argument("--calib-seed", type=int, default=0, help="analysis: seed choosing the windows")
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    """Quantize --model with --method and write a tandem checkpoint to --out; returns the exit code (0)."""
+    """Quantize --model with --method and write a tandem checkpoint to --out (or, with --analyze, print the
+    sensitivity ranking); returns the exit code (0)."""
     group_size = args.group_size if args.group_size is not None or args.bits == 8 else 128
-    config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)
+    mixed = args.budget_bytes is not None or args.max_kl is not None
+    config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)  # validates
+    low = config.base_linear_format
+    if mixed or args.analyze:
+        if args.method not in ("rtn", "gptq"):
+            raise ValueError(f"the sensitivity analysis and mixed precision take --method rtn or gptq, not "
+                             f"{args.method}")
+        if mixed and args.high_precision == low:
+            raise ValueError(f"--high-precision {args.high_precision} is the --bits format itself; use --bits 4")
+    if args.analyze:
+        if args.out is not None or mixed:
+            raise ValueError("--analyze prints the ranking only: drop --out, --budget-bytes and --max-kl")
+        return _analyze(args, low)
+    if args.out is None:
+        raise ValueError("--out is required (or --analyze)")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never overwrite a model (or its source)
         raise ValueError(f"--out {out} already exists and is not an empty directory; choose a new path")
@@ -42,17 +87,83 @@ def run_quantize(args: argparse.Namespace) -> int:
         model_dir = float_model_dir(args.model)
         start = time.perf_counter()
         model = load_hf_model(model_dir)
-        calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" else None
-        options = {"act_order": True} if args.act_order and args.method == "gptq" else {}
-        state = quantize_model(model, args.method, args.bits, group_size, calib, **options)
+        calib = text_token_ids(model_dir, Path(args.calib_file)) if args.method != "rtn" or mixed else None
+        layer_formats = _choose_mixed(args, model, calib, low) if mixed else {}
+        config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method,
+                             layer_formats=tuple(sorted(layer_formats.items())))
+        state = quantize_model(model, args.method, args.bits, group_size, calib, layer_formats=layer_formats,
+                               **_method_options(args))
         save_quantized(out, state, config, model_dir)
     except BaseException:
         if created:  # leave nothing half-written behind
             shutil.rmtree(out, ignore_errors=True)
         raise
     apply_quantized_state(model, state)
-    print(f"wrote {out} ({config.weight_format}, {weight_bytes(model) / 2**20:.1f} MiB of weights) "
-          f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    kept = f", {len(layer_formats)} linears at {args.high_precision}" if layer_formats else ""
+    print(f"wrote {out} ({config.weight_format}{kept}, {weight_bytes(model) / 2**20:.1f} MiB of weights, "
+          f"{weight_bytes(model)} bytes) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _method_options(args: argparse.Namespace) -> dict:
+    if args.method == "gptq" and args.act_order:
+        return {"act_order": True}
+    if args.method == "llmint8":
+        return {"threshold": args.outlier_threshold, "max_fraction": args.outlier_max_fraction}
+    return {}
+
+
+def _probe(args: argparse.Namespace, model, calib):
+    from shared.quant.sensitivity import SensitivityProbe, calibration_windows
+
+    return SensitivityProbe(model, calibration_windows(calib, args.calib_seq_len, args.calib_windows, args.calib_seed))
+
+
+def _sensitivities(probe, low: str):
+    with tqdm(total=len(probe.linears), desc=f"sensitivity to {low}", unit="linear") as bar:
+        return probe.analyze(low, progress=lambda done, total: bar.update(1))
+
+
+def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str, str]:
+    """The layer map of a mixed checkpoint (sensitivity.choose_layer_formats), printed with its calibration KL."""
+    from shared.quant import float_tensors
+    from shared.quant.sensitivity import choose_layer_formats
+
+    probe = _probe(args, model, calib)
+    sensitivities = _sensitivities(probe, low)
+    base_bytes = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
+    base_bytes += sum(s.num_bytes for s in sensitivities)
+
+    def measure_kl(promoted: dict[str, str]) -> float:
+        return probe.kl_with({name: promoted.get(name, low) for name in probe.linears})[0]
+
+    layer_formats = choose_layer_formats(sensitivities, low, args.high_precision, base_bytes, args.budget_bytes,
+                                         args.max_kl, measure_kl)
+    print(f"mixed precision: {len(layer_formats)} of {len(sensitivities)} linears at {args.high_precision}, the "
+          f"rest {low}; calibration KL {measure_kl(layer_formats):.6f} (all {low}: {measure_kl({}):.6f})",
+          file=sys.stderr)
+    return layer_formats
+
+
+def _analyze(args: argparse.Namespace, low: str) -> int:
+    from shared.quant.sensitivity import summarize_by_kind
+
+    model_dir = float_model_dir(args.model)
+    model = load_hf_model(model_dir)
+    probe = _probe(args, model, text_token_ids(model_dir, Path(args.calib_file)))
+    sensitivities = _sensitivities(probe, low)
+    by_kind = summarize_by_kind(sensitivities)
+    if args.json:
+        print(json.dumps({"format": low, "calib_windows": args.calib_windows, "calib_seq_len": args.calib_seq_len,
+                          "calib_seed": args.calib_seed, "linears": [vars(s) for s in sensitivities],
+                          "by_kind": by_kind}, indent=2))
+        return 0
+    print(f"{'rank':>4}  {'linear':<34}{'KL':>11}{'top1':>8}{'bytes':>10}")
+    for rank, s in enumerate(sensitivities, 1):
+        print(f"{rank:>4}  {s.name:<34}{s.kl:>11.6f}{s.top1:>8.4f}{s.num_bytes:>10}")
+    print(f"\n{'layer type':<20}{'mean KL':>11}{'max KL':>11}{'count':>7}")
+    for row in by_kind:
+        print(f"{row['kind']:<20}{row['mean_kl']:>11.6f}{row['max_kl']:>11.6f}{row['count']:>7}")
     return 0
 
 

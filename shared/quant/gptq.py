@@ -98,7 +98,7 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, bits: int, grou
 
 
 @torch.no_grad()
-def gptq_quantize_model(model: torch.nn.Module, calib_token_ids, bits: int, group_size: int | None,
+def gptq_quantize_model(model: torch.nn.Module, calib_token_ids, formats: dict[str, tuple[int | None, int | None]],
                         seq_len: int = 512, percdamp: float = 0.01, act_order: bool = False
                         ) -> dict[str, torch.Tensor]:
     """GPTQ every decoder-layer linear, layer by layer (inputs of layer i come from quantized layers < i).
@@ -107,12 +107,15 @@ def gptq_quantize_model(model: torch.nn.Module, calib_token_ids, bits: int, grou
         model: HF-named float model (e.g. LlamaForCausalLM); each linear's weight is overwritten with its
             dequantized value as the pass goes (that is how later layers see quantized inputs).
         calib_token_ids: 1-D token ids, cut into rows of seq_len.
+        formats: canonical linear name -> (bits, group_size); bits None keeps that linear in float (mixed
+            precision), and the later layers then see its exact output.
     Returns:
-        canonical quantized tensors: "model.layers.{i}.<suffix>.qweight|scales|zeros".
+        canonical quantized tensors: "model.layers.{i}.<suffix>.qweight|scales|zeros" ("<suffix>.weight" for a
+        float one).
     """
     inputs = capture_first_layer_inputs(model, calibration_batch(calib_token_ids, seq_len))
     state = {}
-    for i, layer in enumerate(tqdm(decoder_layers(model), desc=f"gptq int{bits}", unit="layer")):
+    for i, layer in enumerate(tqdm(decoder_layers(model), desc="gptq", unit="layer")):
         hessians, counts = {}, {}
 
         def on_input(suffix, x):  # x [tokens, K]
@@ -124,11 +127,16 @@ def gptq_quantize_model(model: torch.nn.Module, calib_token_ids, bits: int, grou
         with record_inputs(layer, on_input):
             run_layer(layer, inputs)
         for suffix, linear in layer_linears(layer).items():
+            name = f"model.layers.{i}.{suffix}"
+            bits, group_size = formats[name]
+            if bits is None:
+                state[f"{name}.weight"] = linear.weight.detach().clone()
+                continue
             owner = input_owner(suffix)
             H = hessians[owner] * (2.0 / counts[owner])
             tensors, deq = gptq_quantize_weight(linear.weight, H, bits, group_size, percdamp,
                                                 act_order=act_order)
             linear.weight.copy_(deq)
-            state.update({f"model.layers.{i}.{suffix}.{name}": t for name, t in tensors.items()})
+            state.update({f"{name}.{k}": t for k, t in tensors.items()})
         inputs.hidden = run_layer(layer, inputs)
     return state

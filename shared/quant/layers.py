@@ -64,10 +64,17 @@ def _vnni_rows(x: torch.Tensor, in_features: int, group_size: int) -> torch.Tens
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (qweight * scales).T (+ bias); int8 weights, float activations (int16 inside the VNNI kernel).
 
+    With outlier columns (LLM.int8()'s decomposition, Dettmers et al. 2022, applied to the weights; see
+    shared/quant/outliers.py): y = x[:, ~O] @ (qweight * scales)[:, ~O].T + x[:, O] @ outlier_weight.T, where O
+    (outlier_idx) are the input channels whose activations are large. qweight holds zero codes in O's columns,
+    so every INT8 kernel path runs unchanged and one small float matmul adds the outlier part.
+
     Args:
         in_features, out_features: K, N.
         group_size: None for one scale per output channel (scales [N]); G for one scale per G input channels
             (scales [N, K // G], K % G == 0), which GGUF Q8_0 needs.
+    Buffers (besides qweight, scales, bias): outlier_idx int64 [num_outliers] (sorted, distinct) and
+    outlier_weight float [N, num_outliers], or None for a plain INT8 layer.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, bias: bool = False,
@@ -80,6 +87,8 @@ class WeightOnlyInt8Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(scale_shape, dtype=dtype))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+        self.register_buffer("outlier_idx", None)
+        self.register_buffer("outlier_weight", None)
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> WeightOnlyInt8Linear:
@@ -90,20 +99,38 @@ class WeightOnlyInt8Linear(nn.Module):
         layer.load_quantized(qweight, scales, linear.bias)
         return layer
 
-    def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-        """Copy canonical tensors in (shapes checked; scales cast to the layer's float dtype)."""
+    def load_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                       outlier_idx: torch.Tensor | None = None, outlier_weight: torch.Tensor | None = None):
+        """Copy canonical tensors in (shapes checked; scales cast to the layer's float dtype). outlier_idx
+        (integer [num_outliers], sorted, distinct, < K) and outlier_weight ([N, num_outliers]) come together;
+        ValueError otherwise."""
         _copy_checked(self, "qweight", qweight)
         _copy_checked(self, "scales", scales)
         if bias is not None:
             _copy_checked(self, "bias", bias)
+        if (outlier_idx is None) != (outlier_weight is None):
+            raise ValueError("outlier_idx and outlier_weight come together")
+        if outlier_idx is not None:
+            idx = outlier_idx.detach().to(torch.long).flatten()
+            if idx.numel() and (idx.min() < 0 or idx.max() >= self.in_features or not bool((idx.diff() > 0).all())):
+                raise ValueError(f"outlier_idx must be sorted distinct input channels < {self.in_features}")
+            if tuple(outlier_weight.shape) != (self.out_features, idx.numel()):
+                raise ValueError(f"outlier_weight: expected shape {(self.out_features, idx.numel())}, "
+                                 f"got {tuple(outlier_weight.shape)}")
+            self.outlier_idx = idx.to(self.qweight.device)
+            self.outlier_weight = outlier_weight.detach().to(self.qweight.device, self.scales.dtype).clone()
         return self
 
     def dequantize(self) -> torch.Tensor:
-        """Reference path: [N, K] float weight in the scales' dtype."""
+        """Reference path: [N, K] float weight in the scales' dtype (outlier columns included)."""
         if self.group_size is None:
-            return self.qweight.to(self.scales.dtype) * self.scales[:, None]
-        q = self.qweight.to(self.scales.dtype).view(self.out_features, -1, self.group_size)
-        return (q * self.scales[..., None]).view(self.out_features, self.in_features)
+            w = self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        else:
+            q = self.qweight.to(self.scales.dtype).view(self.out_features, -1, self.group_size)
+            w = (q * self.scales[..., None]).view(self.out_features, self.in_features)
+        if self.outlier_idx is not None:
+            w[:, self.outlier_idx] = self.outlier_weight
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None and use_triton(x):
@@ -123,6 +150,8 @@ class WeightOnlyInt8Linear(nn.Module):
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
+        if self.outlier_idx is not None:  # qweight is zero in these columns
+            y = y + F.linear(x.index_select(-1, self.outlier_idx), self.outlier_weight.to(x.dtype))
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _packed_vnni(self) -> cpu_qgemm.VnniWeight:
@@ -132,7 +161,9 @@ class WeightOnlyInt8Linear(nn.Module):
             self.qweight, scales, None, self.group_size or self.in_features))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+        outliers = "" if self.outlier_idx is None else f", num_outliers={self.outlier_idx.numel()}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+                + outliers)
 
 
 class WeightOnlyInt4Linear(nn.Module):
@@ -228,21 +259,41 @@ class WeightOnlyInt4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
+class ConcatLinear(nn.Module):
+    """Linears of different formats that read one input, behind one output: y = cat([layer(x), ...], -1).
+    concat_linears returns it when the layers cannot share one weight (a mixed-precision checkpoint that keeps
+    k_proj in float and q_proj in INT4): each layer runs its own kernel."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.in_features, self.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
 def concat_linears(layers: list[nn.Module]) -> nn.Module:
-    """One layer whose output is the layers' outputs concatenated on the last dim (fused QKV, fused gate/up):
-    their weights (codes, scales, zeros, biases) stacked along N. The layers must be of one type with one
-    in_features, dtype and group size (ValueError otherwise); nn.Linear, WeightOnlyInt8Linear and
-    WeightOnlyInt4Linear are supported. Each output element is the same dot product as before the fusion."""
+    """One layer whose output is the layers' outputs concatenated on the last dim (fused QKV, fused gate/up).
+
+    Layers of one type (nn.Linear, WeightOnlyInt8Linear or WeightOnlyInt4Linear) with one group size, bias
+    presence and outlier channels have their weights (codes, scales, zeros, biases, outlier columns) stacked
+    along N: each output element is the same dot product as before the fusion. Other mixes (mixed precision)
+    come back as a ConcatLinear. ValueError if the layers' in_features differ.
+    """
     first = layers[0]
     kind = type(first)
-    if any(type(layer) is not kind for layer in layers) or kind not in (nn.Linear, WeightOnlyInt8Linear,
-                                                                         WeightOnlyInt4Linear):
-        raise ValueError(f"cannot fuse {[type(layer).__name__ for layer in layers]}")
-    if len({(layer.in_features, getattr(layer, "group_size", None)) for layer in layers}) != 1:
-        raise ValueError("fused layers need one in_features and group size")
+    if len({layer.in_features for layer in layers}) != 1:
+        raise ValueError(f"fused layers need one in_features, got {[layer.in_features for layer in layers]}")
     has_bias = [layer.bias is not None for layer in layers]
-    if any(has_bias) != all(has_bias):
-        raise ValueError("fused layers must all have a bias or none")
+    outliers = [getattr(layer, "outlier_idx", None) for layer in layers]
+    same_outliers = all(o is None for o in outliers) or (
+        all(o is not None for o in outliers) and all(torch.equal(o, outliers[0]) for o in outliers))
+    if (any(type(layer) is not kind for layer in layers)
+            or kind not in (nn.Linear, WeightOnlyInt8Linear, WeightOnlyInt4Linear)
+            or len({getattr(layer, "group_size", None) for layer in layers}) != 1
+            or any(has_bias) != all(has_bias) or not same_outliers):
+        return ConcatLinear(layers)
     out_features = sum(layer.out_features for layer in layers)
 
     def cat(name: str) -> torch.Tensor:
@@ -261,7 +312,9 @@ def concat_linears(layers: list[nn.Module]) -> nn.Module:
     if kind is WeightOnlyInt8Linear:
         fused = WeightOnlyInt8Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
                                      dtype=first.scales.dtype)
-        return fused.to(first.qweight.device).load_quantized(cat("qweight"), cat("scales"), bias)
+        outlier_weight = None if outliers[0] is None else cat("outlier_weight")
+        return fused.to(first.qweight.device).load_quantized(cat("qweight"), cat("scales"), bias, outliers[0],
+                                                             outlier_weight)
     fused = WeightOnlyInt4Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
                                  dtype=first.scales.dtype)
     return fused.to(first.qweight.device).load_quantized(cat("qweight"), cat("scales"), cat("zeros"), bias)

@@ -2,8 +2,11 @@
 
 Works on any nn.Module tree that keeps HF names: ``...layers.{i}.self_attn.{q,k,v,o}_proj`` and
 ``...layers.{i}.mlp.{gate,up,down}_proj`` (HF LlamaForCausalLM and the engine's model). Embeddings, norms and
-the (tied) lm_head stay in float, except an lm_head a checkpoint quantizes (GGUF Q8_0: lm_head.qweight). Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>``
-followed by ``.qweight`` / ``.scales`` / ``.zeros``; every other key is a float tensor copied by name.
+the (tied) lm_head stay in float, except an lm_head a checkpoint quantizes (GGUF Q8_0: lm_head.qweight).
+Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>`` followed by ``.qweight`` /
+``.scales`` / ``.zeros`` (``.outlier_idx`` / ``.outlier_weight`` for LLM.int8() layers); a linear a
+mixed-precision checkpoint keeps in float has ``.weight`` instead; every other key is a float tensor copied by
+name.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
 LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-QUANT_TENSOR_NAMES = ("qweight", "scales", "zeros")
+QUANT_TENSOR_NAMES = ("qweight", "scales", "zeros", "outlier_idx", "outlier_weight")
 _LINEAR_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(s) for s in LINEAR_SUFFIXES) + r")$")
 
 QuantLinear = WeightOnlyInt8Linear | WeightOnlyInt4Linear
@@ -57,7 +60,7 @@ def make_quant_layer(linear: nn.Module, tensors: dict[str, torch.Tensor]) -> Qua
     if qweight.dtype == torch.int8:
         group_size = None if scales.dim() == 1 else k // max(scales.shape[1], 1)
         layer = WeightOnlyInt8Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
-        layer.load_quantized(qweight, scales, bias)
+        layer.load_quantized(qweight, scales, bias, tensors.get("outlier_idx"), tensors.get("outlier_weight"))
     elif qweight.dtype == torch.uint8:
         if scales.dim() != 2 or scales.shape[1] == 0:
             raise ValueError(f"int4 scales must be [N, groups], got {tuple(scales.shape)}")
@@ -77,7 +80,8 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
 
     Args:
         model: module tree with HF names; modified in place and returned.
-        state: canonical state dict (see module docstring), as quantize_model or load_quantized_state return.
+        state: canonical state dict (see module docstring), as quantize_model or load_quantized_state return;
+            a linear with "<name>.weight" and no "<name>.qweight" stays nn.Linear (mixed precision).
             NOTE: it must be complete (every float tensor of the model but a tied lm_head), as every supported
             checkpoint format is; a partial one would leave randomly initialised weights behind.
     Raises:
@@ -85,7 +89,8 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
             for, a shape mismatch, or a NaN/inf value.
     """
     linears = quantizable_linears(model)
-    missing = [name for name in linears if f"{name}.qweight" not in state]
+    float_linears = {name for name in linears if f"{name}.qweight" not in state and f"{name}.weight" in state}
+    missing = [name for name in linears if f"{name}.qweight" not in state and name not in float_linears]
     if missing:
         raise ValueError(f"quantized checkpoint lacks {len(missing)} linear layers, e.g. {missing[0]}")
     missing = [key for key in float_tensor_names(model) if key not in state]
@@ -95,6 +100,10 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
     if bad is not None:
         raise ValueError(f"quantized checkpoint tensor {bad!r} holds NaN or inf")
     for name, linear in linears.items():
+        if name in float_linears:  # copied below with the other float tensors
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"{name}: the checkpoint holds a float weight, the model a quantized layer")
+            continue
         tensors = {t: state[f"{name}.{t}"] for t in QUANT_TENSOR_NAMES if f"{name}.{t}" in state}
         try:
             layer = make_quant_layer(linear, tensors)

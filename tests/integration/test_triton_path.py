@@ -1,7 +1,7 @@
 """The GPU code path without a GPU: with TANDEM_TRITON_ON_CPU=1 and TRITON_INTERPRET=1 the engine sends its KV
 writes, paged attention (extend and decode) and quantized GEMMs through the Triton kernels, run on the CPU by the
-interpreter. It must give the same greedy tokens as the torch path for fp32, INT8 per channel and INT4 with a
-padded group (576 / 128). The interpreter is slow (INT4 runs at about 1 s per linear), so the model is the default
+interpreter. It must give the same greedy tokens as the torch path for fp32, INT8 per channel, INT4 with a
+padded group (576 / 128), a mixed-precision checkpoint and outlier-aware INT8. The interpreter is slow (INT4 runs at about 1 s per linear), so the model is the default
 one cut to its first decoder layer (real weights and shapes) and the run is three steps: a 24-token chunk, a mixed
 step (the rest of that prompt over its cached prefix, plus a whole 3-token prompt), then a decode step of both.
 Each path runs in its own subprocess: TRITON_INTERPRET is read when triton is first imported, and
@@ -105,9 +105,11 @@ def compare_paths(*args):
     print(triton_path["weight_format"], torch_path["tokens"], triton_path["tokens"], calls)
     assert triton_path["num_free_blocks"] == 64
     assert torch_path["tokens"] == triton_path["tokens"]
-    gemm = {"fp32": None, "int8": "w8a16_gemm", "int4-g128-rtn": "w4a16_gemm"}[triton_path["weight_format"]]
-    expected = {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"} | ({gemm} if gemm else set())
-    assert set(calls) == expected, calls
+    weight_format = triton_path["weight_format"]
+    gemms = ({"w4a16_gemm", "w8a16_gemm"} if "-mix" in weight_format else
+             {"fp32": set(), "int8": {"w8a16_gemm"}, "int8-llmint8": {"w8a16_gemm"},
+              "int4-g128-rtn": {"w4a16_gemm"}}[weight_format])
+    assert set(calls) == {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"} | gemms, calls
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int4-g128"])
@@ -119,3 +121,21 @@ def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
     subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", *bits,
                     "--model", str(cut_model_dir), "--out", str(quantized)], check=True, timeout=300)
     compare_paths(cut_model_dir, quantized)
+
+
+def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_path):
+    """A mixed checkpoint (k_proj float inside an INT4 qkv: the unfused ConcatLinear; down_proj INT8) and an
+    outlier-aware INT8 one (the INT8 GEMM plus the float outlier columns) on the GPU code path."""
+    from shared.quant import QuantConfig, quantize_model, save_quantized
+    from tools.evaluation import load_hf_model
+
+    layer_formats = {"model.layers.0.self_attn.k_proj": "float", "model.layers.0.mlp.down_proj": "int8"}
+    model = load_hf_model(cut_model_dir)
+    config = QuantConfig(bits=4, group_size=128, method="rtn", layer_formats=tuple(sorted(layer_formats.items())))
+    save_quantized(tmp_path / "mixed", quantize_model(model, "rtn", 4, 128, layer_formats=layer_formats), config,
+                   cut_model_dir)
+    compare_paths(cut_model_dir, tmp_path / "mixed")
+    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "llmint8", "--bits", "8",
+                    "--outlier-threshold", "1.0", "--model", str(cut_model_dir), "--out", str(tmp_path / "llmint8")],
+                   check=True, timeout=300)  # fmt: skip
+    compare_paths(cut_model_dir, tmp_path / "llmint8")
