@@ -7,8 +7,9 @@ sensitivity.
 
 --analyze prints every linear's sensitivity (KL over calibration windows with only that linear quantized to
 the --bits/--group-size format, shared/quant/sensitivity.py), most sensitive first, and a summary per layer type.
---budget-bytes / --max-kl run the same analysis and write a mixed-precision checkpoint: the linears that remove the
-most KL per byte keep --high-precision, the rest take the --bits format.
+--budget-bytes / --max-kl run the same analysis (or read it from --sensitivity FILE, an `--analyze --json` output)
+and write a mixed-precision checkpoint: the linears that remove the most KL per byte keep --high-precision, the
+rest take the --bits format.
 Standalone: python -m tools.quantize ... (the tandem CLI wires the same functions). Bad arguments raise ValueError.
 """
 from __future__ import annotations
@@ -54,6 +55,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                        help="mixed precision: calibration KL (nats per position) the checkpoint must stay within")
     mixed.add_argument("--high-precision", choices=("int8", "float"), default="int8",
                        help="format of the linears mixed precision keeps (float: the model's dtype)")
+    mixed.add_argument("--sensitivity", default=None,
+                       help="mixed precision: reuse this `--analyze --json` output instead of analysing again")
     mixed.add_argument("--calib-windows", type=int, default=4, help="analysis: calibration windows")
     mixed.add_argument("--calib-seq-len", type=int, default=128, help="analysis: tokens per window")
     mixed.add_argument("--calib-seed", type=int, default=0, help="analysis: seed choosing the windows")
@@ -130,7 +133,8 @@ def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str,
     from shared.quant.sensitivity import choose_layer_formats
 
     probe = _probe(args, model, calib)
-    sensitivities = _sensitivities(probe, low)
+    sensitivities = _sensitivities(probe, low) if args.sensitivity is None else _read_sensitivities(
+        args.sensitivity, low, list(probe.linears))
     base_bytes = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
     base_bytes += sum(s.num_bytes for s in sensitivities)
 
@@ -143,6 +147,23 @@ def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str,
           f"rest {low}; calibration KL {measure_kl(layer_formats):.6f} (all {low}: {measure_kl({}):.6f})",
           file=sys.stderr)
     return layer_formats
+
+
+def _read_sensitivities(path: str, low: str, names: list[str]):
+    """The LinearSensitivity list of an `--analyze --json` output; ValueError unless it analysed format low on
+    exactly these linears."""
+    from shared.quant.sensitivity import LinearSensitivity
+
+    try:
+        data = json.loads(Path(path).read_text())
+        sensitivities = [LinearSensitivity(**(s | {"shape": tuple(s["shape"])})) for s in data["linears"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--sensitivity {path} is not an `tandem quantize --analyze --json` output: {e}") from e
+    if data.get("format") != low:
+        raise ValueError(f"--sensitivity {path} analysed {data.get('format')}, not {low}")
+    if sorted(s.name for s in sensitivities) != sorted(names):
+        raise ValueError(f"--sensitivity {path} does not list this model's {len(names)} linears")
+    return sensitivities
 
 
 def _analyze(args: argparse.Namespace, low: str) -> int:

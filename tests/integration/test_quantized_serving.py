@@ -1,5 +1,6 @@
-"""Quantized weights through the cluster: the same greedy tokens as the same quantized model in one process;
-finite logits on a 2,000-token prompt in every format."""
+"""Quantized weights through the cluster: the same greedy tokens as the same quantized model in one process
+(INT8, and a mixed-precision checkpoint made under a byte budget); finite logits on a 2,000-token prompt in every
+format."""
 import json
 import subprocess
 import sys
@@ -48,6 +49,51 @@ def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
     engine = ["--num-blocks", "256", "--threads", "1", *quant]
     with LocalCluster(str(model_dir), prefill_args=engine + ["--max-num-batched-tokens", "32"], decode_args=engine,
                       gateway_args=quant) as c:  # fmt: skip
+        outs = generate_all(c.gateway_address, [greedy_request(kind, text, NUM_TOKENS) for _, kind, text in cases])
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.fixture(scope="module")
+def mixed_dir(model_dir, tmp_path_factory):
+    """INT4 g128 with 3 MiB of budget to keep the most sensitive linears in float (a short analysis: one window
+    of 64 tokens); returns (checkpoint dir, byte budget)."""
+    from shared.quant import float_tensors
+    from shared.quant.modules import quantizable_linears
+    from shared.quant.sensitivity import format_bytes
+    from tools.evaluation import load_hf_model
+
+    model = load_hf_model(model_dir)
+    base = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
+    base += sum(format_bytes("int4-g128", m.out_features, m.in_features) for m in quantizable_linears(model).values())
+    budget = base + 3 * 2**20
+    out = tmp_path_factory.mktemp("mixed") / "SmolLM2-mixed"
+    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "4", "--budget-bytes",
+                    str(budget), "--high-precision", "float", "--calib-windows", "1", "--calib-seq-len", "64",
+                    "--out", str(out), "--model", str(model_dir)], check=True, timeout=900)  # fmt: skip
+    return out, budget
+
+
+def test_mixed_checkpoint_serves_token_exact_within_its_budget(model_dir, mixed_dir, tokenizer):
+    from services.launcher import LocalCluster
+    from shared.model_files import read_safetensors
+    from shared.quant.layers import ConcatLinear
+
+    path, budget = mixed_dir
+    config = ModelConfig.from_dir(model_dir, str(path))
+    layer_formats = json.loads((path / "config.json").read_text())["quantization_config"]["layer_formats"]
+    assert layer_formats and set(layer_formats.values()) == {"float"}
+    assert config.weight_format.startswith("int4-g128-rtn-mix")
+    assert sum(t.numel() * t.element_size() for t in read_safetensors(path).values()) <= budget
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(256, 8))
+    kinds = {type(m) for m in engine.model_runner.model.modules()}
+    print(f"{len(layer_formats)} linears in float: {sorted(layer_formats)}")
+    assert ConcatLinear in kinds and torch.nn.Linear in kinds  # a float v_proj beside INT4 q/k: unfused
+    del engine
+    cases = [p for p in PROMPTS if p[0] in ("capital", "raw_story", "long_summary")]
+    expected = in_process_greedy(config, [prompt_token_ids(tokenizer, kind, text) for _, kind, text in cases])
+    engine = ["--num-blocks", "256", "--threads", "1", "--quantization", str(path)]
+    with LocalCluster(str(model_dir), prefill_args=engine + ["--max-num-batched-tokens", "32"], decode_args=engine,
+                      gateway_args=["--quantization", str(path)]) as c:  # fmt: skip
         outs = generate_all(c.gateway_address, [greedy_request(kind, text, NUM_TOKENS) for _, kind, text in cases])
     assert [o.token_ids for o in outs] == expected
 

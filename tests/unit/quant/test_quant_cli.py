@@ -139,3 +139,46 @@ def test_tandem_commands_end_bad_input_with_one_error_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "services", "up", "--quantization", " ", "--prompt", "hi"],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2 and "--quantization: must name a checkpoint" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--bits", "4", "--analyze", "--out", "x"], "--analyze prints the ranking only"),
+    (["--bits", "4", "--method", "awq", "--budget-bytes", "1"], "take --method rtn or gptq"),
+    (["--bits", "8", "--method", "llmint8", "--analyze"], "take --method rtn or gptq"),
+    (["--bits", "8", "--max-kl", "0.1", "--high-precision", "int8"], "is the --bits format itself"),
+    (["--bits", "4", "--method", "llmint8", "--out", "x"], "llmint8 is INT8 per output channel"),
+    (["--bits", "4"], "--out is required"),
+])
+def test_quantize_refuses_contradictory_flags_before_loading(argv, error):
+    parser = argparse.ArgumentParser()
+    add_quantize_args(parser)
+    with pytest.raises(ValueError, match=error):
+        run_quantize(parser.parse_args(argv + ["--model", "/nonexistent"]))
+
+
+def test_analysis_json_feeds_a_kl_budgeted_checkpoint(tmp_path, model_dir, capsys):
+    """--analyze --json on the real model (a short analysis: one window of 32 tokens), then --sensitivity reuses
+    it for --max-kl: the checkpoint's layer map names the most sensitive linears first."""
+    import json
+
+    short = ["--calib-windows", "1", "--calib-seq-len", "32", "--model", str(model_dir)]
+    parser = argparse.ArgumentParser()
+    add_quantize_args(parser)
+    assert run_quantize(parser.parse_args(["--bits", "4", "--analyze", "--json", *short])) == 0
+    analysis = json.loads(capsys.readouterr().out)
+    assert analysis["format"] == "int4-g128" and len(analysis["linears"]) == 210
+    kls = [s["kl"] for s in analysis["linears"]]
+    assert kls == sorted(kls, reverse=True) and kls[0] > 0
+    assert {row["kind"] for row in analysis["by_kind"]} == {"self_attn.q_proj", "self_attn.k_proj",
+                                                            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                                                            "mlp.up_proj", "mlp.down_proj"}
+    (tmp_path / "analysis.json").write_text(json.dumps(analysis))
+    argv = ["--bits", "4", "--max-kl", "0.5", "--sensitivity", str(tmp_path / "analysis.json"),
+            "--out", str(tmp_path / "q"), *short]
+    assert run_quantize(parser.parse_args(argv)) == 0
+    config = detect_quant_config(tmp_path / "q")
+    assert config.weight_format.startswith("int4-g128-rtn-mix") and set(dict(config.layer_formats).values()) == {"int8"}
+    assert "calibration KL" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="analysed int4-g128, not int4-g64"):
+        run_quantize(parser.parse_args(["--bits", "4", "--group-size", "64", "--max-kl", "0.5", "--sensitivity",
+                                        str(tmp_path / "analysis.json"), "--out", str(tmp_path / "q2"), *short]))
