@@ -1,10 +1,15 @@
-"""`tandem eval-quant`: KL / top-1 / weight bytes of each quantized format against the float model.
+"""`tandem eval-quant`: KL / top-1 / weight bytes (and task score, decode speed) of each quantized format
+against the float model.
 
-    tandem eval-quant [--json] [--methods fp32,rtn8,rtn4,gptq4,awq4,gguf] [--checkpoint DIR ...]
+    tandem eval-quant [--json] [--methods fp32,rtn8,llmint8,rtn4,gptq4,awq4,gguf] [--checkpoint DIR ...]
+                      [--tasks] [--decode-speed]
 
 Prints, for each format, KL(fp32 || quant) of next-token distributions averaged over the positions of
-tools/data/quant_eval.txt (at least 2,000 by default), top-1 agreement and weight bytes; with --json:
-{"results": [{"method", "bits", "group_size", "kl", "top1", "weight_bytes", ...}, ...]}.
+tools/data/quant_eval.txt (at least 2,000 by default), top-1 agreement and weight bytes; with --tasks, the
+greedy score on the task suite (tools/tasks.py) and how many answers differ from fp32's, with examples; with
+--decode-speed, single-stream decode tokens/s of the engine. Rows on the Pareto front of the measured columns
+(bytes, KL, tokens/s, task score) are marked. With --json:
+{"results": [{"method", "bits", "group_size", "weight_format", "kl", "top1", "weight_bytes", "pareto", ...}]}.
 Standalone: python -m tools.eval_quant ... (the tandem CLI wires the same functions). Bad arguments raise
 ValueError.
 """
@@ -14,25 +19,30 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from shared.config import ModelConfig
 from shared.model_files import packaged_gguf_path
 from shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config,
-                          quantize_model, weight_bytes)
+                          quantize_model, save_quantized, weight_bytes)
 from shared.quant.modules import quantizable_linears
-from tools.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, compare_to_reference, eval_windows, load_hf_model,
-                              reference_logprobs, text_token_ids)
+from tools.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, Agreement, compare_to_reference, engine_speed,
+                              eval_windows, load_hf_model, reference_logprobs, text_token_ids)
 from tools.prepare_model import float_model_dir
+from tools.tasks import diff_report, evaluate_tasks, load_tasks
 
-DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn8g32,rtn4,gptq4,awq4,gguf"
+DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn8g32,llmint8,rtn4,gptq4,awq4,gguf"
 MIN_REPORT_POSITIONS = 2000
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="float HF-format model directory (default: packaged model)")
     parser.add_argument("--methods", default=DEFAULT_EVAL_METHODS,
-                        help="comma list of fp32, rtn8, rtn8g32, rtn4, gptq4, gptq8, awq4, awq8, gguf; a gG "
+                        help="comma list of fp32, rtn8, rtn8g32, llmint8, rtn4, gptq4, gptq8, awq4, awq8, gguf; a gG "
                              "suffix sets the group size")
     parser.add_argument("--checkpoint", action="append", default=[],
                         help="also evaluate a quantized checkpoint directory or .gguf file (repeatable)")
@@ -43,6 +53,14 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT))
     parser.add_argument("--act-order", action="store_true", help="GPTQ entries use act-order")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--tasks", action="store_true",
+                        help="also score the task suite (tools/data/quant_tasks.jsonl) greedy with the engine, and "
+                             "report how many answers change against fp32")
+    parser.add_argument("--tasks-limit", type=int, default=None, help="--tasks: at most this many items per category")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="--tasks: tokens generated per item")
+    parser.add_argument("--diff-examples", type=int, default=3, help="--tasks: changed answers shown per format")
+    parser.add_argument("--decode-speed", action="store_true",
+                        help="also measure single-stream decode tokens/s of the engine in each format")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -63,45 +81,99 @@ def run_eval(args: argparse.Namespace) -> int:
     for source in sources:  # config.json only: fail before loading anything
         if detect_quant_config(source).bits is None:
             raise ValueError(f"{source} is a float checkpoint, not a quantized one")
+    tasks = load_tasks(limit_per_category=args.tasks_limit) if args.tasks else None
     model_dir = float_model_dir(args.model)
     # Every checkpoint is loaded (each tensor checked, as the engine would) before minutes of evaluation.
     loaded = {source: _load_checkpoint(model_dir, source) for source in sources}
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), args.seq_len, args.max_positions)
     if windows.numel() < MIN_REPORT_POSITIONS:
         raise ValueError(f"only {windows.numel()} evaluation positions fit; need {MIN_REPORT_POSITIONS}")
-    fp32 = load_hf_model(model_dir)
-    reference = reference_logprobs(fp32, windows)
+    reference = reference_logprobs(load_hf_model(model_dir), windows)
     calib = text_token_ids(model_dir, Path(args.calib_file))
-    results = []
-    for method, bits, group_size in specs:
-        if method == "fp32":
-            results.append(_row(fp32, method="fp32", bits=None, group_size=None, kl=0.0, top1=1.0,
-                                positions=windows.numel(), quantize_s=0.0, eval_s=0.0))
-            continue
-        if method == "gguf":
-            model, config, quantize_s = loaded[gguf]
-            bits, group_size = config.bits, config.group_size
-        else:
-            model, start = load_hf_model(model_dir), time.perf_counter()
-            options = {"act_order": True} if args.act_order and method == "gptq" else {}
-            apply_quantized_state(model, quantize_model(model, method, bits, group_size, calib, **options))
-            quantize_s = time.perf_counter() - start
-        results.append(_evaluate(model, (method, bits, group_size), windows, reference, quantize_s=quantize_s))
-    for path in args.checkpoint:
-        model, config, quantize_s = loaded[path]
-        spec = (config.method, config.bits, config.group_size)
-        results.append(_evaluate(model, spec, windows, reference, quantize_s=quantize_s) | {"checkpoint": str(path)})
+    if tasks is not None and ("fp32", None, None) not in specs:
+        specs.insert(0, ("fp32", None, None))  # the reference the output diff compares with
+    results, reports = [], {}
+    with tempfile.TemporaryDirectory(prefix="tandem-eval-quant-") as scratch:
+        for spec in specs + [("checkpoint", path, None) for path in args.checkpoint]:
+            model, source, row = _build(spec, model_dir, calib, loaded, gguf, args, Path(scratch))
+            start = time.perf_counter()
+            agreement = (compare_to_reference(model, windows, reference) if row["method"] != "fp32"
+                         else Agreement(kl=0.0, top1=1.0, num_positions=windows.numel()))
+            row |= {"kl": agreement.kl, "top1": agreement.top1, "num_positions": agreement.num_positions,
+                    "eval_s": round(time.perf_counter() - start, 1)} | _bytes(model)
+            del model
+            if args.decode_speed or tasks is not None:
+                config = ModelConfig.from_dir(model_dir, source)
+                if args.decode_speed:
+                    row["decode_tokens_per_s"] = engine_speed(config, decode_tokens=64)["decode_tokens_per_s"]
+                if tasks is not None:
+                    report = evaluate_tasks(config, tasks, args.max_new_tokens, threads=torch.get_num_threads())
+                    reports[row["weight_format"]] = report
+                    row |= {"task_score": report.accuracy, "task_scores": report.category_accuracy,
+                            "tasks_tokens_per_s": round(report.output_tokens_per_s, 1)}
+            results.append(row)
+    for row in results if tasks is not None else ():
+        row["output_diff"] = diff_report(reports["fp32"], reports[row["weight_format"]], args.diff_examples)
+    mark_pareto(results)
     _print(results, args.json)
     return 0
+
+
+def _build(spec, model_dir: Path, calib, loaded: dict, gguf: str | None, args, scratch: Path):
+    """(HF model in the format, what ModelConfig.from_dir takes as its quantization (None for fp32), the
+    row's identity fields) for spec (method, bits, group_size), ("gguf", ...) or ("checkpoint", path, None)."""
+    method, bits, group_size = spec
+    if method in ("gguf", "checkpoint"):
+        source = gguf if method == "gguf" else bits
+        model, config, load_s = loaded[source]
+        row = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
+               "weight_format": config.weight_format, "quantize_s": round(load_s, 1)}
+        return model, source, row | ({"checkpoint": str(source)} if method == "checkpoint" else {})
+    model, start = load_hf_model(model_dir), time.perf_counter()
+    if method == "fp32":
+        return model, None, {"method": "fp32", "bits": None, "group_size": None, "weight_format": "fp32",
+                             "quantize_s": 0.0}
+    options = {"act_order": True} if args.act_order and method == "gptq" else {}
+    state = quantize_model(model, method, bits, group_size, calib, **options)
+    apply_quantized_state(model, state)
+    config = QuantConfig(bits=bits, group_size=group_size, method=method)
+    source = None
+    if args.tasks or args.decode_speed:  # the engine loads a checkpoint
+        source = save_quantized(scratch / config.weight_format, state, config, model_dir)
+    return model, source, {"method": method, "bits": bits, "group_size": group_size,
+                           "weight_format": config.weight_format,
+                           "quantize_s": round(time.perf_counter() - start, 1)}
+
+
+def _bytes(model) -> dict:
+    linear_bytes = sum(sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+                       for m in quantizable_linears(model).values())
+    return {"weight_bytes": weight_bytes(model), "linear_weight_bytes": linear_bytes}
+
+
+def mark_pareto(rows: list[dict]) -> None:
+    """Set row["pareto"]: no other row is at least as good on every measured objective (weight_bytes and kl
+    lower, decode_tokens_per_s and task_score higher, each where measured) and better on one."""
+    keys = [("weight_bytes", 1), ("kl", 1), ("decode_tokens_per_s", -1), ("task_score", -1)]
+    keys = [(k, sign) for k, sign in keys if all(k in row for row in rows)]
+
+    def dominates(a, b):
+        return (all(sign * a[k] <= sign * b[k] for k, sign in keys)
+                and any(sign * a[k] < sign * b[k] for k, sign in keys))
+
+    for row in rows:
+        row["pareto"] = not any(dominates(other, row) for other in rows if other is not row)
 
 
 def _parse_method(name: str, group_size: int) -> tuple[str, int | None, int | None]:
     name = name.strip()
     if name in ("fp32", "gguf"):
         return name, None, None
+    if name == "llmint8":
+        return "llmint8", 8, None
     match = re.fullmatch(r"(rtn|gptq|awq)(4|8)(?:g(\d+))?", name)
     if match is None:
-        raise ValueError(f"unknown eval method {name!r} (use fp32, gguf, or rtn/gptq/awq + 4 or 8 [+ gG])")
+        raise ValueError(f"unknown eval method {name!r} (use fp32, gguf, llmint8, or rtn/gptq/awq + 4 or 8 [+ gG])")
     bits = int(match.group(2))
     if match.group(3):
         group_size = int(match.group(3))
@@ -117,31 +189,30 @@ def _load_checkpoint(model_dir: Path, source: str):
     return model, config, time.perf_counter() - start
 
 
-def _evaluate(model, spec: tuple[str, int | None, int | None], windows, reference, quantize_s: float) -> dict:
-    """spec: (method, bits, group_size)."""
-    start = time.perf_counter()
-    agreement = compare_to_reference(model, windows, reference)
-    method, bits, group_size = spec
-    return _row(model, method=method, bits=bits, group_size=group_size, kl=agreement.kl, top1=agreement.top1,
-                positions=agreement.num_positions, quantize_s=quantize_s, eval_s=time.perf_counter() - start)
-
-
-def _row(model, *, method, bits, group_size, kl, top1, positions, quantize_s, eval_s) -> dict:
-    linear_bytes = sum(sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-                       for m in quantizable_linears(model).values())
-    return {"method": method, "bits": bits, "group_size": group_size, "kl": kl, "top1": top1,
-            "weight_bytes": weight_bytes(model), "linear_weight_bytes": linear_bytes, "num_positions": positions,
-            "quantize_s": round(quantize_s, 1), "eval_s": round(eval_s, 1)}
-
-
 def _print(results: list[dict], as_json: bool) -> None:
     if as_json:
         print(json.dumps({"results": results}, indent=2))
         return
-    print(f"{'method':<8}{'bits':>5}{'group':>6}{'KL':>12}{'top1':>8}{'weight MiB':>12}{'linear MiB':>12}")
+    tasks = "task_score" in results[0]
+    speed = "decode_tokens_per_s" in results[0]
+    print(f"{'format':<26}{'weight MiB':>11}{'linear MiB':>11}{'KL':>10}{'top1':>8}"
+          + (f"{'task':>7}{'changed':>9}" if tasks else "") + (f"{'tok/s':>8}" if speed else "") + "  pareto")
     for r in results:
-        print(f"{r['method']:<8}{str(r['bits'] or '-'):>5}{str(r['group_size'] or '-'):>6}{r['kl']:>12.6f}"
-              f"{r['top1']:>8.4f}{r['weight_bytes'] / 2**20:>12.1f}{r['linear_weight_bytes'] / 2**20:>12.1f}")
+        line = (f"{r['weight_format']:<26}{r['weight_bytes'] / 2**20:>11.1f}{r['linear_weight_bytes'] / 2**20:>11.1f}"
+                f"{r['kl']:>10.5f}{r['top1']:>8.4f}")
+        if tasks:
+            diff = r["output_diff"]
+            line += f"{r['task_score']:>7.3f}{diff['num_changed']:>5}/{diff['num_items']:<3}"
+        if speed:
+            line += f"{r['decode_tokens_per_s']:>8.1f}"
+        print(line + ("  *" if r["pareto"] else ""))
+    for r in results if tasks else ():
+        examples = r["output_diff"]["examples"]
+        if examples:
+            print(f"\n{r['weight_format']}: {r['output_diff']['num_changed']} of {r['output_diff']['num_items']} "
+                  f"answers differ from fp32, e.g.")
+        for ex in examples:
+            print(f"  [{ex['id']}] {ex['prompt']!r}\n    fp32: {ex['reference']!r}\n    this: {ex['output']!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
