@@ -69,6 +69,10 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-positions must be at least {MIN_REPORT_POSITIONS}")
     if args.seq_len < 1:
         raise ValueError(f"--seq-len must be at least 1, got {args.seq_len}")
+    for flag, value, least in (("--tasks-limit", args.tasks_limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                               ("--diff-examples", args.diff_examples, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
     specs = [_parse_method(m, args.group_size) for m in args.methods.split(",") if m.strip()]
     if not specs and not args.checkpoint:
         raise ValueError("nothing to evaluate: --methods lists no format and no --checkpoint is given")
@@ -92,7 +96,7 @@ def run_eval(args: argparse.Namespace) -> int:
     calib = text_token_ids(model_dir, Path(args.calib_file))
     if tasks is not None and ("fp32", None, None) not in specs:
         specs.insert(0, ("fp32", None, None))  # the reference the output diff compares with
-    results, reports = [], {}
+    results, reports = [], []  # reports[i]: the task report of results[i]
     with tempfile.TemporaryDirectory(prefix="tandem-eval-quant-") as scratch:
         for spec in specs + [("checkpoint", path, None) for path in args.checkpoint]:
             model, source, row = _build(spec, model_dir, calib, loaded, gguf, args, Path(scratch))
@@ -108,12 +112,12 @@ def run_eval(args: argparse.Namespace) -> int:
                     row["decode_tokens_per_s"] = engine_speed(config, decode_tokens=64)["decode_tokens_per_s"]
                 if tasks is not None:
                     report = evaluate_tasks(config, tasks, args.max_new_tokens, threads=torch.get_num_threads())
-                    reports[row["weight_format"]] = report
+                    reports.append(report)
                     row |= {"task_score": report.accuracy, "task_scores": report.category_accuracy,
                             "tasks_tokens_per_s": round(report.output_tokens_per_s, 1)}
             results.append(row)
-    for row in results if tasks is not None else ():
-        row["output_diff"] = diff_report(reports["fp32"], reports[row["weight_format"]], args.diff_examples)
+    for row, report in zip(results, reports):  # fp32 comes first (inserted above when not asked for)
+        row["output_diff"] = diff_report(reports[specs.index(("fp32", None, None))], report, args.diff_examples)
     mark_pareto(results)
     _print(results, args.json)
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -27,6 +28,8 @@ from shared.quant import QuantConfig, apply_quantized_state, quantize_model, sav
 from shared.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
 from tools.evaluation import CALIBRATION_TEXT, load_hf_model, text_token_ids
 from tools.prepare_model import float_model_dir
+
+ANALYSIS_DEFAULTS = {"calib_windows": 4, "calib_seq_len": 128, "calib_seed": 0}
 
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +44,12 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-file", default=str(CALIBRATION_TEXT),
                         help="calibration text for gptq, awq, llmint8 and the sensitivity analysis")
     parser.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
-    parser.add_argument("--outlier-threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help="llmint8: input channels whose calibration |activation| reaches this stay float")
-    parser.add_argument("--outlier-max-fraction", type=float, default=DEFAULT_MAX_FRACTION,
-                        help="llmint8: at most this share of a linear's input channels stays float")
+    parser.add_argument("--outlier-threshold", type=float, default=None,
+                        help=f"llmint8: input channels whose calibration |activation| reaches this stay float "
+                             f"(default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--outlier-max-fraction", type=float, default=None,
+                        help=f"llmint8: at most this share of a linear's input channels stays float (default "
+                             f"{DEFAULT_MAX_FRACTION})")
     mixed = parser.add_argument_group("sensitivity analysis and mixed precision")
     mixed.add_argument("--analyze", action="store_true",
                        help="print each linear's sensitivity to the --bits format (no checkpoint is written)")
@@ -53,13 +58,15 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                        help="mixed precision: total weight bytes the checkpoint may take")
     mixed.add_argument("--max-kl", type=float, default=None,
                        help="mixed precision: calibration KL (nats per position) the checkpoint must stay within")
-    mixed.add_argument("--high-precision", choices=("int8", "float"), default="int8",
-                       help="format of the linears mixed precision keeps (float: the model's dtype)")
+    mixed.add_argument("--high-precision", choices=("int8", "float"), default=None,
+                       help="format of the linears mixed precision keeps (float: the model's dtype; default int8)")
     mixed.add_argument("--sensitivity", default=None,
                        help="mixed precision: reuse this `--analyze --json` output instead of analysing again")
-    mixed.add_argument("--calib-windows", type=int, default=4, help="analysis: calibration windows")
-    mixed.add_argument("--calib-seq-len", type=int, default=128, help="analysis: tokens per window")
-    mixed.add_argument("--calib-seed", type=int, default=0, help="analysis: seed choosing the windows")
+    mixed.add_argument("--calib-windows", type=int, default=None,
+                       help=f"analysis: calibration windows (default {ANALYSIS_DEFAULTS['calib_windows']})")
+    mixed.add_argument("--calib-seq-len", type=int, default=None,
+                       help=f"analysis: tokens per window (default {ANALYSIS_DEFAULTS['calib_seq_len']})")
+    mixed.add_argument("--calib-seed", type=int, default=None, help="analysis: seed choosing the windows (default 0)")
 
 
 def run_quantize(args: argparse.Namespace) -> int:
@@ -67,6 +74,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     sensitivity ranking); returns the exit code (0)."""
     group_size = args.group_size if args.group_size is not None or args.bits == 8 else 128
     mixed = args.budget_bytes is not None or args.max_kl is not None
+    _check_flags(args, mixed)
     config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)  # validates
     low = config.base_linear_format
     if mixed or args.analyze:
@@ -108,11 +116,43 @@ def run_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_flags(args: argparse.Namespace, mixed: bool) -> None:
+    """Refuse flags that contradict each other or are out of range, before anything is loaded; then fill in the
+    defaults of the optional ones (ValueError naming the flag)."""
+    analysis = mixed or args.analyze
+    unused = [flag for flag, given, used in [
+        ("--json", args.json, args.analyze),
+        ("--sensitivity", args.sensitivity is not None, mixed),
+        ("--high-precision", args.high_precision is not None, mixed),
+        ("--outlier-threshold", args.outlier_threshold is not None, args.method == "llmint8"),
+        ("--outlier-max-fraction", args.outlier_max_fraction is not None, args.method == "llmint8"),
+        *[(f"--{name.replace('_', '-')}", getattr(args, name) is not None, analysis) for name in ANALYSIS_DEFAULTS],
+    ] if given and not used]
+    if unused:
+        raise ValueError(f"{unused[0]} has no effect here: --json goes with --analyze, --sensitivity and "
+                         "--high-precision with --budget-bytes/--max-kl, --calib-* with those or --analyze, "
+                         "--outlier-* with --method llmint8")
+    checks = [("--budget-bytes", args.budget_bytes, lambda v: v > 0),
+              ("--max-kl", args.max_kl, lambda v: math.isfinite(v) and v >= 0),
+              ("--outlier-threshold", args.outlier_threshold, lambda v: math.isfinite(v) and v > 0),
+              ("--outlier-max-fraction", args.outlier_max_fraction, lambda v: 0 <= v <= 1),
+              ("--calib-windows", args.calib_windows, lambda v: v >= 1),
+              ("--calib-seq-len", args.calib_seq_len, lambda v: v >= 1)]
+    for flag, value, ok in checks:
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} {value} is out of range")
+    args.high_precision = args.high_precision or "int8"
+    for name, default in ANALYSIS_DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+
+
 def _method_options(args: argparse.Namespace) -> dict:
     if args.method == "gptq" and args.act_order:
         return {"act_order": True}
     if args.method == "llmint8":
-        return {"threshold": args.outlier_threshold, "max_fraction": args.outlier_max_fraction}
+        return {"threshold": DEFAULT_THRESHOLD if args.outlier_threshold is None else args.outlier_threshold,
+                "max_fraction": (DEFAULT_MAX_FRACTION if args.outlier_max_fraction is None
+                                 else args.outlier_max_fraction)}
     return {}
 
 
@@ -134,7 +174,7 @@ def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str,
 
     probe = _probe(args, model, calib)
     sensitivities = _sensitivities(probe, low) if args.sensitivity is None else _read_sensitivities(
-        args.sensitivity, low, list(probe.linears))
+        args.sensitivity, low, probe.linears)
     base_bytes = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
     base_bytes += sum(s.num_bytes for s in sensitivities)
 
@@ -149,20 +189,30 @@ def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str,
     return layer_formats
 
 
-def _read_sensitivities(path: str, low: str, names: list[str]):
-    """The LinearSensitivity list of an `--analyze --json` output; ValueError unless it analysed format low on
-    exactly these linears."""
-    from shared.quant.sensitivity import LinearSensitivity
+def _read_sensitivities(path: str, low: str, linears: dict):
+    """The LinearSensitivity list of an `--analyze --json` output, checked against the model's linears (name ->
+    nn.Linear): ValueError unless it analysed format low on exactly these linears with finite KLs >= 0. Byte
+    counts are recomputed from the model's shapes, not read."""
+    from shared.quant.sensitivity import LinearSensitivity, format_bytes
 
     try:
         data = json.loads(Path(path).read_text())
-        sensitivities = [LinearSensitivity(**(s | {"shape": tuple(s["shape"])})) for s in data["linears"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--sensitivity {path} is not an `tandem quantize --analyze --json` output: {e}") from e
-    if data.get("format") != low:
-        raise ValueError(f"--sensitivity {path} analysed {data.get('format')}, not {low}")
-    if sorted(s.name for s in sensitivities) != sorted(names):
-        raise ValueError(f"--sensitivity {path} does not list this model's {len(names)} linears")
+        entries = {s["name"]: float(s["kl"]) for s in data["linears"]}
+        fmt, count = data.get("format"), len(data["linears"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--sensitivity {path} is not a `tandem quantize --analyze --json` output: {e}") from e
+    if fmt != low:
+        raise ValueError(f"--sensitivity {path} analysed {fmt}, not {low}")
+    if sorted(entries) != sorted(linears) or count != len(linears):
+        raise ValueError(f"--sensitivity {path} does not list this model's {len(linears)} linears once each")
+    if not all(math.isfinite(kl) and kl >= 0 for kl in entries.values()):
+        raise ValueError(f"--sensitivity {path} holds a KL that is negative, NaN or infinite")
+    sensitivities = []
+    for name, kl in entries.items():
+        n, k = linears[name].weight.shape
+        _, _, index, kind = name.split(".", 3)
+        sensitivities.append(LinearSensitivity(name, kind, int(index), kl, float("nan"), format_bytes(low, n, k),
+                                               (n, k)))
     return sensitivities
 
 

@@ -47,7 +47,8 @@ CODE_STOPS = ("\nclass ", "\nif __name__", "\ndef ", "\nprint(", "\n```")
 CODE_TIMEOUT_S = 10.0
 CODE_MEMORY_BYTES = 1 << 30  # RLIMIT_AS of the subprocess
 CODE_CPU_S = 5  # RLIMIT_CPU
-CODE_FILE_BYTES = 1 << 20  # RLIMIT_FSIZE
+CODE_FILE_BYTES = 1 << 20  # RLIMIT_FSIZE (stdout included)
+CODE_MAX_PROCESSES = 64  # RLIMIT_NPROC
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)")
 
 
@@ -190,39 +191,56 @@ def cut_completion(prompt: str, completion: str) -> str:
     return "\n".join(kept)
 
 
-# Run before the program: disables the obvious ways to touch the system (HumanEval's reliability guard).
-# NOTE: an accident guard, not a sandbox; the rlimits, the timeout and the empty temp dir do the rest.
-_GUARD = """import builtins, os, shutil, subprocess
-for _name in ("system", "popen", "fork", "forkpty", "kill", "killpg", "remove", "unlink", "rmdir", "removedirs",
-              "rename", "replace", "truncate", "chmod", "chown", "putenv", "execv", "execve", "spawnv", "_exit"):
-    setattr(os, _name, None)
+# Run before the program: disables the obvious ways to touch the system (HumanEval's reliability guard), in os
+# and in posix (os's functions are posix's), then reads the pass marker from stdin into a closure.
+# NOTE: an accident guard, not a sandbox: code written to escape (frame inspection, ctypes, sockets, a child in a
+# session of its own) can. The rlimits, the timeout, the capped output and the empty temp dir bound accidents
+# (an endless loop or print, a memory blow-up, a stray child); run the suite on models whose code you would run.
+_GUARD = """import builtins, os, posix, shutil, subprocess, sys
+for _module in (os, posix):
+    for _name in ("system", "popen", "fork", "forkpty", "kill", "killpg", "remove", "unlink", "rmdir",
+                  "removedirs", "rename", "replace", "truncate", "chmod", "chown", "putenv", "execv", "execve",
+                  "spawnv", "posix_spawn", "posix_spawnp", "_exit", "setsid"):
+        if hasattr(_module, _name):
+            setattr(_module, _name, None)
 shutil.rmtree = shutil.move = subprocess.Popen = subprocess.run = None
-del builtins, os, shutil, subprocess, _name
+_tandem_pass = (lambda marker: lambda: print(marker, flush=True))(sys.stdin.readline().strip())
+del builtins, os, posix, shutil, subprocess, sys, _module, _name
 """
+OUTPUT_TAIL_BYTES = 256  # the end of stdout that is read back (the marker sits there)
 
 
 def run_code(program: str, tests: list[str], timeout_s: float = CODE_TIMEOUT_S) -> bool:
     """True when program followed by the asserts in tests runs to the end in a fresh interpreter.
 
     The interpreter (sys.executable -I -S) runs in a new empty temp dir with a minimal environment, its own
-    session (killed as a group on timeout), rlimits of CODE_MEMORY_BYTES address space, CODE_CPU_S CPU seconds
-    and CODE_FILE_BYTES per written file, after _GUARD. Success needs exit status 0 and a random marker printed
+    session (killed as a group when it ends or times out), rlimits of CODE_MEMORY_BYTES address space, CODE_CPU_S
+    CPU seconds, CODE_FILE_BYTES per written file (stdout goes to a file, so an endless print dies there), after
+    _GUARD. Success needs exit status 0 and a random marker, given on stdin (not in the program's text), printed
     after the last assert, so a program that exits early does not pass. Never raises for bad code."""
     marker = secrets.token_hex(8)
-    source = "\n".join([_GUARD, program, "", *tests, f"print({marker!r})", ""])
+    source = "\n".join([_GUARD, program, "", *tests, "_tandem_pass()", ""])
     with tempfile.TemporaryDirectory(prefix="tandem-task-") as tmp:
-        (Path(tmp) / "program.py").write_text(source, encoding="utf-8")
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "program.py"], cwd=tmp, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, preexec_fn=_limit_resources)
         try:
-            stdout, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: children too
-            proc.communicate()
+            (Path(tmp) / "program.py").write_text(source, encoding="utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: not a program Python could read either
             return False
-    return proc.returncode == 0 and stdout.decode(errors="replace").strip().endswith(marker)
+        with open(Path(tmp) / "stdout", "w+b") as stdout:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "program.py"], cwd=tmp, stdin=subprocess.PIPE,
+                                    stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, preexec_fn=_limit_resources)
+            try:
+                proc.communicate(f"{marker}\n".encode(), timeout=timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the whole session: children it left behind too
+                proc.wait()
+            stdout.seek(max(stdout.seek(0, os.SEEK_END) - OUTPUT_TAIL_BYTES, 0))
+            tail = stdout.read()
+    return not timed_out and proc.returncode == 0 and tail.decode(errors="replace").strip().endswith(marker)
 
 
 def _limit_resources() -> None:
@@ -232,6 +250,7 @@ def _limit_resources() -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (CODE_CPU_S, CODE_CPU_S))
     resource.setrlimit(resource.RLIMIT_FSIZE, (CODE_FILE_BYTES, CODE_FILE_BYTES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NPROC, (CODE_MAX_PROCESSES, CODE_MAX_PROCESSES))  # (root is exempt)
 
 
 def generate(model_config, tasks: list[Task], max_tokens: int = 64, threads: int = 1, device: str = "cpu",

@@ -124,6 +124,10 @@ def apply_quantization(model: nn.Module, source: str | Path) -> QuantConfig:
         if linear_format(layer) != config.linear_format(name):
             raise ValueError(f"{source}: its quantization_config says {name} is {config.linear_format(name)}, "
                              f"but it holds {linear_format(layer)} weights")
+        if (getattr(layer, "outlier_idx", None) is not None) != (config.method == "llmint8"):
+            raise ValueError(f"{source}: {name} " + ("lacks the outlier columns its method llmint8 needs"
+                                                     if config.method == "llmint8" else
+                                                     f"has outlier columns, which method {config.method} never writes"))
     return config
 
 

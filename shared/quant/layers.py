@@ -111,12 +111,19 @@ class WeightOnlyInt8Linear(nn.Module):
         if (outlier_idx is None) != (outlier_weight is None):
             raise ValueError("outlier_idx and outlier_weight come together")
         if outlier_idx is not None:
-            idx = outlier_idx.detach().to(torch.long).flatten()
+            if outlier_idx.dim() != 1 or outlier_idx.is_floating_point() or outlier_idx.dtype == torch.bool:
+                raise ValueError(f"outlier_idx must be a 1-D integer tensor, got {outlier_idx.dtype} "
+                                 f"{tuple(outlier_idx.shape)}")
+            if not outlier_weight.is_floating_point():
+                raise ValueError(f"outlier_weight must be float, got {outlier_weight.dtype}")
+            idx = outlier_idx.detach().to(torch.long)
             if idx.numel() and (idx.min() < 0 or idx.max() >= self.in_features or not bool((idx.diff() > 0).all())):
                 raise ValueError(f"outlier_idx must be sorted distinct input channels < {self.in_features}")
             if tuple(outlier_weight.shape) != (self.out_features, idx.numel()):
                 raise ValueError(f"outlier_weight: expected shape {(self.out_features, idx.numel())}, "
                                  f"got {tuple(outlier_weight.shape)}")
+            if bool(self.qweight[:, idx.to(self.qweight.device)].any()):
+                raise ValueError("qweight must hold zero codes in the outlier columns (they are outlier_weight's)")
             self.outlier_idx = idx.to(self.qweight.device)
             self.outlier_weight = outlier_weight.detach().to(self.qweight.device, self.scales.dtype).clone()
         return self
@@ -150,7 +157,7 @@ class WeightOnlyInt8Linear(nn.Module):
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
-        if self.outlier_idx is not None:  # qweight is zero in these columns
+        if self.outlier_idx is not None and self.outlier_idx.numel():  # qweight is zero in these columns
             y = y + F.linear(x.index_select(-1, self.outlier_idx), self.outlier_weight.to(x.dtype))
         return y if self.bias is None else y + self.bias.to(x.dtype)
 

@@ -58,7 +58,10 @@ def make_quant_layer(linear: nn.Module, tensors: dict[str, torch.Tensor]) -> Qua
     bias = getattr(linear, "bias", None)
     dtype = _float_dtype(linear)
     if qweight.dtype == torch.int8:
-        group_size = None if scales.dim() == 1 else k // max(scales.shape[1], 1)
+        if scales.dim() not in (1, 2) or (scales.dim() == 2 and (scales.shape[1] == 0 or k % scales.shape[1])):
+            raise ValueError(f"int8 scales must be [N] or [N, groups] with groups dividing {k}, got "
+                             f"{tuple(scales.shape)}")
+        group_size = None if scales.dim() == 1 else k // scales.shape[1]
         layer = WeightOnlyInt8Linear(k, n, group_size, bias=bias is not None, dtype=dtype)
         layer.load_quantized(qweight, scales, bias, tensors.get("outlier_idx"), tensors.get("outlier_weight"))
     elif qweight.dtype == torch.uint8:
@@ -101,8 +104,8 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
         raise ValueError(f"quantized checkpoint tensor {bad!r} holds NaN or inf")
     for name, linear in linears.items():
         if name in float_linears:  # copied below with the other float tensors
-            if not isinstance(linear, nn.Linear):
-                raise ValueError(f"{name}: the checkpoint holds a float weight, the model a quantized layer")
+            if not isinstance(linear, nn.Linear) or not state[f"{name}.weight"].is_floating_point():
+                raise ValueError(f"{name}: a linear kept in float needs a float weight and an nn.Linear to hold it")
             continue
         tensors = {t: state[f"{name}.{t}"] for t in QUANT_TENSOR_NAMES if f"{name}.{t}" in state}
         try:

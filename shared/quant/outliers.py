@@ -15,6 +15,8 @@ quantize. AWQ (awq.py) is the weight-only form of scale migration and is already
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -59,15 +61,20 @@ def outlier_channels(absmax: torch.Tensor, threshold: float = DEFAULT_THRESHOLD,
     """Input channels whose calibration |activation| reaches threshold, the largest first when more than
     max_fraction * K do (the cap bounds the float part's bytes). Returns sorted int64 indices [num_outliers].
     Raises ValueError for a threshold <= 0 or a max_fraction outside [0, 1]."""
-    if threshold <= 0:
-        raise ValueError(f"outlier threshold must be > 0, got {threshold}")
-    if not 0 <= max_fraction <= 1:
-        raise ValueError(f"outlier max fraction must be in [0, 1], got {max_fraction}")
+    check_outlier_options(threshold, max_fraction)
     idx = (absmax >= threshold).nonzero().flatten()
     limit = int(max_fraction * absmax.numel())
     if idx.numel() > limit:
         idx = absmax.topk(limit).indices
     return idx.sort().values
+
+
+def check_outlier_options(threshold: float, max_fraction: float) -> None:
+    """ValueError unless 0 < threshold < inf and 0 <= max_fraction <= 1."""
+    if not (math.isfinite(threshold) and threshold > 0):
+        raise ValueError(f"outlier threshold must be a finite number > 0, got {threshold}")
+    if not 0 <= max_fraction <= 1:
+        raise ValueError(f"outlier max fraction must be in [0, 1], got {max_fraction}")
 
 
 def outlier_int8_tensors(w: torch.Tensor, idx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -90,6 +97,7 @@ def llmint8_quantize_model(model: nn.Module, calib_token_ids, threshold: float =
         canonical tensors "model.layers.{i}.<suffix>.qweight|scales|outlier_idx|outlier_weight". Linears that
         read one input (q/k/v, gate/up) share its outlier channels, so their fused layer stays one matmul.
     """
+    check_outlier_options(threshold, max_fraction)  # before minutes of calibration
     channels = {name: outlier_channels(amax, threshold, max_fraction)
                 for name, amax in activation_absmax(model, calib_token_ids, seq_len).items()}
     state = {}

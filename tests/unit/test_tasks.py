@@ -99,6 +99,20 @@ def test_code_cannot_reach_the_system(tmp_path):
     assert keep.is_dir() and not marker.exists()
 
 
+def test_code_cannot_fake_a_pass_or_flood_the_output(tmp_path):
+    """The breaker's cases: the pass marker is not in the program's text, posix's functions are guarded like
+    os's, and an endless print dies at the file-size limit instead of filling the caller's memory."""
+    read_own_source = ("import re, sys\ndef f(x):\n    print(*re.findall(r'[0-9a-f]{16}', open(__file__).read()))\n"
+                       "    sys.exit(0)\n")
+    assert not run_code(read_own_source, ["assert f(1) == 2"], FAST_S)
+    late = tmp_path / "late"
+    assert not run_code(f"import posix\nposix.system('touch {late}')\n", [], FAST_S)
+    assert not run_code("import posix\nposix._exit(0)\n", ["assert False"], FAST_S)
+    assert not run_code("import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20))\n", [], timeout_s=20.0)
+    assert not late.exists()
+    assert not run_code("x = '\ud800'\n", [], FAST_S)  # a lone surrogate: False, no exception
+
+
 def test_code_that_exhausts_memory_or_exits_early_fails():
     assert not run_code("def f(x):\n    b = bytearray(1 << 34)\n    return x + 1\n", ["assert f(1) == 2"], FAST_S)
     assert not run_code("def f(x):\n    return [0] * (1 << 31)\n", ["assert f(1)"], FAST_S)

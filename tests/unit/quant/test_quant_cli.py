@@ -148,6 +148,15 @@ def test_tandem_commands_end_bad_input_with_one_error_line(tmp_path):
     (["--bits", "8", "--max-kl", "0.1", "--high-precision", "int8"], "is the --bits format itself"),
     (["--bits", "4", "--method", "llmint8", "--out", "x"], "llmint8 is INT8 per output channel"),
     (["--bits", "4"], "--out is required"),
+    (["--bits", "8", "--json", "--out", "x"], "--json has no effect here"),
+    (["--bits", "4", "--sensitivity", "s.json", "--out", "x"], "--sensitivity has no effect here"),
+    (["--bits", "8", "--outlier-threshold", "3", "--out", "x"], "--outlier-threshold has no effect here"),
+    (["--bits", "8", "--calib-windows", "2", "--out", "x"], "--calib-windows has no effect here"),
+    (["--bits", "4", "--max-kl", "nan", "--out", "x"], "--max-kl nan is out of range"),
+    (["--bits", "4", "--budget-bytes", "0", "--out", "x"], "--budget-bytes 0 is out of range"),
+    (["--bits", "8", "--method", "llmint8", "--outlier-threshold", "nan", "--out", "x"], "--outlier-threshold nan"),
+    (["--bits", "8", "--method", "llmint8", "--outlier-max-fraction", "2", "--out", "x"], "--outlier-max-fraction 2"),
+    (["--bits", "4", "--analyze", "--calib-windows", "0"], "--calib-windows 0 is out of range"),
 ])
 def test_quantize_refuses_contradictory_flags_before_loading(argv, error):
     parser = argparse.ArgumentParser()
@@ -182,3 +191,30 @@ def test_analysis_json_feeds_a_kl_budgeted_checkpoint(tmp_path, model_dir, capsy
     with pytest.raises(ValueError, match="analysed int4-g128, not int4-g64"):
         run_quantize(parser.parse_args(["--bits", "4", "--group-size", "64", "--max-kl", "0.5", "--sensitivity",
                                         str(tmp_path / "analysis.json"), "--out", str(tmp_path / "q2"), *short]))
+
+
+def test_a_sensitivity_file_is_checked_against_the_model(tmp_path):
+    import json
+
+    from tools.quantize import _read_sensitivities
+
+    linears = {"model.layers.0.mlp.up_proj": torch.nn.Linear(64, 96), "model.layers.0.mlp.down_proj":
+               torch.nn.Linear(96, 64)}
+    good = {"format": "int4-g32", "linears": [{"name": name, "kl": 0.1, "num_bytes": -10**12, "shape": [1]}
+                                              for name in linears]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(good))
+    read = {s.name: s for s in _read_sensitivities(str(path), "int4-g32", linears)}
+    assert read["model.layers.0.mlp.up_proj"].shape == (96, 64)  # shapes and bytes come from the model
+    assert read["model.layers.0.mlp.up_proj"].num_bytes == 96 * 32 + 2 * 96 * 2 * 4
+    for bad, error in [({"kl": "abc"}, "is not a `tandem quantize --analyze --json` output"),
+                       ({"kl": float("nan")}, "negative, NaN or infinite"), ({"kl": -1.0}, "negative, NaN"),
+                       ({"name": "model.layers.9.mlp.up_proj"}, "does not list this model's 2 linears")]:
+        data = json.loads(json.dumps(good))
+        data["linears"][0] |= bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=error):
+            _read_sensitivities(str(path), "int4-g32", linears)
+    path.write_text(json.dumps(good | {"linears": good["linears"] * 2}))
+    with pytest.raises(ValueError, match="once each"):
+        _read_sensitivities(str(path), "int4-g32", linears)

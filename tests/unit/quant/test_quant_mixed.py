@@ -214,3 +214,37 @@ def _source_dir(tmp_path, model):
     source.mkdir(exist_ok=True)
     (source / "config.json").write_text(model.config.to_json_string())
     return source
+
+
+def test_tampered_outlier_and_mixed_tensors_are_refused(tmp_path, make_tiny_llama):
+    """The breaker's cases: every one loaded before (or crashed with a ZeroDivisionError)."""
+    layer = WeightOnlyInt8Linear(64, 8)
+    q, s = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        layer.load_quantized(q, s, None, torch.tensor([1.0, 2.0]), torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="outlier_weight must be float"):
+        layer.load_quantized(q, s, None, torch.tensor([1, 2]), torch.zeros(8, 2, dtype=torch.int32))
+    q[:, 2] = 5
+    with pytest.raises(ValueError, match="zero codes in the outlier columns"):
+        layer.load_quantized(q, s, None, torch.tensor([1, 2]), torch.zeros(8, 2))
+    model = make_tiny_llama()
+    calib = torch.randint(0, 128, (256,))
+    llmint8 = quantize_model(model, "llmint8", 8, None, calib, threshold=0.5, seq_len=64)
+    source = _source_dir(tmp_path, model)
+    cases = {
+        "scales wider than K": ({"model.layers.0.mlp.up_proj.scales": torch.ones(96, 200)}, "llmint8",
+                                "int8 scales must be"),
+        "outliers dropped": ({}, "llmint8", "lacks the outlier columns"),
+        "outliers under rtn": ({}, "rtn", "has outlier columns, which method rtn never writes"),
+    }
+    for name, (change, method, error) in cases.items():
+        state = dict(llmint8) | change
+        if name == "outliers dropped":
+            state = {k: v for k, v in state.items() if ".outlier_" not in k}
+        path = save_quantized(tmp_path / name.replace(" ", "-"), state, QuantConfig(bits=8, method=method), source)
+        with pytest.raises(ValueError, match=error):
+            apply_quantization(make_tiny_llama(), path)
+    mixed = quantize_model(make_tiny_llama(), "rtn", 4, 64, layer_formats=MIXED)
+    mixed["model.layers.0.self_attn.k_proj.weight"] = mixed["model.layers.0.self_attn.k_proj.weight"].int()
+    with pytest.raises(ValueError, match="needs a float weight"):
+        apply_quantized_state(make_tiny_llama(), mixed)
