@@ -59,7 +59,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     mixed.add_argument("--max-kl", type=float, default=None,
                        help="mixed precision: calibration KL (nats per position) the checkpoint must stay within")
     mixed.add_argument("--high-precision", choices=("int8", "float"), default=None,
-                       help="format of the linears mixed precision keeps (float: the model's dtype; default int8)")
+                       help="format of the linears mixed precision keeps (float: the model's dtype; default int8 "
+                            "under --bits 4, float under --bits 8)")
     mixed.add_argument("--sensitivity", default=None,
                        help="mixed precision: reuse this `--analyze --json` output instead of analysing again")
     mixed.add_argument("--calib-windows", type=int, default=None,
@@ -77,6 +78,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     _check_flags(args, mixed)
     config = QuantConfig(bits=args.bits, group_size=group_size, method=args.method)  # validates
     low = config.base_linear_format
+    if args.high_precision is None:
+        args.high_precision = "int8" if args.bits == 4 else "float"
     if mixed or args.analyze:
         if args.method not in ("rtn", "gptq"):
             raise ValueError(f"the sensitivity analysis and mixed precision take --method rtn or gptq, not "
@@ -141,7 +144,6 @@ def _check_flags(args: argparse.Namespace, mixed: bool) -> None:
     for flag, value, ok in checks:
         if value is not None and not ok(value):
             raise ValueError(f"{flag} {value} is out of range")
-    args.high_precision = args.high_precision or "int8"
     for name, default in ANALYSIS_DEFAULTS.items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
 
