@@ -55,21 +55,28 @@ def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
 
 @pytest.fixture(scope="module")
 def mixed_dir(model_dir, tmp_path_factory):
-    """INT4 g128 with 3 MiB of budget to keep the most sensitive linears in float (a short analysis: one window
-    of 64 tokens); returns (checkpoint dir, byte budget)."""
+    """INT4 g128 with 3 MiB of budget to keep the most sensitive linears in float; returns (checkpoint dir, byte
+    budget). The sensitivities come from a file (the analysis itself is tested in tests/unit/quant): every v_proj
+    ranks first, so float v_proj sit beside INT4 q/k_proj and the fused qkv_proj cannot be one matmul."""
     from shared.quant import float_tensors
     from shared.quant.modules import quantizable_linears
     from shared.quant.sensitivity import format_bytes
     from tools.evaluation import load_hf_model
 
     model = load_hf_model(model_dir)
+    linears = quantizable_linears(model)
     base = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
-    base += sum(format_bytes("int4-g128", m.out_features, m.in_features) for m in quantizable_linears(model).values())
+    base += sum(format_bytes("int4-g128", m.out_features, m.in_features) for m in linears.values())
     budget = base + 3 * 2**20
-    out = tmp_path_factory.mktemp("mixed") / "SmolLM2-mixed"
+    tmp = tmp_path_factory.mktemp("mixed")
+    analysis = {"format": "int4-g128", "linears": [{"name": name, "kl": 1.0 if "v_proj" in name else 0.001}
+                                                   for name in linears]}
+    (tmp / "sensitivity.json").write_text(json.dumps(analysis))
+    out = tmp / "SmolLM2-mixed"
     subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "4", "--budget-bytes",
-                    str(budget), "--high-precision", "float", "--calib-windows", "1", "--calib-seq-len", "64",
-                    "--out", str(out), "--model", str(model_dir)], check=True, timeout=900)  # fmt: skip
+                    str(budget), "--high-precision", "float", "--sensitivity", str(tmp / "sensitivity.json"),
+                    "--calib-windows", "1", "--calib-seq-len", "64", "--out", str(out), "--model", str(model_dir)],
+                   check=True, timeout=900)  # fmt: skip
     return out, budget
 
 
@@ -77,11 +84,13 @@ def test_mixed_checkpoint_serves_token_exact_within_its_budget(model_dir, mixed_
     from services.launcher import LocalCluster
     from shared.model_files import read_safetensors
     from shared.quant.layers import ConcatLinear
+    from shared.quant.sensitivity import format_bytes
 
     path, budget = mixed_dir
     config = ModelConfig.from_dir(model_dir, str(path))
     layer_formats = json.loads((path / "config.json").read_text())["quantization_config"]["layer_formats"]
-    assert layer_formats and set(layer_formats.values()) == {"float"}
+    assert set(layer_formats.values()) == {"float"} and all("v_proj" in name for name in layer_formats)
+    assert len(layer_formats) == 3 * 2**20 // (192 * 576 * 4 - format_bytes("int4-g128", 192, 576))
     assert config.weight_format.startswith("int4-g128-rtn-mix")
     assert sum(t.numel() * t.element_size() for t in read_safetensors(path).values()) <= budget
     engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(256, 8))
