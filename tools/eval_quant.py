@@ -194,19 +194,27 @@ def _load_checkpoint(model_dir: Path, source: str):
 
 
 def _print(results: list[dict], as_json: bool) -> None:
+    """The table: weight bytes (all, and the quantizable linears alone), KL, top-1; with --tasks the score, the
+    answers that differ from fp32's (right->wrong / wrong->right) and the score per category; with
+    --decode-speed tokens/s; "*" on the Pareto front. Then each format's changed answers, with whether each was
+    right."""
     if as_json:
         print(json.dumps({"results": results}, indent=2))
         return
     tasks = "task_score" in results[0]
     speed = "decode_tokens_per_s" in results[0]
-    print(f"{'format':<26}{'weight MiB':>11}{'linear MiB':>11}{'KL':>10}{'top1':>8}"
-          + (f"{'task':>7}{'changed':>9}" if tasks else "") + (f"{'tok/s':>8}" if speed else "") + "  pareto")
+    categories = list(results[0].get("task_scores", {}))
+    print(f"{'format':<28}{'weight MiB':>11}{'linear MiB':>11}{'KL':>10}{'top1':>8}"
+          + (f"{'task':>7}  {'changed (r->w/w->r)':<21}" + "".join(f"{c[:6]:>7}" for c in categories) if tasks else "")
+          + (f"{'tok/s':>8}" if speed else "") + "  pareto")
     for r in results:
-        line = (f"{r['weight_format']:<26}{r['weight_bytes'] / 2**20:>11.1f}{r['linear_weight_bytes'] / 2**20:>11.1f}"
+        name = r["weight_format"] + (f" ({Path(r['checkpoint']).name})" if "checkpoint" in r else "")
+        line = (f"{name:<28}{r['weight_bytes'] / 2**20:>11.1f}{r['linear_weight_bytes'] / 2**20:>11.1f}"
                 f"{r['kl']:>10.5f}{r['top1']:>8.4f}")
         if tasks:
             diff = r["output_diff"]
-            line += f"{r['task_score']:>7.3f}{diff['num_changed']:>5}/{diff['num_items']:<3}"
+            changed = f"{diff['num_changed']}/{diff['num_items']} ({diff['correct_to_wrong']}/{diff['wrong_to_correct']})"
+            line += f"{r['task_score']:>7.3f}  {changed:<21}" + "".join(f"{r['task_scores'][c]:>7.2f}" for c in categories)
         if speed:
             line += f"{r['decode_tokens_per_s']:>8.1f}"
         print(line + ("  *" if r["pareto"] else ""))
@@ -216,7 +224,9 @@ def _print(results: list[dict], as_json: bool) -> None:
             print(f"\n{r['weight_format']}: {r['output_diff']['num_changed']} of {r['output_diff']['num_items']} "
                   f"answers differ from fp32, e.g.")
         for ex in examples:
-            print(f"  [{ex['id']}] {ex['prompt']!r}\n    fp32: {ex['reference']!r}\n    this: {ex['output']!r}")
+            marks = ["right" if ex[k] else "wrong" for k in ("reference_correct", "output_correct")]
+            print(f"  [{ex['id']}] {ex['prompt']!r}\n    fp32 ({marks[0]}): {ex['reference']!r}\n"
+                  f"    this ({marks[1]}): {ex['output']!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

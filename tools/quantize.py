@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from shared.quant import QuantConfig, apply_quantized_state, quantize_model, save_quantized, weight_bytes
+from shared.quant.modules import quantizable_linears
 from shared.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
 from tools.evaluation import CALIBRATION_TEXT, load_hf_model, text_token_ids
 from tools.prepare_model import float_model_dir
@@ -89,6 +90,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.analyze:
         if args.out is not None or mixed:
             raise ValueError("--analyze prints the ranking only: drop --out, --budget-bytes and --max-kl")
+        _fill_calibration(args)
         return _analyze(args, low)
     if args.out is None:
         raise ValueError("--out is required (or --analyze)")
@@ -114,6 +116,10 @@ def run_quantize(args: argparse.Namespace) -> int:
         raise
     apply_quantized_state(model, state)
     kept = f", {len(layer_formats)} linears at {args.high_precision}" if layer_formats else ""
+    outliers = [t for name, t in state.items() if name.endswith(".outlier_weight")]
+    if outliers:
+        kept = (f", {sum(t.shape[1] for t in outliers)} outlier input columns in float over {len(outliers)} "
+                f"linears ({sum(t.numel() * t.element_size() for t in outliers) / 2**20:.1f} MiB)")
     print(f"wrote {out} ({config.weight_format}{kept}, {weight_bytes(model) / 2**20:.1f} MiB of weights, "
           f"{weight_bytes(model)} bytes) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
@@ -144,8 +150,15 @@ def _check_flags(args: argparse.Namespace, mixed: bool) -> None:
     for flag, value, ok in checks:
         if value is not None and not ok(value):
             raise ValueError(f"{flag} {value} is out of range")
+
+
+def _fill_calibration(args: argparse.Namespace, recorded: dict | None = None) -> None:
+    """Set the --calib-* flags not given: to the values an analysis file recorded (so its windows are the ones
+    measured again), else to ANALYSIS_DEFAULTS."""
     for name, default in ANALYSIS_DEFAULTS.items():
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+        if getattr(args, name) is None:
+            value = (recorded or {}).get(name)
+            setattr(args, name, value if isinstance(value, int) and (value >= 1 or name == "calib_seed") else default)
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -174,9 +187,14 @@ def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str,
     from shared.quant import float_tensors
     from shared.quant.sensitivity import choose_layer_formats
 
-    probe = _probe(args, model, calib)
-    sensitivities = _sensitivities(probe, low) if args.sensitivity is None else _read_sensitivities(
-        args.sensitivity, low, probe.linears)
+    if args.sensitivity is None:
+        _fill_calibration(args)
+        probe = _probe(args, model, calib)
+        sensitivities = _sensitivities(probe, low)
+    else:
+        sensitivities, recorded = _read_sensitivities(args.sensitivity, low, quantizable_linears(model))
+        _fill_calibration(args, recorded)
+        probe = _probe(args, model, calib)
     base_bytes = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
     base_bytes += sum(s.num_bytes for s in sensitivities)
 
@@ -192,9 +210,9 @@ def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str,
 
 
 def _read_sensitivities(path: str, low: str, linears: dict):
-    """The LinearSensitivity list of an `--analyze --json` output, checked against the model's linears (name ->
-    nn.Linear): ValueError unless it analysed format low on exactly these linears with finite KLs >= 0. Byte
-    counts are recomputed from the model's shapes, not read."""
+    """(the LinearSensitivity list of an `--analyze --json` output, the calibration settings it recorded),
+    checked against the model's linears (name -> nn.Linear): ValueError unless it analysed format low on exactly
+    these linears with finite KLs >= 0. Byte counts are recomputed from the model's shapes, not read."""
     from shared.quant.sensitivity import LinearSensitivity, format_bytes
 
     try:
@@ -215,28 +233,37 @@ def _read_sensitivities(path: str, low: str, linears: dict):
         _, _, index, kind = name.split(".", 3)
         sensitivities.append(LinearSensitivity(name, kind, int(index), kl, float("nan"), format_bytes(low, n, k),
                                                (n, k)))
-    return sensitivities
+    return sensitivities, {name: data.get(name) for name in ANALYSIS_DEFAULTS}
 
 
 def _analyze(args: argparse.Namespace, low: str) -> int:
-    from shared.quant.sensitivity import summarize_by_kind
+    from shared.quant import float_tensors
+    from shared.quant.sensitivity import format_bytes, summarize_by_kind
 
     model_dir = float_model_dir(args.model)
     model = load_hf_model(model_dir)
     probe = _probe(args, model, text_token_ids(model_dir, Path(args.calib_file)))
     sensitivities = _sensitivities(probe, low)
     by_kind = summarize_by_kind(sensitivities)
+    float_bytes = sum(t.numel() * t.element_size() for t in float_tensors(model).values())
+    totals = {fmt: float_bytes + sum(format_bytes(fmt, *s.shape) for s in sensitivities)
+              for fmt in dict.fromkeys([low, "int8", "float"])}
     if args.json:
         print(json.dumps({"format": low, "calib_windows": args.calib_windows, "calib_seq_len": args.calib_seq_len,
                           "calib_seed": args.calib_seed, "linears": [vars(s) for s in sensitivities],
-                          "by_kind": by_kind}, indent=2))
+                          "by_kind": by_kind, "total_bytes": totals}, indent=2))
         return 0
+    print(f"each linear alone at {low} (RTN): KL(fp32 || model) in nats per position and top-1 agreement over "
+          f"{args.calib_windows} windows x {args.calib_seq_len} tokens (seed {args.calib_seed}); bytes: the linear at "
+          f"{low}. Mixed precision promotes by KL per extra byte.")
     print(f"{'rank':>4}  {'linear':<34}{'KL':>11}{'top1':>8}{'bytes':>10}")
     for rank, s in enumerate(sensitivities, 1):
         print(f"{rank:>4}  {s.name:<34}{s.kl:>11.6f}{s.top1:>8.4f}{s.num_bytes:>10}")
     print(f"\n{'layer type':<20}{'mean KL':>11}{'max KL':>11}{'count':>7}")
     for row in by_kind:
         print(f"{row['kind']:<20}{row['mean_kl']:>11.6f}{row['max_kl']:>11.6f}{row['count']:>7}")
+    print("\nweight bytes with every linear at " + ", ".join(f"{fmt}: {n}" for fmt, n in totals.items())
+          + " (--budget-bytes lies between the first and the one of --high-precision)")
     return 0
 
 

@@ -341,7 +341,8 @@ def diff_report(reference: TaskReport, other: TaskReport, max_examples: int = 5)
     """How other's answers differ from reference's on the items both scored.
 
     Returns {"num_items", "num_changed" (output text differs), "correct_to_wrong", "wrong_to_correct",
-    "examples": [{"id", "prompt" (at most 80 chars), "reference", "output"}, ...] (first max_examples changed)}.
+    "examples": [{"id", "prompt" (at most 80 chars), "reference" (reference's answer), "reference_correct",
+    "output", "output_correct"}, ...] (first max_examples changed)}.
     Raises ValueError when the reports share no item."""
     theirs = {r.id: r for r in other.results}
     pairs = [(r, theirs[r.id]) for r in reference.results if r.id in theirs]
@@ -354,7 +355,8 @@ def diff_report(reference: TaskReport, other: TaskReport, max_examples: int = 5)
         "correct_to_wrong": sum(r.correct and not o.correct for r, o in pairs),
         "wrong_to_correct": sum(o.correct and not r.correct for r, o in pairs),
         "examples": [{"id": r.id, "prompt": _shorten(r.prompt), "reference": r.output,
-                      "output": o.output} for r, o in changed[:max_examples]],
+                      "reference_correct": r.correct, "output": o.output, "output_correct": o.correct}
+                     for r, o in changed[:max_examples]],
     }
 
 

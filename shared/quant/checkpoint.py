@@ -13,6 +13,7 @@ apply_quantization, without the float checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def save_quantized(out_dir: str | Path, state: dict[str, torch.Tensor], config: 
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # as readable as the other files (save_file: 0600)
     model_config = json.loads((source_dir / "config.json").read_text())
     model_config["quantization_config"] = config.to_json()
     (out_dir / "config.json").write_text(json.dumps(model_config, indent=2))

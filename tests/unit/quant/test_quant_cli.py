@@ -204,7 +204,9 @@ def test_a_sensitivity_file_is_checked_against_the_model(tmp_path):
                                               for name in linears]}
     path = tmp_path / "s.json"
     path.write_text(json.dumps(good))
-    read = {s.name: s for s in _read_sensitivities(str(path), "int4-g32", linears)}
+    sensitivities, recorded = _read_sensitivities(str(path), "int4-g32", linears)
+    assert recorded == {"calib_windows": None, "calib_seq_len": None, "calib_seed": None}
+    read = {s.name: s for s in sensitivities}
     assert read["model.layers.0.mlp.up_proj"].shape == (96, 64)  # shapes and bytes come from the model
     assert read["model.layers.0.mlp.up_proj"].num_bytes == 96 * 32 + 2 * 96 * 2 * 4
     for bad, error in [({"kl": "abc"}, "is not a `tandem quantize --analyze --json` output"),
