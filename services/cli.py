@@ -26,9 +26,10 @@ from shared.config import EngineArgs
 
 # Offline tools (they need torch): command -> (help, module with add_args(parser) and run(args))
 TOOLS = {
-    "quantize": ("write a weight-only INT8/INT4 checkpoint (RTN, GPTQ or AWQ)",
+    "quantize": ("write a weight-only INT8/INT4 checkpoint (RTN, GPTQ, AWQ, LLM.int8, mixed precision) or rank "
+                 "layers by sensitivity",
                  "tools.quantize", "add_quantize_args", "run_quantize"),
-    "eval-quant": ("KL / top-1 of quantized formats against fp32 on shipped text",
+    "eval-quant": ("KL / top-1 / task score / decode speed of quantized formats against fp32",
                    "tools.eval_quant", "add_eval_args", "run_eval"),
     "bench": ("serving benchmark: TTFT / TPOT / ITL / throughput of the cluster and other backends",
               "benchmarks.bench.cli", "add_bench_args", "run_bench"),
