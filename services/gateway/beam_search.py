@@ -120,7 +120,7 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
     (prefill -> decode); each later step sends every running beam to that decode (compute_prompt: its prefix
     cache holds the beams' common blocks). Yields, for each of the n best beams (index i, best first), one
     message with its text and tokens and one with finish_reason (STOP when it ended with EOS, else LENGTH),
-    usage and timings. InvalidRequestError (GatewayServicer.check_params, which runs check_beam_params) on bad
+    usage and timings. InvalidRequestError (validation.check_sampling_params, which runs check_beam_params) on bad
     input."""
     max_tokens = servicer.check_params(len(prompt_ids), p).max_tokens
     search = BeamSearch(p.beam_width, servicer.model_config.eos_token_ids, max_tokens,

@@ -30,6 +30,7 @@ from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, C
                                               completion_sampling_params, param_named, prompts, sampling_params)
 from services.gateway.openai_responses import ResponseShape, collect, sse
 from services.gateway.server import STREAM_BUFFER
+from services.gateway.validation import tokenize_request
 from services.grpc_errors import status_for
 from services.security import APIKeys, TLSConfig
 from services.server import PUBLIC_MAX_RECEIVE_BYTES
@@ -177,7 +178,8 @@ def create_app(servicer, model_name: str, instance_id: str, api_keys: APIKeys | 
 
     async def tokenize(grpc_request: gateway_pb2.GenerateRequest, param: str) -> list[int]:
         try:
-            return await asyncio.to_thread(servicer.tokenize, grpc_request)
+            return await asyncio.to_thread(tokenize_request, tokenizer, grpc_request,
+                                           servicer.model_config.max_model_len)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param) from None
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.limits import MAX_ID_CHARS, MAX_N
+from services.gateway.validation import MAX_ID_CHARS, MAX_N
 from tandem.v1 import common_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
@@ -131,7 +131,7 @@ class CompletionRequest(SamplingFields):
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     """The request's fields as the gRPC API's SamplingParams (validated there: generate_n raises
-    InvalidRequestError naming the field; the size limits too: GatewayServicer.check_params)."""
+    InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
     if body.cache_salt is not None and len(body.cache_salt) > MAX_ID_CHARS:
         raise APIError(400, f"cache_salt has {len(body.cache_salt)} characters; at most {MAX_ID_CHARS}", "cache_salt")
     p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)

@@ -14,12 +14,10 @@ import xxhash
 
 from services.channels import ChannelPool
 from services.client import finish_name
-from services.convert import sampling_params_from_proto
 from services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
-from services.gateway.beam_search import check_beam_params, run_beam_search
+from services.gateway.beam_search import run_beam_search
 from services.gateway.detokenizer import TextStream
-from services.gateway.limits import (MAX_CHARS_PER_TOKEN, MAX_ID_CHARS, MAX_N, check_counts,
-                                     check_structured_output_size)
+from services.gateway.validation import check_sampling_params, tokenize_request
 from services.gateway.router import Route, Router, SharedPrompt
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_watch import PrefillLostError, prefill_watching_decode
@@ -29,17 +27,13 @@ from services.tracing import bind_request, in_span, observe_generate, start_span
 from shared.config import ModelConfig
 from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
 from shared.registry import InstanceInfo
-from shared.structured_output import check_grammar
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
-ROLES = ("system", "user", "assistant")
 MAX_ATTEMPTS = 3  # failed placements of one request (a full decode is no failure: the request waits for room)
 STREAM_BUFFER = 64  # messages a request's merged completions may hold for a client that reads slowly
 ROOM_POLL_S, ROOM_POLL_MAX_S = 0.05, 1.0  # first and longest pause between placements while every decode is full
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -60,41 +54,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.admission = admission or AdmissionQueue(DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS,
                                                      DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
 
-    def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
-        role. Chat turns give exactly apply_chat_template(..., add_generation_prompt=True, tokenize=True)'s ids
-        (the template writes any special tokens itself; nothing is added)."""
-        for name in ("request_id", "cache_salt"):
-            if len(getattr(request, name)) > MAX_ID_CHARS:
-                raise InvalidRequestError(f"{name} has {len(getattr(request, name))} characters; at most "
-                                          f"{MAX_ID_CHARS}")  # fmt: skip
-        kind = request.WhichOneof("input")
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages or all(not m["content"] for m in messages):
-                raise InvalidRequestError("prompt is empty: chat has no message with content")
-            for m in messages:
-                if m["role"] not in ROLES:
-                    raise InvalidRequestError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
-            self._check_chars(sum(len(m["content"]) for m in messages))
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-        if kind != "prompt" or not request.prompt:
-            raise InvalidRequestError("prompt is empty")
-        self._check_chars(len(request.prompt))
-        return self.tokenizer(request.prompt, add_special_tokens=False).input_ids
-
-    def _check_chars(self, num_chars: int) -> None:
-        # Cheap bound before tokenizing: no real prompt needs more than 64 characters per token of context.
-        limit = MAX_CHARS_PER_TOKEN * self.model_config.max_model_len
-        if num_chars > limit:
-            raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
-
     async def Generate(self, request, context):
         """The public gRPC API; a request that fails is counted by status code (tandem:request_errors_total;
         the HTTP API counts its own)."""
         t0 = time.perf_counter()
         try:
-            prompt_ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other streams
+            # (off the event loop: long prompts must not stall other streams)
+            prompt_ids = await asyncio.to_thread(tokenize_request, self.tokenizer, request,
+                                                 self.model_config.max_model_len)
             cache_salt = request.cache_salt if request.HasField("cache_salt") else None
             time_remaining = deadline_clock(context.time_remaining,
                                             request.deadline_ms if request.HasField("deadline_ms") else None)
@@ -106,33 +73,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
 
     def check_params(self, num_prompt_tokens: int, p: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-        """Validate a request's prompt length and sampling parameters; return the parameters the tiers get
-        (max_tokens defaulted and clamped to the context). InvalidRequestError naming the field on bad input."""
-        if p.beam_width > 1:
-            check_beam_params(p)
-        elif not 1 <= (n := p.n if p.HasField("n") else 1) <= MAX_N:
-            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
-        max_len = self.model_config.max_model_len
-        if num_prompt_tokens >= max_len:
-            raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")
-        check_counts(p)
-        defaults = {} if p.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
-        params = sampling_params_from_proto(p, **defaults)
-        if params.min_tokens > params.max_tokens:
-            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
-        if any(t >= self.model_config.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.model_config.vocab_size})")
-        if any(t >= self.model_config.vocab_size for t, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.model_config.vocab_size})")
-        if any(not s for s in p.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
-        if params.structured_output is not None:
-            check_structured_output_size(p.structured_output)
-            check_grammar(params.structured_output)
-        proto_params = common_pb2.SamplingParams()
-        proto_params.CopyFrom(p)
-        proto_params.max_tokens = min(params.max_tokens, max_len - num_prompt_tokens)
-        return proto_params
+        """check_sampling_params with this gateway's model and default max_tokens."""
+        return check_sampling_params(p, num_prompt_tokens, self.model_config, self.default_max_tokens)
 
     async def generate_n(self, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str = "",
                          cache_salt: str | None = None, time_remaining=lambda: None,

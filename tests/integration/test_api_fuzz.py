@@ -184,11 +184,11 @@ def test_grpc_invalid_utf8_and_broken_bytes_are_invalid_argument(cluster, where)
 
 def _oversized(model_config) -> dict:
     """Requests over each limit (README "Limits") -> the field their error must name."""
-    from services.gateway import limits
+    from services.gateway import validation
 
     cases = {
-        "stop": make_request("Hi", stop=["x"] * (limits.MAX_STOP + 1)),
-        "stop strings": make_request("Hi", stop=["y" * (limits.MAX_STOP_CHARS + 1)]),
+        "stop": make_request("Hi", stop=["x"] * (validation.MAX_STOP + 1)),
+        "stop strings": make_request("Hi", stop=["y" * (validation.MAX_STOP_CHARS + 1)]),
         "stop_token_ids": make_request("Hi"),
         "logit_bias": make_request("Hi"),
         "structured_output": make_request("Hi"),
@@ -196,18 +196,18 @@ def _oversized(model_config) -> dict:
         "request_id": make_request("Hi"),
         "cache_salt": make_request("Hi"),
         "tokens; the model's context": make_request("hello " * 9000, raw=True),
-        "characters": make_request("z" * (limits.MAX_CHARS_PER_TOKEN * model_config.max_model_len + 1), raw=True),
+        "characters": make_request("z" * (validation.MAX_CHARS_PER_TOKEN * model_config.max_model_len + 1), raw=True),
         "n must be": make_request("Hi"),
         "logprobs": make_request("Hi"),
     }
-    cases["stop_token_ids"].sampling_params.stop_token_ids.extend([1] * (limits.MAX_STOP_TOKEN_IDS + 1))
-    for t in range(limits.MAX_LOGIT_BIAS + 1):
+    cases["stop_token_ids"].sampling_params.stop_token_ids.extend([1] * (validation.MAX_STOP_TOKEN_IDS + 1))
+    for t in range(validation.MAX_LOGIT_BIAS + 1):
         cases["logit_bias"].sampling_params.logit_bias[t] = 1.0
-    cases["structured_output"].sampling_params.structured_output.regex = "a" * (limits.MAX_STRUCTURED_OUTPUT_CHARS + 1)
+    cases["structured_output"].sampling_params.structured_output.regex = "a" * (validation.MAX_STRUCTURED_OUTPUT_CHARS + 1)
     cases["structured_output.choice"].sampling_params.structured_output.choice.choices.extend(
-        ["c"] * (limits.MAX_CHOICES + 1))
-    cases["request_id"].request_id = "r" * (limits.MAX_ID_CHARS + 1)
-    cases["cache_salt"].cache_salt = "s" * (limits.MAX_ID_CHARS + 1)
+        ["c"] * (validation.MAX_CHOICES + 1))
+    cases["request_id"].request_id = "r" * (validation.MAX_ID_CHARS + 1)
+    cases["cache_salt"].cache_salt = "s" * (validation.MAX_ID_CHARS + 1)
     cases["n must be"].sampling_params.n = 2**31 - 1
     cases["logprobs"].sampling_params.logprobs = 2**31 - 1
     return cases

@@ -1,0 +1,115 @@
+"""A request's validation for both public APIs (README "Limits"): the prompt (tokenize_request) and the
+sampling parameters (check_sampling_params), each refusal an InvalidRequestError naming the field. A prompt's own
+limits follow from the model's context: at most max_model_len - 1 tokens, and at most
+MAX_CHARS_PER_TOKEN * max_model_len characters before it is tokenized."""
+from __future__ import annotations
+
+from services.convert import sampling_params_from_proto
+from services.gateway.beam_search import check_beam_params
+from shared.config import ModelConfig
+from shared.errors import InvalidRequestError
+from shared.structured_output import check_grammar
+from tandem.v1 import common_pb2, gateway_pb2
+
+MAX_N = 16  # most completions of one prompt per request
+MAX_CHARS_PER_TOKEN = 64
+MAX_STOP = 32  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
+MAX_STOP_CHARS = 256  # characters per stop string (the text stream holds back this much at most)
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a json_schema, regex or grammar's text; choice: all choices together
+MAX_CHOICES = 1024  # structured_output choice entries
+MAX_ID_CHARS = 256  # request_id and cache_salt
+ROLES = ("system", "user", "assistant")
+
+
+def check_counts(p: common_pb2.SamplingParams) -> None:
+    """InvalidRequestError naming the field when a repeated field of p is over its limit (MAX_STOP stop strings
+    of at most MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS stop_token_ids, MAX_LOGIT_BIAS logit_bias entries)."""
+    if len(p.stop) > MAX_STOP:
+        raise InvalidRequestError(f"stop has {len(p.stop)} strings; at most {MAX_STOP}")
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        longest = max(len(s) for s in p.stop)
+        raise InvalidRequestError(f"stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids has {len(p.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+
+
+def check_structured_output_size(so: common_pb2.StructuredOutput) -> None:
+    """InvalidRequestError naming structured_output when its text (a json_schema, regex or grammar; choice: all
+    choices together) has more than MAX_STRUCTURED_OUTPUT_CHARS characters or choice more than MAX_CHOICES
+    entries: checked before the grammar is compiled."""
+    kind = so.WhichOneof("kind")
+    if kind == "choice":
+        if len(so.choice.choices) > MAX_CHOICES:
+            raise InvalidRequestError(f"structured_output.choice has {len(so.choice.choices)} entries; at most "
+                                      f"{MAX_CHOICES}")  # fmt: skip
+        size = sum(len(c) for c in so.choice.choices)
+    else:
+        size = len(getattr(so, kind)) if kind in ("json_schema", "regex", "grammar") else 0
+    if size > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise InvalidRequestError(f"structured_output has {size} characters; at most {MAX_STRUCTURED_OUTPUT_CHARS}")
+
+
+def tokenize_request(tokenizer, request: gateway_pb2.GenerateRequest, max_model_len: int) -> list[int]:
+    """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
+    role. Chat turns give exactly apply_chat_template(..., add_generation_prompt=True, tokenize=True)'s ids
+    (the template writes any special tokens itself; nothing is added)."""
+    for name in ("request_id", "cache_salt"):
+        if len(getattr(request, name)) > MAX_ID_CHARS:
+            raise InvalidRequestError(f"{name} has {len(getattr(request, name))} characters; at most {MAX_ID_CHARS}")
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages or all(not m["content"] for m in messages):
+            raise InvalidRequestError("prompt is empty: chat has no message with content")
+        for m in messages:
+            if m["role"] not in ROLES:
+                raise InvalidRequestError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
+        _check_chars(sum(len(m["content"]) for m in messages), max_model_len)
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    if kind != "prompt" or not request.prompt:
+        raise InvalidRequestError("prompt is empty")
+    _check_chars(len(request.prompt), max_model_len)
+    return tokenizer(request.prompt, add_special_tokens=False).input_ids
+
+
+def _check_chars(num_chars: int, max_model_len: int) -> None:
+    # Cheap bound before tokenizing: no real prompt needs more than 64 characters per token of context.
+    limit = MAX_CHARS_PER_TOKEN * max_model_len
+    if num_chars > limit:
+        raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
+
+
+def check_sampling_params(p: common_pb2.SamplingParams, num_prompt_tokens: int, model_config: ModelConfig,
+                          default_max_tokens: int) -> common_pb2.SamplingParams:
+    """Validate a request's prompt length and sampling parameters; return the parameters the tiers get
+    (max_tokens defaulted to default_max_tokens and clamped to the context). InvalidRequestError naming the field
+    on bad input."""
+    if p.beam_width > 1:
+        check_beam_params(p)
+    elif not 1 <= (n := p.n if p.HasField("n") else 1) <= MAX_N:
+        raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
+    max_len = model_config.max_model_len
+    if num_prompt_tokens >= max_len:
+        raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")
+    check_counts(p)
+    defaults = {} if p.HasField("max_tokens") else {"max_tokens": default_max_tokens}
+    params = sampling_params_from_proto(p, **defaults)
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
+    if any(t >= model_config.vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {model_config.vocab_size})")
+    if any(t >= model_config.vocab_size for t, _ in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {model_config.vocab_size})")
+    if any(not s for s in p.stop):
+        raise InvalidRequestError("stop strings must be non-empty")
+    if params.structured_output is not None:
+        check_structured_output_size(p.structured_output)
+        check_grammar(params.structured_output)
+    proto_params = common_pb2.SamplingParams()
+    proto_params.CopyFrom(p)
+    proto_params.max_tokens = min(params.max_tokens, max_len - num_prompt_tokens)
+    return proto_params
