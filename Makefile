@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The C++ CPU kernels (quantized GEMM, decode attention), compiled once into torch's extension cache; it is rebuilt when its source changes.
 $(VENV)/.cpu-kernels: $(wildcard kernels/cpu/*) $(VENV)/.installed
-	$(BIN)/python -m kernels.cpu_ext
+	$(BIN)/python -P -m tandem.kernels.cpu_ext
 	touch $@
 
 proto/tandem/v1/%_pb2.py: proto/tandem/v1/%.proto $(VENV)/.installed
@@ -43,7 +43,7 @@ serve: model
 
 # pytest exits 5 when it collects no test; that is not a failure of the set-up.
 test: model
-	$(BIN)/python -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -P -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # Serving benchmark (about 15 minutes); llama-server joins when $$LLAMA_SERVER is set or it is on PATH.
 bench: model

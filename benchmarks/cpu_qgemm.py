@@ -3,7 +3,7 @@ the integer kernel (gemm_vnni, AVX-512 VNNI only), the float kernel (int8_gemm /
 on a dense weight of the same shape, at decode (M = 1, 8, 32) and prefill (M = 512) row counts, on 1 and 2
 kernel threads (torch on 1 thread).
 
-    python -m benchmarks.cpu_qgemm [--kernel-threads 1,2] [--rows 1,8,32,512]
+    python -m tandem.benchmarks.cpu_qgemm [--kernel-threads 1,2] [--rows 1,8,32,512]
 
 Shapes: fused gate/up [3072, 576], down [576, 1536] and fused QKV [960, 576] in int4 per group of 32 (GGUF
 Q4_1's layout), and the LM head [49152, 576] in int8 per group of 32 (Q8_0), each with random codes.
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from kernels import cpu_ext, cpu_qgemm
-from kernels.int4_format import pack_int4
+from tandem.kernels import cpu_ext, cpu_qgemm
+from tandem.kernels.int4_format import pack_int4
 
 SHAPES = [("gate_up int4", 3072, 576, True), ("down int4", 576, 1536, True), ("qkv int4", 960, 576, True),
           ("lm_head int8", 49152, 576, False)]

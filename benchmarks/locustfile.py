@@ -1,4 +1,4 @@
-"""Locust load test of a tandem gateway: GrpcUser streams Gateway.Generate (services.client.Client), OpenAIUser
+"""Locust load test of a tandem gateway: GrpcUser streams Gateway.Generate (tandem.services.client.Client), OpenAIUser
 streams POST /v1/completions (OpenAI's API, server-sent events). Against `make serve`:
 
     .venv/bin/locust -f benchmarks/locustfile.py --headless -u 8 -r 2 -t 60s --host http://127.0.0.1:8000 \\
@@ -25,8 +25,8 @@ import requests
 from locust import HttpUser, User, events, task
 from locust.exception import CatchResponseError
 
-from benchmarks.bench.workloads import corpus_token_ids, cut_prompt
-from services.client import Client
+from tandem.benchmarks.bench.workloads import corpus_token_ids, cut_prompt
+from tandem.services.client import Client
 
 # Locust runs users as greenlets on gevent's monkey-patched loop. Without this (grpcio 1.85), the first blocking
 # read of a stream holds the loop for good: no request completes, and neither --run-time nor SIGTERM stops locust.
@@ -63,7 +63,7 @@ class PromptMix:
     def __init__(self, model_dir: str | None, seed: int, long_share: float, long_prompt_tokens: int):
         from transformers import AutoTokenizer
 
-        from tools.prepare_model import float_model_dir
+        from tandem.tools.prepare_model import float_model_dir
 
         if not 0 <= long_share <= 1 or long_prompt_tokens <= 0:
             raise ValueError(f"need 0 <= --long-share <= 1 and --long-prompt-tokens > 0, got {long_share}, "

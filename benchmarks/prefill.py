@@ -1,6 +1,6 @@
 """Prefill throughput against the fp32 matmul ceiling of this CPU, measured in the same run.
 
-    python -m benchmarks.prefill [--threads 1] [--chunk 512] [--prompt-len 2048]
+    python -m tandem.benchmarks.prefill [--threads 1] [--chunk 512] [--prompt-len 2048]
 
 The ceiling: the model's own linear shapes ([chunk, K] x [K, N] for every projection and the LM head rows that
 are sampled) run as bare F.linear calls, in FLOP/s. The engine: one prompt prefilled in chunks of --chunk tokens
@@ -17,10 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
-from tools.prepare_model import prepare_model
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
+from tandem.tools.prepare_model import prepare_model
 
 
 def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:

@@ -1,7 +1,7 @@
 """Prefix-caching benchmark: a multi-tenant shared-prefix workload and a multi-turn chat, each on a fresh
 LocalCluster (Redis, gateway, two prefill processes, one decode), every request greedy with ignore_eos.
 
-    python -m benchmarks.prefix_cache --json prefix.json
+    python -m tandem.benchmarks.prefix_cache --json prefix.json
 
 - tenants: --tenants tenants, each with its own --prefix-len-token system prompt and --questions short distinct
   questions (12-40 tokens), interleaved in a seeded order, --concurrency in flight. One prefill's pool
@@ -29,13 +29,13 @@ import sys
 import grpc
 from tqdm import tqdm
 
-from benchmarks.bench.backends.base import RequestResult
-from benchmarks.bench.backends.cluster import ClusterBackend
-from benchmarks.bench.metrics import BenchmarkMetrics, compute_metrics
-from benchmarks.bench.report import write_json
-from benchmarks.bench.runner import Load, run_streaming
-from benchmarks.bench.workloads import BenchRequest, corpus_token_ids, cut_prompt
-from shared.config import EngineArgs
+from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.backends.cluster import ClusterBackend
+from tandem.benchmarks.bench.metrics import BenchmarkMetrics, compute_metrics
+from tandem.benchmarks.bench.report import write_json
+from tandem.benchmarks.bench.runner import Load, run_streaming
+from tandem.benchmarks.bench.workloads import BenchRequest, corpus_token_ids, cut_prompt
+from tandem.shared.config import EngineArgs
 from tandem.v1 import common_pb2, common_pb2_grpc
 
 QUESTION_LENS = (12, 40)  # tokens, uniform
@@ -249,7 +249,7 @@ async def run(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from tools.prepare_model import prepare_model
+    from tandem.tools.prepare_model import prepare_model
 
     torch.set_num_threads(1)
     model_dir = str(prepare_model())
@@ -260,7 +260,7 @@ async def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem.benchmarks.prefix_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--questions", type=int, default=12, help="questions per tenant (default 12), and of the cold and"

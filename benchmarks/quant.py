@@ -1,7 +1,7 @@
 """Weight bytes, prefill tokens/s and single-stream decode tokens/s of the engine for fp32, int8 and int4
 weights, in one process on the CPU (or --device cuda).
 
-    python -m benchmarks.quant [--threads 1] [--int8 DIR]   # DIR from `tandem quantize --method rtn --bits 8`
+    python -m tandem.benchmarks.quant [--threads 1] [--int8 DIR]   # DIR from `tandem quantize --method rtn --bits 8`
 
 Without --int8 an RTN INT8 checkpoint is written to a temp dir first. INT4 is the packaged Q4_1 GGUF, loaded
 natively.
@@ -16,9 +16,9 @@ import tempfile
 
 import torch
 
-from shared.config import ModelConfig
-from tools.evaluation import engine_speed
-from tools.prepare_model import prepare_model
+from tandem.shared.config import ModelConfig
+from tandem.tools.evaluation import engine_speed
+from tandem.tools.prepare_model import prepare_model
 
 
 def main(argv=None) -> None:
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     int8 = args.int8
     if int8 is None:
         int8 = tempfile.mkdtemp(prefix="tandem-int8-")
-        subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "8",
+        subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", "--bits", "8",
                         "--out", int8, "--model", str(model_dir)], check=True)  # fmt: skip
     rows = [engine_speed(ModelConfig.from_dir(model_dir, q), args.device, args.prompt_len, args.decode_tokens)
             for q in (None, int8, "gguf")]  # fmt: skip

@@ -1,5 +1,5 @@
 """CPU matmul choices for the quantized layers: dequantize-then-matmul (what layers.py does) against torch's
-packed weight-only ops, with the fp32 matmul as the baseline. Run: python -m benchmarks.quant_cpu_ops
+packed weight-only ops, with the fp32 matmul as the baseline. Run: python -m tandem.benchmarks.quant_cpu_ops
 
 torch's packed CPU ops and their conventions (checked against the reference in tests):
     _weight_int8pack_mm(x [M, K] float, w int8 [N, K], scales [N]) = x @ (w * scales[:, None]).T
@@ -29,8 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_format import unpack_int4
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.kernels.int4_format import unpack_int4
+from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
 
 def to_int4pack_cpu(layer: WeightOnlyInt4Linear) -> tuple[torch.Tensor, torch.Tensor]:

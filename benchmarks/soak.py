@@ -1,9 +1,9 @@
 """Soak test: N concurrent streams of mixed prompts against one cluster for D seconds, watching every process's
 memory.
 
-    python -m benchmarks.soak                                 # starts a LocalCluster (1 prefill + 1 decode)
-    python -m benchmarks.soak --streams 16 --duration 300 --json soak.json
-    python -m benchmarks.soak --gateway 127.0.0.1:50051       # a running cluster (`make serve`)
+    python -m tandem.benchmarks.soak                                 # starts a LocalCluster (1 prefill + 1 decode)
+    python -m tandem.benchmarks.soak --streams 16 --duration 300 --json soak.json
+    python -m tandem.benchmarks.soak --gateway 127.0.0.1:50051       # a running cluster (`make serve`)
 
 Each stream sends one request after another over gRPC (Gateway.Generate), cycling through seeded prompts of
 `tandem bench`'s mixed workload (65-540 prompt tokens; 80% of the answers 16 tokens, 20% 128; greedy,
@@ -77,7 +77,7 @@ def find_processes() -> dict[str, int]:
         words = [a.decode(errors="replace") for a in argv if a]
         name = None
         for tier in ("gateway", "prefill", "decode"):
-            if f"services.{tier}" in words:
+            if f"tandem.services.{tier}" in words:
                 name = tier
         if words and Path(words[0]).name == "redis-server":
             name = "redis"
@@ -138,8 +138,8 @@ def build_prompts(model: str | None, num: int, seed: int) -> list[tuple[str, int
     """[(raw prompt text, max_tokens)] of the mixed workload (benchmarks/bench/workloads.py)."""
     from transformers import AutoTokenizer
 
-    from benchmarks.bench.workloads import build_requests
-    from shared.model_files import default_model_dir
+    from tandem.benchmarks.bench.workloads import build_requests
+    from tandem.shared.model_files import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(model or default_model_dir())
     return [(r.prompt, r.output_len) for r in build_requests("mixed", tokenizer, num, seed)]
@@ -147,7 +147,7 @@ def build_prompts(model: str | None, num: int, seed: int) -> list[tuple[str, int
 
 def stream_loop(address: str, prompts: list[tuple[str, int]], offset: int, end_at: float, totals: Totals,
                 timeout_s: float) -> None:
-    from services.client import Client, make_request
+    from tandem.services.client import Client, make_request
 
     i = offset
     with Client(address) as client:
@@ -235,7 +235,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem.benchmarks.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--gateway", default=None, metavar="HOST:PORT", help="target this gateway instead of starting a "
                    "LocalCluster")  # fmt: skip
@@ -260,8 +260,8 @@ def main(argv=None) -> int:
     random.Random(args.seed).shuffle(prompts)
     cluster = None
     if args.gateway is None:
-        from services.launcher import LocalCluster
-        from shared.model_files import default_model_dir
+        from tandem.services.launcher import LocalCluster
+        from tandem.shared.model_files import default_model_dir
 
         engine = args.engine_args.split()
         cluster = LocalCluster(args.model or str(default_model_dir()), num_prefill=args.prefill,

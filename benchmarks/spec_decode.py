@@ -2,7 +2,7 @@
 on a copy-heavy task (rewrite a piece of code with one change) and on free chat, at several batch sizes; greedy,
 each answer to its end (EOS) or --max-tokens.
 
-    python -m benchmarks.spec_decode --concurrency 1,8,32 --json spec.json
+    python -m tandem.benchmarks.spec_decode --concurrency 1,8,32 --json spec.json
 
 For each task and batch size, the same requests run once per method (--methods), all in flight at once: plain
 (the baseline), ngram (the default: each request gets the drafts that pay), ngram-k (always up to
@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-from shared.config import EngineArgs, SpeculativeConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
+from tandem.shared.config import EngineArgs, SpeculativeConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
 
 FUNCTIONS = ["area", "volume", "scale", "clamp", "mean", "norm", "lerp", "count"]
 ARGS = ["width", "height", "depth", "factor", "value", "items", "start", "limit"]
@@ -77,7 +77,7 @@ def draft_prompt_cost(engine: LLMEngine, num_tokens: int = 1000) -> str:
     """What the draft model's prompt KV costs on the decode: its forward over a num_tokens prompt (the catch-up
     of a request's first speculative step) beside the target's prefill of it, and the bytes that KV would add
     to a transfer instead."""
-    from shared.model_runner import run_model
+    from tandem.shared.model_runner import run_model
 
     runner, draft = engine.model_runner, engine.drafter.draft_model
     block_size = runner.cache_config.block_size
@@ -98,7 +98,7 @@ def int8_copy(model_dir: str) -> str:
     """An INT8 RTN copy of the model (the default draft), made once."""
     from pathlib import Path
 
-    from tools.quantize import main as quantize
+    from tandem.tools.quantize import main as quantize
 
     out = Path.home() / ".cache" / "tandem" / "drafts" / f"{Path(model_dir).name}-int8-rtn"
     if not (out / "config.json").exists():
@@ -107,7 +107,7 @@ def int8_copy(model_dir: str) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem.benchmarks.spec_decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--concurrency", default="1,8,32", help="batch sizes, comma-separated (default 1,8,32)")
     p.add_argument("--tasks", default="copy,chat", help=f"of {', '.join(TASKS)} (default both)")
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from tools.prepare_model import prepare_model
+    from tandem.tools.prepare_model import prepare_model
 
     torch.set_num_threads(args.threads)
     model_dir = str(prepare_model())

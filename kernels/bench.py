@@ -1,4 +1,4 @@
-"""Time each Triton kernel against its torch reference on CUDA: `python -m kernels.bench`.
+"""Time each Triton kernel against its torch reference on CUDA: `python -m tandem.kernels.bench`.
 
 Prints time, achieved memory bandwidth (GB/s) and compute (TFLOP/s) beside the device's peak, and the
 largest difference from the reference. Takes about a minute (mostly compilation); without CUDA it prints a
@@ -12,12 +12,12 @@ from typing import Callable
 import torch
 import triton
 
-from kernels.int4_format import pack_int4
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.quant_gemm import w4a16_gemm, w4a16_gemm_ref, w8a16_gemm, w8a16_gemm_ref
-from kernels.rmsnorm import rms_norm, rms_norm_ref
+from tandem.kernels.int4_format import pack_int4
+from tandem.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from tandem.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from tandem.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from tandem.kernels.quant_gemm import w4a16_gemm, w4a16_gemm_ref, w8a16_gemm, w8a16_gemm_ref
+from tandem.kernels.rmsnorm import rms_norm, rms_norm_ref
 
 # Dense bf16 peaks: (HBM bytes/s, FLOP/s), matched against torch.cuda.get_device_name().
 DEVICE_PEAKS = {
@@ -155,7 +155,7 @@ def max_abs_diff(a, b) -> float:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("kernels.bench: no CUDA device, nothing to time (the kernels are tested on CPU by "
+        print("tandem.kernels.bench: no CUDA device, nothing to time (the kernels are tested on CPU by "
               "tests/unit/kernels with TRITON_INTERPRET=1).")
         return 0
     from triton.testing import do_bench

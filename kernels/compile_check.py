@@ -1,4 +1,4 @@
-"""Compile every kernel for an NVIDIA GPU without one: `python -m kernels.compile_check [ARCH]` (default 90).
+"""Compile every kernel for an NVIDIA GPU without one: `python -m tandem.kernels.compile_check [ARCH]` (default 90).
 
 The CPU interpreter runs kernels with numpy semantics and misses GPU-only compile errors (tl.dot needs tiles
 of at least 16, shared memory limits, type rules). This tool swaps in a stand-in driver that reports a CUDA
@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from kernels import kv_cache_write, paged_attention, prefill_attention, quant_gemm, rmsnorm
+from tandem.kernels import kv_cache_write, paged_attention, prefill_attention, quant_gemm, rmsnorm
 
 MAX_SHARED_MEM = 232448  # bytes per block on sm_90
 
@@ -68,7 +68,7 @@ def _compile_all(dtype: torch.dtype) -> None:
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernels.compile_check: unset TRITON_INTERPRET; it compiles for the GPU instead of interpreting")
+        print("tandem.kernels.compile_check: unset TRITON_INTERPRET; it compiles for the GPU instead of interpreting")
         return 1
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
     driver.set_active(_StandInDriver(arch))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ext
+from tandem.kernels import cpu_ext
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@ wrap them.
 The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
 cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
 AVX-512 where the CPU has it; an image built for other machines sets x86-64-v3, i.e. AVX2 + FMA);
-`python -m kernels.cpu_ext` builds it ahead of time (`make setup` does). Without AVX2/FMA or a compiler,
+`python -m tandem.kernels.cpu_ext` builds it ahead of time (`make setup` does). Without AVX2/FMA or a compiler,
 available() is False and callers use torch ops.
 Torch only: nothing here imports triton or shared/.
 """
@@ -88,6 +88,6 @@ def available() -> bool:
     return extension() is not None
 
 
-if __name__ == "__main__":  # build ahead of time: `python -m kernels.cpu_ext`
+if __name__ == "__main__":  # build ahead of time: `python -m tandem.kernels.cpu_ext`
     logging.basicConfig(level=logging.INFO)
     print("CPU kernels:", "built" if available() else "not available (see the warning above)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ext
+from tandem.kernels import cpu_ext
 
 
 def supports(x: torch.Tensor) -> bool:

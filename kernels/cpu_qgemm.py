@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_ext
+from tandem.kernels import cpu_ext
 
 
 def available() -> bool:
@@ -37,7 +37,7 @@ def supports(in_features: int, group_size: int) -> bool:
 def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """Canonical int4 codes uint8 [N, K // 2] (kernels/int4_format.py: low nibble = even k) -> the kernel's order,
     same shape: in each 32-column chunk, byte j holds k = j (low nibble) and k = j + 16 (high nibble)."""
-    from kernels.int4_format import unpack_int4
+    from tandem.kernels.int4_format import unpack_int4
 
     n = qweight.shape[0]
     q = unpack_int4(qweight).view(n, -1, 2, 16)  # [N, chunks, half, j]
@@ -96,7 +96,7 @@ def int8_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def int4_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int) -> torch.Tensor:
     """Pure-torch int4_gemm: unpack, dequantize per group in fp32, then matmul."""
-    from kernels.int4_format import unpack_int4
+    from tandem.kernels.int4_format import unpack_int4
 
     n = qweight.shape[0]
     q = unpack_int4(qweight).float().view(n, -1, group_size)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor
+from tandem.kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor
 
 
 @triton.jit

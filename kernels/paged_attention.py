@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from tandem.kernels.checks import (
     FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision, multiprocessor_count,
 )
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
+from tandem.kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows (tokens x heads of one group) per program

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
-from kernels.int4_format import unpack_int4
+from tandem.kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
+from tandem.kernels.int4_format import unpack_int4
 
 
 @triton.jit

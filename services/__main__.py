@@ -1,3 +1,3 @@
-from services.cli import main
+from tandem.services.cli import main
 
 main()

@@ -13,9 +13,9 @@ import asyncio
 
 import grpc
 
-from services.grpc_tracing import client_interceptors
-from services.security import TLSConfig, open_channel
-from services.server import GRPC_OPTIONS
+from tandem.services.grpc_tracing import client_interceptors
+from tandem.services.security import TLSConfig, open_channel
+from tandem.services.server import GRPC_OPTIONS
 
 
 RECONNECT_BACKOFF_MAX_MS = 1000

@@ -16,23 +16,23 @@ import time
 
 import grpc
 
-from services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_gateway_policy_args,
+from tandem.services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_gateway_policy_args,
                            add_observability_args, apply_env, engine_argv, gateway_policy_argv, port_number,
                            positive_int)
-from services.security import (add_api_key_args, add_client_tls_args, add_tls_args, api_keys_from_args,
+from tandem.services.security import (add_api_key_args, add_client_tls_args, add_tls_args, api_keys_from_args,
                                client_tls_from_args, tls_from_args)
-from shared import envs
-from shared.config import EngineArgs
+from tandem.shared import envs
+from tandem.shared.config import EngineArgs
 
 # Offline tools (they need torch): command -> (help, module with add_args(parser) and run(args))
 TOOLS = {
     "quantize": ("write a weight-only INT8/INT4 checkpoint (RTN, GPTQ, AWQ, LLM.int8, mixed precision) or rank "
                  "layers by sensitivity",
-                 "tools.quantize", "add_quantize_args", "run_quantize"),
+                 "tandem.tools.quantize", "add_quantize_args", "run_quantize"),
     "eval-quant": ("KL / top-1 / task score / decode speed of quantized formats against fp32",
-                   "tools.eval_quant", "add_eval_args", "run_eval"),
+                   "tandem.tools.eval_quant", "add_eval_args", "run_eval"),
     "bench": ("serving benchmark: TTFT / TPOT / ITL / throughput of the cluster and other backends",
-              "benchmarks.bench.cli", "add_bench_args", "run_bench"),
+              "tandem.benchmarks.bench.cli", "add_bench_args", "run_bench"),
 }
 
 
@@ -50,7 +50,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _request(args, prompt: str, history=None):
-    from services.client import make_request
+    from tandem.services.client import make_request
 
     return make_request(prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, history=history,
@@ -63,7 +63,7 @@ def _print_text(text: str) -> None:
 
 def _stream_to_terminal(address: str, request, tls=None, api_key: str | None = None):
     """Stream one answer to stdout; a note on stderr when it was cut by max_tokens or aborted."""
-    from services.client import generate
+    from tandem.services.client import generate
 
     out = generate(address, request, on_text=_print_text, tls=tls, api_key=api_key)
     print()
@@ -73,14 +73,14 @@ def _stream_to_terminal(address: str, request, tls=None, api_key: str | None = N
 
 
 def cmd_prepare_model(args) -> int:
-    from tools.prepare_model import prepare_model
+    from tandem.tools.prepare_model import prepare_model
 
     print(prepare_model(args.out, force=args.force))
     return 0
 
 
 def cmd_generate(args) -> int:
-    from services.client import generate
+    from tandem.services.client import generate
 
     tls = client_tls_from_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -137,8 +137,8 @@ def _interrupt(signum, frame):
 
 
 def cmd_up(args) -> int:
-    from services.launcher import LocalCluster, free_port
-    from tools.prepare_model import prepare_model
+    from tandem.services.launcher import LocalCluster, free_port
+    from tandem.tools.prepare_model import prepare_model
 
     # SIGTERM stops the cluster like Ctrl-C; SIGINT works even when a background shell started us ignoring it.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -208,7 +208,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_prepare_model)
 
-    up_text = ("Every engine flag is passed to each prefill and decode process (python -m services.decode --help); "
+    up_text = ("Every engine flag is passed to each prefill and decode process (python -m tandem.services.decode --help); "
                "--prefill-chunk to the prefills only; the gateway's policy flags (routing, admission) to the gateway.")
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
                        formatter_class=defaults, description=up_text)

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.security import TLSConfig, bearer_metadata, open_channel
+from tandem.services.security import TLSConfig, bearer_metadata, open_channel
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)

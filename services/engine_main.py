@@ -9,17 +9,17 @@ import sys
 import uuid
 from typing import Any, Callable
 
-from services.convert import stats_to_proto
-from services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
-from services.logs import setup_logging
-from services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
-from services.security import check_redis_auth, tls_from_args
-from services.server import Server, exit_on_signal_while_starting, new_instance_id
-from services.tracing import setup_tracing
-from shared.async_engine import AsyncEngine, build_engine
-from shared.config import EngineArgs
-from shared.prefix_index import KVEventPublisher
-from shared.registry import InstanceInfo, Registry
+from tandem.services.convert import stats_to_proto
+from tandem.services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
+from tandem.services.logs import setup_logging
+from tandem.services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
+from tandem.services.security import check_redis_auth, tls_from_args
+from tandem.services.server import Server, exit_on_signal_while_starting, new_instance_id
+from tandem.services.tracing import setup_tracing
+from tandem.shared.async_engine import AsyncEngine, build_engine
+from tandem.shared.config import EngineArgs
+from tandem.shared.prefix_index import KVEventPublisher
+from tandem.shared.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
 
     Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
     find would look healthy and never get a request."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{tier}", description=description,
+    parser = argparse.ArgumentParser(prog=f"python -m tandem.services.{tier}", description=description,
                                      formatter_class=HelpFormatter)  # fmt: skip
     add_engine_service_args(parser, tier)
     apply_env(parser, argv)
@@ -99,7 +99,7 @@ async def _refresh_metrics(engine: AsyncEngine, metrics: EngineMetrics) -> None:
 async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> None:
     import torch
 
-    from shared.model_files import default_model_dir
+    from tandem.shared.model_files import default_model_dir
 
     engine_args = EngineArgs.from_namespace(args)
     if engine_args.device == "cuda" and not torch.cuda.is_available():

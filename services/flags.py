@@ -12,11 +12,11 @@ import socket
 import sys
 from dataclasses import fields
 
-from services.logs import LOG_FORMATS
-from services.security import add_api_key_args, add_tls_args, redacted_url
-from shared import envs
-from shared.config import TIER_DEFAULTS, EngineArgs
-from shared.request import SamplingParams
+from tandem.services.logs import LOG_FORMATS
+from tandem.services.security import add_api_key_args, add_tls_args, redacted_url
+from tandem.shared import envs
+from tandem.shared.config import TIER_DEFAULTS, EngineArgs
+from tandem.shared.request import SamplingParams
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -297,7 +297,7 @@ def add_gateway_policy_args(parser: argparse.ArgumentParser) -> None:
 def settings_table() -> str:
     """The README's table of every service setting (Markdown): flag, environment variable, default in each
     service ("-": the service has no such flag), meaning; built from the parsers in an environment without the
-    variables, so it shows the code's defaults. `python -m services.flags` prints it."""
+    variables, so it shows the code's defaults. `python -m tandem.services.flags` prints it."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("TANDEM_", "OTEL_")) or k == "REDIS_URL"}
     try:
         parsers = {}

@@ -14,7 +14,7 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
+from tandem.shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
                            TandemError, UnknownRequestError, UpstreamError)
 
 log = logging.getLogger(__name__)

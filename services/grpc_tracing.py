@@ -26,9 +26,9 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from services import tracing
-from services.grpc_errors import error_code, rewrap_handler
-from services.logs import request_id_var, set_request_id
+from tandem.services import tracing
+from tandem.services.grpc_errors import error_code, rewrap_handler
+from tandem.services.logs import request_id_var, set_request_id
 
 TRACED_PREFIX = "/tandem."
 

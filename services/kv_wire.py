@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from shared.config import CacheConfig, ModelConfig, dtype_name
-from shared.engine import KVBlocks
-from shared.errors import InvalidRequestError
+from tandem.shared.config import CacheConfig, ModelConfig, dtype_name
+from tandem.shared.engine import KVBlocks
+from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import decode_pb2
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024

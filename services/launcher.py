@@ -20,10 +20,10 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.flags import DEFAULT_DRAIN_TIMEOUT_S
-from services.security import TLSConfig, open_channel
-from shared import envs
-from shared.registry import KEY_PREFIX
+from tandem.services.flags import DEFAULT_DRAIN_TIMEOUT_S
+from tandem.services.security import TLSConfig, open_channel
+from tandem.shared import envs
+from tandem.shared.registry import KEY_PREFIX
 
 
 def free_port() -> int:
@@ -115,11 +115,11 @@ class LocalCluster:
                 port, metrics_port = free_port(), free_port()
                 self.addresses[f"{tier}{i}"] = f"127.0.0.1:{port}"
                 self.metrics_urls[f"{tier}{i}"] = f"http://127.0.0.1:{metrics_port}/metrics"
-                self._spawn(f"{tier}{i}", [sys.executable, "-m", f"services.{tier}", "--port", str(port),
+                self._spawn(f"{tier}{i}", [sys.executable, "-P", "-m", f"tandem.services.{tier}", "--port", str(port),
                                            "--metrics-port", str(metrics_port), "--host", "127.0.0.1",
                                            "--advertise-host", "127.0.0.1", *common, *extra])  # fmt: skip
         self.metrics_urls["gateway"] = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}/metrics"
-        self._spawn("gateway", [sys.executable, "-m", "services.gateway", "--port", str(self.gateway_port),
+        self._spawn("gateway", [sys.executable, "-P", "-m", "tandem.services.gateway", "--port", str(self.gateway_port),
                                 "--http-port", str(self.http_port), "--host", "127.0.0.1", *common,
                                 *(["--tls-client-auth", "require"] if self.tls and self.tls.require_client_cert
                                   else []), *self.gateway_args])  # fmt: skip

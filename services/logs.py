@@ -4,7 +4,7 @@
 A JSON line carries:
     timestamp    RFC 3339, UTC, milliseconds ("2026-01-31T12:00:00.123+00:00")
     level        INFO, WARNING, ...
-    logger       the logger's name ("services.gateway.server")
+    logger       the logger's name ("tandem.services.gateway.server")
     message      the formatted message
     tier         gateway, prefill or decode
     instance_id  this process's instance id ("decode-1a2b3c4d")

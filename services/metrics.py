@@ -29,7 +29,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.engine_stats import EngineStats, StepStats
+from tandem.shared.engine_stats import EngineStats, StepStats
 
 STATS_REFRESH_S = 1.0
 RATE_MIN_STEP_TOKENS, RATE_EWMA_ALPHA = 32, 0.2  # EngineMetrics.tokens_per_s

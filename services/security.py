@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from services.grpc_errors import rewrap_handler
+from tandem.services.grpc_errors import rewrap_handler
 
 PUBLIC_API_PREFIX = "/tandem.v1.Gateway/"  # what an API key guards; health and reflection stay open
 CLIENT_AUTH_CHOICES = ("none", "require")
@@ -150,7 +150,7 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
 
 def add_client_tls_args(parser: argparse.ArgumentParser) -> None:
     """A client's TLS flags (tandem generate / chat), defaulting to the same variables as the services'."""
-    from shared import envs
+    from tandem.shared import envs
 
     parser.add_argument("--tls", action="store_true",
                         help="speak TLS to the gateway (implied by the --tls-* files); trusts the system's roots "

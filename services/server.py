@@ -18,10 +18,10 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.flags import DEFAULT_DRAIN_TIMEOUT_S
-from services.grpc_errors import DRAINING_KEY, ErrorInterceptor, rewrap_handler
-from services.grpc_tracing import TRACED_PREFIX, RequestContextInterceptor
-from services.security import TLSConfig
+from tandem.services.flags import DEFAULT_DRAIN_TIMEOUT_S
+from tandem.services.grpc_errors import DRAINING_KEY, ErrorInterceptor, rewrap_handler
+from tandem.services.grpc_tracing import TRACED_PREFIX, RequestContextInterceptor
+from tandem.services.security import TLSConfig
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

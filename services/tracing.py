@@ -37,9 +37,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
-from services.client import finish_name
-from services.grpc_errors import error_code
-from services.logs import set_request_id
+from tandem.services.client import finish_name
+from tandem.services.grpc_errors import error_code
+from tandem.services.logs import set_request_id
 
 # keyword -> semantic-convention attribute; any other keyword becomes tandem.<keyword>
 SEMCONV = {"prompt_tokens": "gen_ai.usage.input_tokens", "completion_tokens": "gen_ai.usage.output_tokens",

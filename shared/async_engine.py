@@ -19,13 +19,13 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.block_hash import BlockHash
-from shared.config import CacheConfig, EngineArgs, ModelConfig
-from shared.engine import KVBlocks, LLMEngine, RequestOutput
-from shared.engine_stats import EngineStats, StepStats
-from shared.errors import InvalidRequestError, NoCapacityError
-from shared.kv_events import KVEventBatch
-from shared.request import FinishReason, Request
+from tandem.shared.block_hash import BlockHash
+from tandem.shared.config import CacheConfig, EngineArgs, ModelConfig
+from tandem.shared.engine import KVBlocks, LLMEngine, RequestOutput
+from tandem.shared.engine_stats import EngineStats, StepStats
+from tandem.shared.errors import InvalidRequestError, NoCapacityError
+from tandem.shared.kv_events import KVEventBatch
+from tandem.shared.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
     2x slower at 2 threads (measured 69-71 vs 38-43 ms per decode step at batch 1)."""
     import torch
 
-    from kernels import cpu_ext
+    from tandem.kernels import cpu_ext
 
     model_config, cache_config, scheduler_config = engine_args.create_configs(tier, model_dir)
     kernel_threads = engine_args.resolved_kernel_threads(tier)

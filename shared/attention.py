@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
-from shared.device import use_triton
-from shared.utils import cdiv
+from tandem.kernels import cpu_attention
+from tandem.shared.device import use_triton
+from tandem.shared.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class AttentionMetadata:
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Scatter new K/V rows [num_tokens, num_kv_heads, head_dim] into one layer's pool by slot."""
     if use_triton(key):
-        from kernels.kv_cache_write import write_kv_cache as kernel
+        from tandem.kernels.kv_cache_write import write_kv_cache as kernel
 
         return kernel(key, value, key_cache, value_cache, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -134,11 +134,11 @@ def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata
 
 def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.is_decode_only:
-        from kernels.paged_attention import paged_decode_attention
+        from tandem.kernels.paged_attention import paged_decode_attention
 
         return paged_decode_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
                                       context_lens=meta.context_lens_t, scale=scale)
-    from kernels.prefill_attention import paged_prefill_attention
+    from tandem.kernels.prefill_attention import paged_prefill_attention
 
     return paged_prefill_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
                                    query_start_loc=meta.query_start_loc_t, context_lens=meta.context_lens_t,

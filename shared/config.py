@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from shared.model_files import fingerprint
+from tandem.shared.model_files import fingerprint
 
 if TYPE_CHECKING:
     import torch
@@ -82,8 +82,8 @@ class ModelConfig:
         dtype: the float type weights and activations run in ("float32", "bfloat16", "float16"); part of the
         weight format, so tiers running different types never share KV.
         """
-        from shared.model_files import packaged_gguf_path
-        from shared.quant import detect_quant_config
+        from tandem.shared.model_files import packaged_gguf_path
+        from tandem.shared.quant import detect_quant_config
 
         path = Path(path)
         if not (path / "config.json").exists():

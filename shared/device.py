@@ -5,7 +5,7 @@ both call use_triton(). A leaf module: torch and shared.envs only.
 """
 import torch
 
-from shared import envs
+from tandem.shared import envs
 
 # NOTE: read once, at import: TANDEM_TRITON_ON_CPU=1 only works with TRITON_INTERPRET=1, which triton itself
 # reads once when first imported, so changing either later in a process would not take effect consistently.

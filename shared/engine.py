@@ -13,18 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.block_hash import HashContract
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine_stats import EngineStats, StepStats
-from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
-from shared.kv_cache_manager import KVCacheManager
-from shared.kv_events import KVEventBatch
-from shared.model_runner import ModelRunner, ModelRunnerOutput
-from shared.request import FinishReason, Request, RequestStatus
-from shared.sampler import TokenLogprobs
-from shared.scheduler import Scheduler, SchedulerOutput
-from shared.spec_decode.drafter import Drafter
-from shared.structured_output import StructuredOutputManager
+from tandem.shared.block_hash import HashContract
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tandem.shared.engine_stats import EngineStats, StepStats
+from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.kv_events import KVEventBatch
+from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
+from tandem.shared.request import FinishReason, Request, RequestStatus
+from tandem.shared.sampler import TokenLogprobs
+from tandem.shared.scheduler import Scheduler, SchedulerOutput
+from tandem.shared.spec_decode.drafter import Drafter
+from tandem.shared.structured_output import StructuredOutputManager
 
 
 @dataclass(slots=True)

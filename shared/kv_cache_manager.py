@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.block_hash import BlockHash, HashContract, hash_request_blocks
-from shared.kv_events import BlockRemoved, BlockStored
-from shared.request import Request
-from shared.utils import cdiv
+from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
+from tandem.shared.kv_events import BlockRemoved, BlockStored
+from tandem.shared.request import Request
+from tandem.shared.utils import cdiv
 
 
 @dataclass(slots=True)

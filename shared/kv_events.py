@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.block_hash import BlockHash
+from tandem.shared.block_hash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

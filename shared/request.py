@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from shared.errors import InvalidRequestError
+from tandem.shared.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from shared.sampler import TokenLogprobs
-    from shared.structured_output import GrammarMatcher
+    from tandem.shared.sampler import TokenLogprobs
+    from tandem.shared.structured_output import GrammarMatcher
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's cap)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from shared.request import Request, SamplingParams
+from tandem.shared.request import Request, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.config import SchedulerConfig
-from shared.kv_cache_manager import KVCacheManager
-from shared.request import Request, RequestStatus
+from tandem.shared.config import SchedulerConfig
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     import torch

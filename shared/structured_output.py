@@ -25,9 +25,9 @@ from pathlib import Path
 import llguidance
 import torch
 
-from shared.errors import InvalidRequestError
-from shared.request import StructuredOutputParams
-from shared.scheduler import SchedulerOutput
+from tandem.shared.errors import InvalidRequestError
+from tandem.shared.request import StructuredOutputParams
+from tandem.shared.scheduler import SchedulerOutput
 
 # JSON is generated in json.dumps' default layout ({"a": 1, "b": [2, 3]}): with free whitespace a small model can
 # loop on newlines until max_tokens.

@@ -4,12 +4,15 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+# Every Python the tests start runs in safe-path mode: its working directory (often the checkout root, whose
+# folders are named kernels/, tools/, ...) never goes first on sys.path to shadow an installed package.
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 @pytest.fixture(scope="session")
 def model_dir():
     """The converted default model (converted once into the user cache if missing)."""
-    from tools.prepare_model import prepare_model
+    from tandem.tools.prepare_model import prepare_model
 
     return prepare_model()
 
@@ -23,7 +26,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def model_config(model_dir):
-    from shared.config import ModelConfig
+    from tandem.shared.config import ModelConfig
 
     return ModelConfig.from_dir(model_dir)
 

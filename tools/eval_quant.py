@@ -10,7 +10,7 @@ greedy score on the task suite (tools/tasks.py) and how many answers differ from
 --decode-speed, single-stream decode tokens/s of the engine. Rows on the Pareto front of the measured columns
 (bytes, KL, tokens/s, task score) are marked. With --json:
 {"results": [{"method", "bits", "group_size", "weight_format", "kl", "top1", "weight_bytes", "pareto", ...}]}.
-Standalone: python -m tools.eval_quant ... (the tandem CLI wires the same functions). Bad arguments raise
+Standalone: python -m tandem.tools.eval_quant ... (the tandem CLI wires the same functions). Bad arguments raise
 ValueError.
 """
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from shared.config import ModelConfig
-from shared.model_files import packaged_gguf_path
-from shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config,
+from tandem.shared.config import ModelConfig
+from tandem.shared.model_files import packaged_gguf_path
+from tandem.shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config,
                           quantize_model, save_quantized, weight_bytes)
-from shared.quant.modules import quantizable_linears
-from tools.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, Agreement, compare_to_reference, engine_speed,
+from tandem.shared.quant.modules import quantizable_linears
+from tandem.tools.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, Agreement, compare_to_reference, engine_speed,
                               eval_windows, load_hf_model, reference_logprobs, text_token_ids)
-from tools.prepare_model import float_model_dir
-from tools.tasks import diff_report, evaluate_tasks, load_tasks
+from tandem.tools.prepare_model import float_model_dir
+from tandem.tools.tasks import diff_report, evaluate_tasks, load_tasks
 
 DEFAULT_EVAL_METHODS = "fp32,rtn8,rtn8g32,llmint8,rtn4,gptq4,awq4,gguf"
 MIN_REPORT_POSITIONS = 2000
@@ -230,7 +230,7 @@ def _print(results: list[dict], as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.eval_quant",
+    parser = argparse.ArgumentParser(prog="python -m tandem.tools.eval_quant",
                                      description="KL / top-1 / bytes of each format vs fp32")
     add_eval_args(parser)
     return run_eval(parser.parse_args(argv))

@@ -27,8 +27,8 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
             leave random weights), lacks weights, or holds NaN/inf."""
     from transformers import AutoModelForCausalLM
 
-    from shared.quant.checkpoint import read_quant_config
-    from shared.quant.modules import first_non_finite
+    from tandem.shared.quant.checkpoint import read_quant_config
+    from tandem.shared.quant.modules import first_non_finite
 
     if read_quant_config(Path(model_dir)) is not None:
         raise ValueError(f"{model_dir} is a quantized checkpoint; --model needs the float model it came from")
@@ -99,10 +99,10 @@ def engine_speed(config, device: str = "cpu", prompt_len: int = 512, decode_toke
     "decode_tokens_per_s"}."""
     import time
 
-    from shared.config import CacheConfig, SchedulerConfig
-    from shared.engine import LLMEngine
-    from shared.quant import weight_bytes
-    from shared.request import Request, SamplingParams
+    from tandem.shared.config import CacheConfig, SchedulerConfig
+    from tandem.shared.engine import LLMEngine
+    from tandem.shared.quant import weight_bytes
+    from tandem.shared.request import Request, SamplingParams
 
     engine = LLMEngine(config, CacheConfig(16, 256, enable_prefix_caching=False), SchedulerConfig(prompt_len, 8),
                        device)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from shared.model_files import DEFAULT_MODEL_NAME, default_model_dir, is_model_dir, packaged_gguf_path
+from tandem.shared.model_files import DEFAULT_MODEL_NAME, default_model_dir, is_model_dir, packaged_gguf_path
 
 
 def prepare_model(out_dir: Path | None = None, force: bool = False) -> Path:

@@ -10,7 +10,7 @@ the --bits/--group-size format, shared/quant/sensitivity.py), most sensitive fir
 --budget-bytes / --max-kl run the same analysis (or read it from --sensitivity FILE, an `--analyze --json` output)
 and write a mixed-precision checkpoint: the linears that remove the most KL per byte keep --high-precision, the
 rest take the --bits format.
-Standalone: python -m tools.quantize ... (the tandem CLI wires the same functions). Bad arguments raise ValueError.
+Standalone: python -m tandem.tools.quantize ... (the tandem CLI wires the same functions). Bad arguments raise ValueError.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared.quant import QuantConfig, apply_quantized_state, quantize_model, save_quantized, weight_bytes
-from shared.quant.modules import quantizable_linears
-from shared.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
-from tools.evaluation import CALIBRATION_TEXT, load_hf_model, text_token_ids
-from tools.prepare_model import float_model_dir
+from tandem.shared.quant import QuantConfig, apply_quantized_state, quantize_model, save_quantized, weight_bytes
+from tandem.shared.quant.modules import quantizable_linears
+from tandem.shared.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
+from tandem.tools.evaluation import CALIBRATION_TEXT, load_hf_model, text_token_ids
+from tandem.tools.prepare_model import float_model_dir
 
 ANALYSIS_DEFAULTS = {"calib_windows": 4, "calib_seq_len": 128, "calib_seed": 0}
 
@@ -172,7 +172,7 @@ def _method_options(args: argparse.Namespace) -> dict:
 
 
 def _probe(args: argparse.Namespace, model, calib):
-    from shared.quant.sensitivity import SensitivityProbe, calibration_windows
+    from tandem.shared.quant.sensitivity import SensitivityProbe, calibration_windows
 
     return SensitivityProbe(model, calibration_windows(calib, args.calib_seq_len, args.calib_windows, args.calib_seed))
 
@@ -184,8 +184,8 @@ def _sensitivities(probe, low: str):
 
 def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str, str]:
     """The layer map of a mixed checkpoint (sensitivity.choose_layer_formats), printed with its calibration KL."""
-    from shared.quant import float_tensors
-    from shared.quant.sensitivity import choose_layer_formats
+    from tandem.shared.quant import float_tensors
+    from tandem.shared.quant.sensitivity import choose_layer_formats
 
     if args.sensitivity is None:
         _fill_calibration(args)
@@ -213,7 +213,7 @@ def _read_sensitivities(path: str, low: str, linears: dict):
     """(the LinearSensitivity list of an `--analyze --json` output, the calibration settings it recorded),
     checked against the model's linears (name -> nn.Linear): ValueError unless it analysed format low on exactly
     these linears with finite KLs >= 0. Byte counts are recomputed from the model's shapes, not read."""
-    from shared.quant.sensitivity import LinearSensitivity, format_bytes
+    from tandem.shared.quant.sensitivity import LinearSensitivity, format_bytes
 
     try:
         data = json.loads(Path(path).read_text())
@@ -237,8 +237,8 @@ def _read_sensitivities(path: str, low: str, linears: dict):
 
 
 def _analyze(args: argparse.Namespace, low: str) -> int:
-    from shared.quant import float_tensors
-    from shared.quant.sensitivity import format_bytes, summarize_by_kind
+    from tandem.shared.quant import float_tensors
+    from tandem.shared.quant.sensitivity import format_bytes, summarize_by_kind
 
     model_dir = float_model_dir(args.model)
     model = load_hf_model(model_dir)
@@ -268,7 +268,7 @@ def _analyze(args: argparse.Namespace, low: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.quantize", description="write a quantized checkpoint")
+    parser = argparse.ArgumentParser(prog="python -m tandem.tools.quantize", description="write a quantized checkpoint")
     add_quantize_args(parser)
     return run_quantize(parser.parse_args(argv))
 

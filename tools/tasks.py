@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.evaluation import DATA_DIR
+from tandem.tools.evaluation import DATA_DIR
 
 TASKS_FILE = DATA_DIR / "quant_tasks.jsonl"
 CATEGORIES = ("arithmetic", "factual", "instruction", "code")
@@ -264,10 +264,10 @@ def generate(model_config, tasks: list[Task], max_tokens: int = 64, threads: int
     import torch
     from transformers import AutoTokenizer
 
-    from kernels import cpu_ext
-    from shared.config import CacheConfig, SchedulerConfig
-    from shared.engine import LLMEngine
-    from shared.request import Request, SamplingParams
+    from tandem.kernels import cpu_ext
+    from tandem.shared.config import CacheConfig, SchedulerConfig
+    from tandem.shared.engine import LLMEngine
+    from tandem.shared.request import Request, SamplingParams
 
     if not tasks:
         return [], 0.0

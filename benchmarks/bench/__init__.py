@@ -6,5 +6,5 @@
     runner.py      load: closed loop (concurrency) or open loop (request rate, burstiness); one backend's session
     metrics.py     TTFT, TPOT, ITL, E2E latency, throughputs, goodput
     report.py      the table and the JSON;  plots.py: the PNGs;  benchmark.py: one benchmark end to end
-    cli.py         the flags (`tandem bench`, `python -m benchmarks.bench`)
+    cli.py         the flags (`tandem bench`, `python -m tandem.benchmarks.bench`)
 """

@@ -1,3 +1,3 @@
-from benchmarks.bench.cli import main
+from tandem.benchmarks.bench.cli import main
 
 main()

@@ -6,12 +6,12 @@ import asyncio
 import signal
 import sys
 
-from benchmarks.bench.backends import create_backend
-from benchmarks.bench.backends.base import first_line
-from benchmarks.bench.metrics import DEFAULT_GOODPUT, BenchmarkMetrics, compute_metrics
-from benchmarks.bench.report import build_document, format_table, ratios_to_baseline, write_json
-from benchmarks.bench.runner import Load, RunResult, run_session
-from benchmarks.bench.workloads import BenchRequest, build_requests
+from tandem.benchmarks.bench.backends import create_backend
+from tandem.benchmarks.bench.backends.base import first_line
+from tandem.benchmarks.bench.metrics import DEFAULT_GOODPUT, BenchmarkMetrics, compute_metrics
+from tandem.benchmarks.bench.report import build_document, format_table, ratios_to_baseline, write_json
+from tandem.benchmarks.bench.runner import Load, RunResult, run_session
+from tandem.benchmarks.bench.workloads import BenchRequest, build_requests
 
 
 def loads_of(args) -> list[Load]:
@@ -32,7 +32,7 @@ def run_benchmark(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from tools.prepare_model import prepare_model
+    from tandem.tools.prepare_model import prepare_model
 
     torch.set_num_threads(args.threads)
     model_dir = str(args.engine_args.model or prepare_model())
@@ -108,7 +108,7 @@ def report(args, request_sets: list[list[BenchRequest]], backends: dict[str, dic
     if args.json:
         write_json(document, args.json)
     if args.plot and runs:
-        from benchmarks.bench.plots import write_plots
+        from tandem.benchmarks.bench.plots import write_plots
 
         paths = write_plots(runs, metrics, args.plot)
         print(f"plots: {', '.join(str(p) for p in paths)}", file=out)

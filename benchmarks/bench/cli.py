@@ -1,4 +1,4 @@
-"""`tandem bench` (also `python -m benchmarks.bench`): a serving benchmark in the vocabulary of vLLM's
+"""`tandem bench` (also `python -m tandem.benchmarks.bench`): a serving benchmark in the vocabulary of vLLM's
 `vllm bench serve`, run on several backends with the same generated requests in one run.
 
     tandem bench --workload decode-heavy --num-prompts 32 --concurrency 1,8,32 --json out.json --plot plots/
@@ -16,9 +16,9 @@ import math
 import shlex
 import sys
 
-from benchmarks.bench.backends import BACKENDS, DEFAULT_BACKENDS
-from benchmarks.bench.metrics import DEFAULT_GOODPUT, parse_slo
-from benchmarks.bench.workloads import FIXED_INPUT_LEN, FIXED_OUTPUT_LEN, WORKLOADS
+from tandem.benchmarks.bench.backends import BACKENDS, DEFAULT_BACKENDS
+from tandem.benchmarks.bench.metrics import DEFAULT_GOODPUT, parse_slo
+from tandem.benchmarks.bench.workloads import FIXED_INPUT_LEN, FIXED_OUTPUT_LEN, WORKLOADS
 
 DEFAULT_CONCURRENCY = [1, 8]
 DEFAULT_THREADS = 2  # the in-process backends and llama-server have the machine to themselves
@@ -86,8 +86,8 @@ class _EngineFlagParser(argparse.ArgumentParser):
 
 
 def _engine_args(text: str):
-    from services.flags import add_engine_args, apply_env
-    from shared.config import EngineArgs
+    from tandem.services.flags import add_engine_args, apply_env
+    from tandem.shared.config import EngineArgs
 
     parser = _EngineFlagParser(prog="--engine-args", add_help=False)
     add_engine_args(parser)  # no tier: num_blocks and max_num_batched_tokens stay None unless given
@@ -127,7 +127,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway", default=None, help="cluster: HOST:PORT of a running gateway (default: start one)")
     p.add_argument("--engine-args", type=_engine_args, default="",
                    help="engine flags of the cluster's prefill and decode and of the colocated engine, as one string,"
-                        ' e.g. "--quantization gguf --num-blocks 512" (python -m services.decode --help); the '
+                        ' e.g. "--quantization gguf --num-blocks 512" (python -m tandem.services.decode --help); the '
                         "cluster's processes take --threads from here (default 1 each)")  # fmt: skip
     p.add_argument("--threads", type=_positive_int, default=DEFAULT_THREADS,
                    help=f"threads of the one-process backends: colocated, hf-static, llama-server (default "
@@ -148,7 +148,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def check_args(args) -> None:
     """Check the flags against each other and fill in the defaults that depend on others. ValueError (or
     FileNotFoundError for a llama-server path that is not an executable) saying what is wrong."""
-    from benchmarks.bench.backends.llama_server import find_llama_server
+    from tandem.benchmarks.bench.backends.llama_server import find_llama_server
 
     if args.workload != "fixed" and (args.input_len or args.output_len):
         raise ValueError(f"--input-len and --output-len set the fixed workload's lengths; {args.workload} has its own")
@@ -172,15 +172,15 @@ def check_args(args) -> None:
 def run_bench(args) -> int:
     """Run the benchmark the parsed flags describe; print the table, write --json and --plot. Returns 0 when
     every backend ran (failed requests are in the results), 1 when one could not, 130 when interrupted."""
-    from benchmarks.bench.benchmark import run_benchmark
+    from tandem.benchmarks.bench.benchmark import run_benchmark
 
     check_args(args)
     return run_benchmark(args)
 
 
 def main(argv=None) -> None:
-    """python -m benchmarks.bench: the same flags as `tandem bench`."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench")
+    """python -m tandem.benchmarks.bench: the same flags as `tandem bench`."""
+    parser = argparse.ArgumentParser(prog="python -m tandem.benchmarks.bench")
     add_bench_args(parser)
     args = parser.parse_args(argv)
     try:

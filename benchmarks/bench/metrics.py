@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.backends.base import RequestResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_GOODPUT = {"ttft": 500.0, "tpot": 50.0}  # ms

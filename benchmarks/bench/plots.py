@@ -10,8 +10,8 @@ import math
 import re
 from pathlib import Path
 
-from benchmarks.bench.metrics import BenchmarkMetrics
-from benchmarks.bench.runner import RunResult
+from tandem.benchmarks.bench.metrics import BenchmarkMetrics
+from tandem.benchmarks.bench.runner import RunResult
 
 CDF_METRICS = (("TTFT", lambda r: r.ttft_s), ("TPOT", lambda r: r.tpot_s), ("E2E latency", lambda r: r.e2e_s))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import fields
 
-from benchmarks.bench.metrics import BenchmarkMetrics
-from benchmarks.bench.runner import RunResult
+from tandem.benchmarks.bench.metrics import BenchmarkMetrics
+from tandem.benchmarks.bench.runner import RunResult
 
 # latencies in ms (median and p99), throughputs per second, goodput in req/s meeting the SLOs
 COLUMNS = ("backend", "load", "ok/fail", "req/s", "out tok/s", "vs {baseline}", "TTFT med", "TTFT p99",

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.bench.backends.base import Backend, RequestResult, first_line
-from benchmarks.bench.workloads import BenchRequest
+from tandem.benchmarks.bench.backends.base import Backend, RequestResult, first_line
+from tandem.benchmarks.bench.workloads import BenchRequest
 
 WARMUP_OUTPUT_LEN = 4  # tokens of the one request each backend answers before it is timed
 

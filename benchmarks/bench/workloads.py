@@ -68,7 +68,7 @@ WORKLOADS: dict[str, Callable[..., LengthPairs]] = {
 
 def corpus_token_ids(tokenizer) -> list[int]:
     """The shipped English texts as the model's tokens (no special tokens)."""
-    from tools.evaluation import CALIBRATION_TEXT, EVAL_TEXT  # imports torch: only when requests are built
+    from tandem.tools.evaluation import CALIBRATION_TEXT, EVAL_TEXT  # imports torch: only when requests are built
 
     text = EVAL_TEXT.read_text() + "\n\n" + CALIBRATION_TEXT.read_text()
     return tokenizer(text, add_special_tokens=False).input_ids

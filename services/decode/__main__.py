@@ -1,3 +1,3 @@
-from services.decode.server import main
+from tandem.services.decode.server import main
 
 main()

@@ -8,16 +8,16 @@ import asyncio
 import logging
 import time
 
-from services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
-from services.engine_main import engine_main
-from services.flags import DEFAULT_KV_LEASE_S
-from services.grpc_errors import status_for
-from services.kv_wire import KVTransferTally, kv_from_message
-from services.metrics import EngineMetrics
-from services.tracing import annotate
-from shared.async_engine import AsyncEngine
-from shared.errors import InvalidRequestError
-from shared.request import Request
+from tandem.services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
+from tandem.services.engine_main import engine_main
+from tandem.services.flags import DEFAULT_KV_LEASE_S
+from tandem.services.grpc_errors import status_for
+from tandem.services.kv_wire import KVTransferTally, kv_from_message
+from tandem.services.metrics import EngineMetrics
+from tandem.services.tracing import annotate
+from tandem.shared.async_engine import AsyncEngine
+from tandem.shared.errors import InvalidRequestError
+from tandem.shared.request import Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)

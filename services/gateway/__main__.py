@@ -1,3 +1,3 @@
-from services.gateway.main import main
+from tandem.services.gateway.main import main
 
 main()

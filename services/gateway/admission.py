@@ -18,8 +18,8 @@ import math
 import time
 from contextlib import asynccontextmanager
 
-from services.gateway.router import Route
-from shared.errors import DeadlineError, NoCapacityError
+from tandem.services.gateway.router import Route
+from tandem.shared.errors import DeadlineError, NoCapacityError
 
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
 DURATION_EWMA_ALPHA = 0.1  # weight of each finished request in the mean request duration

@@ -29,10 +29,10 @@ from typing import AsyncIterator
 
 import torch
 
-from services.client import finish_name
-from services.gateway.detokenizer import TextStream
-from services.gateway.router import SharedPrompt
-from shared.errors import InvalidRequestError
+from tandem.services.client import finish_name
+from tandem.services.gateway.detokenizer import TextStream
+from tandem.services.gateway.router import SharedPrompt
+from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
 NEG = -1.0e9  # HF's stand-in for "impossible"

@@ -6,7 +6,7 @@ the tail that could still begin a stop string is held back, so a stop string nev
 """
 from __future__ import annotations
 
-from shared.errors import InvalidRequestError
+from tandem.shared.errors import InvalidRequestError
 
 
 class TextStream:

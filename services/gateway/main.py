@@ -11,16 +11,16 @@ from pathlib import Path
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from services.flags import HelpFormatter, add_gateway_args, apply_env, settings_line
-from services.channels import ChannelPool
-from services.gateway.admission import AdmissionQueue
-from services.gateway.router import Router
-from services.gateway.server import GatewayServicer
-from services.logs import setup_logging
-from services.security import APIKeyInterceptor, api_keys_from_args, check_redis_auth, tls_from_args
-from services.server import Server, exit_on_signal_while_starting, new_instance_id
-from services.tracing import setup_tracing
-from shared.config import EngineArgs
+from tandem.services.flags import HelpFormatter, add_gateway_args, apply_env, settings_line
+from tandem.services.channels import ChannelPool
+from tandem.services.gateway.admission import AdmissionQueue
+from tandem.services.gateway.router import Router
+from tandem.services.gateway.server import GatewayServicer
+from tandem.services.logs import setup_logging
+from tandem.services.security import APIKeyInterceptor, api_keys_from_args, check_redis_auth, tls_from_args
+from tandem.services.server import Server, exit_on_signal_while_starting, new_instance_id
+from tandem.services.tracing import setup_tracing
+from tandem.shared.config import EngineArgs
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -30,10 +30,10 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from shared.block_hash import HashContract
-    from shared.model_files import default_model_dir
-    from shared.prefix_index import PrefixIndex
-    from shared.registry import Registry
+    from tandem.shared.block_hash import HashContract
+    from tandem.shared.model_files import default_model_dir
+    from tandem.shared.prefix_index import PrefixIndex
+    from tandem.shared.registry import Registry
 
     torch.set_num_threads(1)
     await check_redis_auth(args.redis_url)  # (a wrong password stops the start: ValueError naming --redis-url)
@@ -56,7 +56,7 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
     http = http_task = None
     if args.http_port >= 0:  # (up before health says SERVING)
-        from services.gateway.openai_api import create_app, serve_http
+        from tandem.services.gateway.openai_api import create_app, serve_http
 
         app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id, api_keys)
         http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout, tls)
@@ -95,7 +95,7 @@ async def _every(interval_s: float, job) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway",
+    parser = argparse.ArgumentParser(prog="python -m tandem.services.gateway",
                                      description="Public gRPC API of the tandem cluster",
                                      formatter_class=HelpFormatter)
     add_gateway_args(parser)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+from tandem.services.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5)  # fmt: skip

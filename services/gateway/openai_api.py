@@ -26,15 +26,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
+from tandem.services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                               completion_sampling_params, param_named, prompts, sampling_params)
-from services.gateway.openai_responses import ResponseShape, collect, sse
-from services.gateway.server import STREAM_BUFFER
-from services.gateway.validation import tokenize_request
-from services.grpc_errors import status_for
-from services.security import APIKeys, TLSConfig
-from services.server import PUBLIC_MAX_RECEIVE_BYTES
-from shared.errors import InvalidRequestError, TandemError
+from tandem.services.gateway.openai_responses import ResponseShape, collect, sse
+from tandem.services.gateway.server import STREAM_BUFFER
+from tandem.services.gateway.validation import tokenize_request
+from tandem.services.grpc_errors import status_for
+from tandem.services.security import APIKeys, TLSConfig
+from tandem.services.server import PUBLIC_MAX_RECEIVE_BYTES
+from tandem.shared.errors import InvalidRequestError, TandemError
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.validation import MAX_ID_CHARS, MAX_N
+from tandem.services.gateway.validation import MAX_ID_CHARS, MAX_N
 from tandem.v1 import common_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}

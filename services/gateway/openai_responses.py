@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from services.client import finish_name
+from tandem.services.client import finish_name
 from tandem.v1 import gateway_pb2
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from shared.registry import InstanceInfo
+from tandem.shared.registry import InstanceInfo
 
 
 class PrefillLostError(Exception):

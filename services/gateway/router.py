@@ -26,11 +26,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from services.tracing import traced
-from shared.block_hash import BlockHash, HashContract, hash_request_blocks
-from shared.errors import NoInstanceError
-from shared.prefix_index import IndexUnavailableError, PrefixIndex
-from shared.registry import InstanceInfo, Registry
+from tandem.services.tracing import traced
+from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
+from tandem.shared.errors import NoInstanceError
+from tandem.shared.prefix_index import IndexUnavailableError, PrefixIndex
+from tandem.shared.registry import InstanceInfo, Registry
 
 log = logging.getLogger(__name__)
 DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as much as 256 cached prompt tokens

@@ -12,21 +12,21 @@ from typing import AsyncIterator
 import grpc
 import xxhash
 
-from services.channels import ChannelPool
-from services.client import finish_name
-from services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
-from services.gateway.beam_search import run_beam_search
-from services.gateway.detokenizer import TextStream
-from services.gateway.validation import check_sampling_params, tokenize_request
-from services.gateway.router import Route, Router, SharedPrompt
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prefill_watch import PrefillLostError, prefill_watching_decode
-from services.flags import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_QUEUE_TIMEOUT_S
-from services.grpc_errors import error_code, peer_is_down, upstream_error
-from services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
-from shared.config import ModelConfig
-from shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
-from shared.registry import InstanceInfo
+from tandem.services.channels import ChannelPool
+from tandem.services.client import finish_name
+from tandem.services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
+from tandem.services.gateway.beam_search import run_beam_search
+from tandem.services.gateway.detokenizer import TextStream
+from tandem.services.gateway.validation import check_sampling_params, tokenize_request
+from tandem.services.gateway.router import Route, Router, SharedPrompt
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.gateway.prefill_watch import PrefillLostError, prefill_watching_decode
+from tandem.services.flags import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_QUEUE_TIMEOUT_S
+from tandem.services.grpc_errors import error_code, peer_is_down, upstream_error
+from tandem.services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
+from tandem.shared.config import ModelConfig
+from tandem.shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
+from tandem.shared.registry import InstanceInfo
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -4,11 +4,11 @@ limits follow from the model's context: at most max_model_len - 1 tokens, and at
 MAX_CHARS_PER_TOKEN * max_model_len characters before it is tokenized."""
 from __future__ import annotations
 
-from services.convert import sampling_params_from_proto
-from services.gateway.beam_search import check_beam_params
-from shared.config import ModelConfig
-from shared.errors import InvalidRequestError
-from shared.structured_output import check_grammar
+from tandem.services.convert import sampling_params_from_proto
+from tandem.services.gateway.beam_search import check_beam_params
+from tandem.shared.config import ModelConfig
+from tandem.shared.errors import InvalidRequestError
+from tandem.shared.structured_output import check_grammar
 from tandem.v1 import common_pb2, gateway_pb2
 
 MAX_N = 16  # most completions of one prompt per request

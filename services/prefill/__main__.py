@@ -1,3 +1,3 @@
-from services.prefill.server import main
+from tandem.services.prefill.server import main
 
 main()

@@ -9,16 +9,16 @@ import time
 
 import grpc
 
-from services.channels import ChannelPool
-from services.convert import logprobs_to_proto, sampling_params_from_proto
-from services.engine_main import engine_main
-from services.grpc_errors import upstream_error
-from services.kv_wire import kv_to_messages, last_message
-from services.metrics import EngineMetrics
-from services.tracing import annotate, bind_request, end_when_done, start_span, traced, use_span
-from shared.async_engine import AsyncEngine
-from shared.errors import InvalidRequestError, RequestFailedError
-from shared.request import FinishReason, Request
+from tandem.services.channels import ChannelPool
+from tandem.services.convert import logprobs_to_proto, sampling_params_from_proto
+from tandem.services.engine_main import engine_main
+from tandem.services.grpc_errors import upstream_error
+from tandem.services.kv_wire import kv_to_messages, last_message
+from tandem.services.metrics import EngineMetrics
+from tandem.services.tracing import annotate, bind_request, end_when_done, start_span, traced, use_span
+from tandem.shared.async_engine import AsyncEngine
+from tandem.shared.errors import InvalidRequestError, RequestFailedError
+from tandem.shared.request import FinishReason, Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.quant.checkpoint import detect_quant_config, load_quantized_state, save_quantized
-from shared.quant.config import QuantConfig, parse_linear_format
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-from shared.quant.modules import (apply_quantized_state, float_tensor_names, quantizable_linears,
+from tandem.shared.quant.checkpoint import detect_quant_config, load_quantized_state, save_quantized
+from tandem.shared.quant.config import QuantConfig, parse_linear_format
+from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.shared.quant.modules import (apply_quantized_state, float_tensor_names, quantizable_linears,
                                   weight_bytes)
 
 __all__ = ["QuantConfig", "WeightOnlyInt4Linear", "WeightOnlyInt8Linear", "apply_quantization",
@@ -69,19 +69,19 @@ def quantize_model(model: nn.Module, method: str, bits: int, group_size: int | N
     formats = {name: parse_linear_format(layer_formats[name]) if name in layer_formats else (bits, group_size)
                for name in linears}
     if method == "gptq":
-        from shared.quant.gptq import gptq_quantize_model
+        from tandem.shared.quant.gptq import gptq_quantize_model
 
         state = gptq_quantize_model(model, calib_token_ids, formats, **options)
     elif method == "awq":
-        from shared.quant.awq import awq_quantize_model
+        from tandem.shared.quant.awq import awq_quantize_model
 
         state = awq_quantize_model(model, calib_token_ids, bits, group_size, **options)
     elif method == "llmint8":
-        from shared.quant.outliers import llmint8_quantize_model
+        from tandem.shared.quant.outliers import llmint8_quantize_model
 
         state = llmint8_quantize_model(model, calib_token_ids, **options)
     else:
-        from shared.quant.rtn import rtn_tensors
+        from tandem.shared.quant.rtn import rtn_tensors
 
         state = {}
         for name, linear in linears.items():

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from shared.quant.calibration import (calibration_batch, capture_first_layer_inputs, decoder_layers,
+from tandem.shared.quant.calibration import (calibration_batch, capture_first_layer_inputs, decoder_layers,
                                       layer_linears, record_inputs, run_layer)
-from shared.quant.rtn import fake_quantize, rtn_tensors
+from tandem.shared.quant.rtn import fake_quantize, rtn_tensors
 
 
 @torch.no_grad()

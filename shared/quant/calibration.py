@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shared.quant.modules import LINEAR_SUFFIXES
+from tandem.shared.quant.modules import LINEAR_SUFFIXES
 
 # Linears that read the same input as another one: their activations are recorded once.
 SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",

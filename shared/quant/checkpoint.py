@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.model_files import read_safetensors
-from shared.quant.config import QuantConfig
+from tandem.shared.model_files import read_safetensors
+from tandem.shared.quant.config import QuantConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -73,7 +73,7 @@ def load_quantized_state(source: str | Path) -> tuple[dict[str, torch.Tensor], Q
     """
     source = Path(source)
     if source.suffix == ".gguf":
-        from shared.quant.gguf_loader import load_gguf_state
+        from tandem.shared.quant.gguf_loader import load_gguf_state
 
         return load_gguf_state(source)
     qc = read_quant_config(source)
@@ -83,7 +83,7 @@ def load_quantized_state(source: str | Path) -> tuple[dict[str, torch.Tensor], Q
     if method == "tandem":
         return read_safetensors(source), _tandem_config(qc)
     if method in ("awq", "gptq"):
-        from shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
+        from tandem.shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
 
         convert = convert_hf_awq if method == "awq" else convert_hf_gptq
         try:
@@ -99,7 +99,7 @@ def detect_quant_config(source: str | Path | None) -> QuantConfig:
         return QuantConfig()
     source = Path(source)
     if source.suffix == ".gguf":
-        from shared.quant.gguf_loader import gguf_quant_config
+        from tandem.shared.quant.gguf_loader import gguf_quant_config
 
         return gguf_quant_config(source)
     qc = read_quant_config(source)

@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from kernels.int4_format import INT4_GROUP_SIZES
+from tandem.kernels.int4_format import INT4_GROUP_SIZES
 
 INT8_GROUP_SIZES = (32, 64)  # must divide every K of the model (576 and 1536 here)
 

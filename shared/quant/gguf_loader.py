@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.int4_format import pack_int4
-from shared.quant.config import QuantConfig
+from tandem.kernels.int4_format import pack_int4
+from tandem.shared.quant.config import QuantConfig
 
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
-from shared.quant.config import QuantConfig
-from shared.quant.modules import canonical_name
+from tandem.kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
+from tandem.shared.quant.config import QuantConfig
+from tandem.shared.quant.modules import canonical_name
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

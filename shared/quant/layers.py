@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ext, cpu_qgemm
-from kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features, unpack_int4
-from shared.device import use_triton
-from shared.quant.rtn import quantize_int4, quantize_int8
+from tandem.kernels import cpu_ext, cpu_qgemm
+from tandem.kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features, unpack_int4
+from tandem.shared.device import use_triton
+from tandem.shared.quant.rtn import quantize_int4, quantize_int8
 
 # Rows (tokens) up to which the CPU kernel on one thread beats dequantize + float matmul on one torch thread here
 # (measured M = 1..128). On 2 kernel threads it beats it at any M (a 512-row chunk: 31-37 vs 46 ms per layer).
@@ -141,7 +141,7 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None and use_triton(x):
-            from kernels.quant_gemm import w8a16_gemm
+            from tandem.kernels.quant_gemm import w8a16_gemm
 
             y = w8a16_gemm(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
@@ -239,7 +239,7 @@ class WeightOnlyInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
-            from kernels.quant_gemm import w4a16_gemm
+            from tandem.kernels.quant_gemm import w4a16_gemm
 
             x2 = x.reshape(-1, self.in_features)
             if self.padded_in_features != self.in_features:

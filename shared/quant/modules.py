@@ -15,7 +15,7 @@ import re
 import torch
 from torch import nn
 
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
 LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -20,8 +20,8 @@ import math
 import torch
 from torch import nn
 
-from shared.quant.calibration import INPUT_OWNERS, calibration_batch, decoder_layers, input_owner, layer_linears
-from shared.quant.rtn import quantize_int8
+from tandem.shared.quant.calibration import INPUT_OWNERS, calibration_batch, decoder_layers, input_owner, layer_linears
+from tandem.shared.quant.rtn import quantize_int8
 
 DEFAULT_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold on |activation|
 DEFAULT_MAX_FRACTION = 0.02  # at most this share of a linear's input channels stays float

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_format import pack_int4, padded_in_features
+from tandem.kernels.int4_format import pack_int4, padded_in_features
 
 INT4_MAX = 15
 INT8_MAX = 127

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.int4_format import padded_in_features
-from shared.quant.calibration import LayerInputs, capture_first_layer_inputs, decoder_layers, run_layer
-from shared.quant.config import parse_linear_format
-from shared.quant.modules import quantizable_linears
-from shared.quant.rtn import fake_quantize
+from tandem.kernels.int4_format import padded_in_features
+from tandem.shared.quant.calibration import LayerInputs, capture_first_layer_inputs, decoder_layers, run_layer
+from tandem.shared.quant.config import parse_linear_format
+from tandem.shared.quant.modules import quantizable_linears
+from tandem.shared.quant.rtn import fake_quantize
 
 FLOAT_BYTES = 4  # checkpoints store float tensors in fp32
 

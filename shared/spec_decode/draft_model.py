@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.model_runner import run_model
-from shared.request import Request
-from shared.sampler import draw, sampling_probs
+from tandem.shared.model_runner import run_model
+from tandem.shared.request import Request
+from tandem.shared.sampler import draw, sampling_probs
 
 
 class DraftModelProposer:

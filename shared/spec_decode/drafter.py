@@ -14,11 +14,11 @@ from collections import deque
 
 import torch
 
-from shared.config import ModelConfig, SpeculativeConfig
-from shared.request import Request
-from shared.scheduler import SchedulerOutput
-from shared.spec_decode.draft_model import DraftModelProposer
-from shared.spec_decode.ngram_proposer import NgramProposer
+from tandem.shared.config import ModelConfig, SpeculativeConfig
+from tandem.shared.request import Request
+from tandem.shared.scheduler import SchedulerOutput
+from tandem.shared.spec_decode.draft_model import DraftModelProposer
+from tandem.shared.spec_decode.ngram_proposer import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Drafter:
             self.draft_model = DraftModelProposer(model_runner.model, model_runner.kv_caches, block_size,
                                                   num_layers)
         else:  # "draft": a separate checkpoint with its own pool, paged by the target's block tables
-            from shared.model import load_model
+            from tandem.shared.model import load_model
 
             draft = ModelConfig.from_dir(config.draft_model, dtype=target.dtype)
             if draft.vocab_size != target.vocab_size:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.request import Request
-from shared.sampler import sampling_probs
+from tandem.shared.request import Request
+from tandem.shared.sampler import sampling_probs
 
 
 def accept_draft_tokens(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:

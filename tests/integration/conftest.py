@@ -24,7 +24,7 @@ def hf_references(model_dir, tokenizer):
 
 
 def start_cluster(model_dir, block_size: int, chunk: int, num_blocks: int = 512):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--block-size", str(block_size), "--num-blocks", str(num_blocks), "--threads", "1"]
     return LocalCluster(

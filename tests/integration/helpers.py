@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import redis
 
-from services.client import generate
+from tandem.services.client import generate
 from tandem.v1 import common_pb2, common_pb2_grpc, gateway_pb2
 
 
 def greedy_request(kind: str, text: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
-    from services.client import make_request
+    from tandem.services.client import make_request
 
     return make_request(text, raw=(kind == "raw"), max_tokens=max_tokens, temperature=0.0)
 
@@ -59,8 +59,8 @@ def kv_transfer(decode_address: str, model_config, request_id: str, num_blocks: 
     first_token_id and the totals."""
     import torch
 
-    from services.kv_wire import kv_to_messages, last_message
-    from shared.engine import KVBlocks
+    from tandem.services.kv_wire import kv_to_messages, last_message
+    from tandem.shared.engine import KVBlocks
 
     shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, model_config.num_key_value_heads,
              model_config.head_dim)  # fmt: skip
@@ -76,13 +76,13 @@ class RedisServer:
     runs with --requirepass and url carries the password."""
 
     def __init__(self, password: str | None = None):
-        from services.launcher import free_port
+        from tandem.services.launcher import free_port
 
         self.port, self.proc, self.password = free_port(), None, password
         self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
 
     def start(self):
-        from services.launcher import redis_server_binary
+        from tandem.services.launcher import redis_server_binary
 
         self.proc = subprocess.Popen([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no",

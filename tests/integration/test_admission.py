@@ -9,7 +9,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from services.client import make_request
+from tandem.services.client import make_request
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2_grpc
 from tests.integration.helpers import greedy_request, wait_all_blocks_free
 
@@ -20,7 +20,7 @@ QUEUE_TIMEOUT_S = 8
 
 @pytest.fixture(scope="module")
 def small_cluster(model_dir):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--threads", "1", "--block-size", "16"]
     with LocalCluster(str(model_dir), prefill_args=engine + ["--num-blocks", "256"],

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.client import generate, make_request
+from tandem.services.client import generate, make_request
 from tests.integration.helpers import wait_all_blocks_free
 
 FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -99,7 +99,7 @@ def test_http_garbage_bodies(cluster, raw):
 
 
 def test_http_body_over_the_limit_is_refused_before_it_is_parsed(cluster):
-    from services.server import PUBLIC_MAX_RECEIVE_BYTES
+    from tandem.services.server import PUBLIC_MAX_RECEIVE_BYTES
 
     big = b'{"prompt": "' + b"a" * PUBLIC_MAX_RECEIVE_BYTES + b'", "max_tokens": 1}'
     r = httpx.post(cluster.openai_base_url + "/completions", content=big, timeout=60,
@@ -184,7 +184,7 @@ def test_grpc_invalid_utf8_and_broken_bytes_are_invalid_argument(cluster, where)
 
 def _oversized(model_config) -> dict:
     """Requests over each limit (README "Limits") -> the field their error must name."""
-    from services.gateway import validation
+    from tandem.services.gateway import validation
 
     cases = {
         "stop": make_request("Hi", stop=["x"] * (validation.MAX_STOP + 1)),

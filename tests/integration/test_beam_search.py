@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from services.client import Client
+from tandem.services.client import Client
 from tests.integration.helpers import wait_all_blocks_free
 from tests.prompts import prompt_token_ids
 

@@ -13,7 +13,7 @@ NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 32, 4
 def test_bench_cluster_and_colocated_complete_every_request_with_the_same_tokens(tmp_path, model_dir):
     out = tmp_path / "bench.json"
     threads = os.environ.get("TANDEM_TEST_THREADS", "2")
-    argv = [sys.executable, "-m", "services", "bench", "--backend", "cluster,colocated", "--workload", "fixed",
+    argv = [sys.executable, "-m", "tandem.services", "bench", "--backend", "cluster,colocated", "--workload", "fixed",
             "--num-prompts", str(NUM_PROMPTS), "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
             "--concurrency", "2", "--threads", threads, "--engine-args", "--num-blocks 64 --threads 1",
             "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""services.client's Client and AsyncClient against a real cluster (real Redis, real model): greedy outputs equal
+"""tandem.services.client's Client and AsyncClient against a real cluster (real Redis, real model): greedy outputs equal
 HF transformers fp32, streams concatenate to generate()'s text, errors carry the server's status code."""
 import asyncio
 import contextlib
@@ -6,7 +6,7 @@ import contextlib
 import grpc
 import pytest
 
-from services.client import AsyncClient, Client, generate, make_request
+from tandem.services.client import AsyncClient, Client, generate, make_request
 from tests.prompts import PROMPTS
 
 GREEDY_PROMPTS = ["capital", "raw_story", "haiku"]

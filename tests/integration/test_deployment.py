@@ -13,8 +13,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import generate
-from shared.registry import KEY_PREFIX
+from tandem.services.client import generate
+from tandem.shared.registry import KEY_PREFIX
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.integration.helpers import generate_all, greedy_request, load
 from tests.prompts import PROMPTS
@@ -24,7 +24,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, hf_references):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
     # round-robin: each prompt goes to the next instance of each tier, so the spread is certain (cache-aware

@@ -14,8 +14,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launcher import free_port
-from shared.registry import KEY_PREFIX
+from tandem.services.launcher import free_port
+from tandem.shared.registry import KEY_PREFIX
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 from tests.integration.helpers import generate_all, greedy_request
 from tests.prompts import PROMPTS
@@ -121,7 +121,7 @@ def check_against_hf(address: str, hf_references) -> None:
 
 def test_cpu_kernels_built_into_image(image):
     """The C++ CPU kernels load in a container without a compiler run: the extension's file is the image's own."""
-    script = ("import glob, os, kernels.cpu_ext as c; so = glob.glob('/opt/torch_extensions/*/*.so'); "
+    script = ("import glob, os, tandem.kernels.cpu_ext as c; so = glob.glob('/opt/torch_extensions/*/*.so'); "
               "before = [os.stat(p).st_mtime for p in so]; assert c.available(); "
               "assert so and [os.stat(p).st_mtime for p in so] == before, so; print('loaded', so)")  # fmt: skip
     out = subprocess.run(["docker", "run", "--rm", "--network", "none", image, "python", "-c", script],

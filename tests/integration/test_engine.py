@@ -3,9 +3,9 @@ two engines (the tiers' path without gRPC), abort frees blocks."""
 import pytest
 import torch
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import KVBlocks, LLMEngine
-from shared.request import FinishReason, Request, RequestStatus, SamplingParams
+from tandem.shared.config import CacheConfig, SchedulerConfig
+from tandem.shared.engine import KVBlocks, LLMEngine
+from tandem.shared.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 
 
@@ -116,7 +116,7 @@ def test_reservation_refusals_leave_nothing_behind(model_config):
 
 
 def test_weight_dtype_is_chosen_and_named_in_the_model_id(model_dir, model_config, hf_references):
-    from shared.config import ModelConfig
+    from tandem.shared.config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir, dtype="bfloat16")
     assert config.weight_format == "bf16" and config.model_id != model_config.model_id
@@ -171,8 +171,8 @@ def test_a_reservation_waits_for_lower_priority_blocks_still_waiting_for_kv(mode
     equals HF); an equal-priority reserve() fails at once, so the gateway can try another decode."""
     import asyncio
 
-    from shared.async_engine import AsyncEngine
-    from shared.errors import NoCapacityError
+    from tandem.shared.async_engine import AsyncEngine
+    from tandem.shared.errors import NoCapacityError
 
     ids, expected = hf_references["raw_story"]
     engine = LLMEngine(model_config, CacheConfig(block_size=8, num_blocks=3), SchedulerConfig(64, 8))

@@ -18,7 +18,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from services.client import Completion, generate, make_request
+from tandem.services.client import Completion, generate, make_request
 from tandem.v1 import gateway_pb2_grpc
 from tests.integration.helpers import (RedisServer, generate_all, greedy_request, load, metric_samples, rss_mb,
                                        tracebacks, wait_idle)
@@ -39,7 +39,7 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, hf_references, redis_server):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "320", "--threads", "1"]
     # --local-prefill-tokens 0: every prompt goes through a prefill and its KV over the wire to a decode
@@ -74,7 +74,7 @@ def test_a_prompt_queued_on_a_busy_prefill_keeps_its_reservation(model_dir, toke
     the lease ran from the reservation, and a prefill sent nothing for a queued prompt. Now its keepalives renew
     it. Here: one prefill (chunks of 32 tokens), a 2 s lease, three long prompts at once; the second and third
     wait behind the first (~48 steps) with no KV sent for them, and must keep their reservations."""
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
     expected = hf_greedy(ids, 48)[:8]
@@ -331,7 +331,7 @@ def test_a_frozen_decode_fails_its_streams_and_recovers(cluster):
     KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (and some scheduling); once it runs again it frees their blocks."""
     import signal
 
-    from services.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+    from tandem.services.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
     results: dict[int, str] = {}
     ended: dict[int, float] = {}

@@ -21,7 +21,7 @@ def test_cluster_matches_hf_block16_chunk64(cluster, hf_references):
 
 
 def test_cluster_matches_hf_block12_chunk40_two_prefills(model_dir, hf_references):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--block-size", "12", "--num-blocks", "512", "--threads", "1"]
     with LocalCluster(str(model_dir), num_prefill=2, prefill_args=engine + ["--max-num-batched-tokens", "40"],

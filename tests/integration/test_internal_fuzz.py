@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.client import generate, make_request
-from services.kv_wire import checksum
+from tandem.services.client import generate, make_request
+from tandem.services.kv_wire import checksum
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.helpers import kv_transfer, load
 
@@ -157,9 +157,9 @@ def client_error_for(reply: decode_pb2.DecodeResponse):
     of the public API gets, as (status name, message)."""
     import asyncio
 
-    from services.gateway.server import GatewayServicer
-    from shared.errors import UpstreamError
-    from shared.registry import InstanceInfo
+    from tandem.services.gateway.server import GatewayServicer
+    from tandem.shared.errors import UpstreamError
+    from tandem.shared.registry import InstanceInfo
 
     class Call:
         async def read(self):

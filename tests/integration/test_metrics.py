@@ -9,7 +9,7 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.client import Client
+from tandem.services.client import Client
 from tests.integration.helpers import wait_all_blocks_free
 
 LONG = "Explain, step by step and with examples, how a bicycle's gears let a rider climb a steep hill. " * 4

@@ -9,7 +9,7 @@ import httpx2 as httpx  # (the HTTP client the openai package is built on)
 import openai
 import pytest
 
-from services.client import generate, make_request
+from tandem.services.client import generate, make_request
 from tests.integration.helpers import load, wait_all_blocks_free
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -3,9 +3,9 @@ at and around block boundaries, with requests sharing a prefix in flight beside 
 again and again, prompts extending a request that ended on a stop token, and under forced eviction."""
 import pytest
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
+from tandem.shared.config import CacheConfig, SchedulerConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
 from tests.prompts import LONG_TEXT
 
 BS = 16

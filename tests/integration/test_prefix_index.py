@@ -8,10 +8,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from shared.block_hash import HashContract, hash_request_blocks
-from shared.kv_events import BlockRemoved, BlockStored, KVEventBatch
-from shared.prefix_index import IndexUnavailableError, KVEventPublisher, PrefixIndex
-from shared.registry import InstanceInfo
+from tandem.shared.block_hash import HashContract, hash_request_blocks
+from tandem.shared.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from tandem.shared.prefix_index import IndexUnavailableError, KVEventPublisher, PrefixIndex
+from tandem.shared.registry import InstanceInfo
 
 CONTRACT = HashContract(block_size=4, model_id="m:abc:fp32", kv_dtype="float32")
 OTHER_CONTRACT = HashContract(block_size=4, model_id="m:abc:int8", kv_dtype="float32")

@@ -4,7 +4,7 @@ second chat turn ships only the blocks the decode lacks, a short uncached suffix
 no prefill call, and routing survives Redis stopping (load-only) and resumes when it returns."""
 import time
 
-from services.client import generate, make_request
+from tandem.services.client import generate, make_request
 from tests.integration.helpers import load
 from tests.prompts import LONG_TEXT
 
@@ -12,7 +12,7 @@ NUM_TOKENS = 10
 
 
 def start(model_dir, gateway_args):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
     return LocalCluster(str(model_dir), num_prefill=2, num_decode=1, prefill_args=engine, decode_args=engine,

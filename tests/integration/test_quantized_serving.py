@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
 from tests.integration.helpers import generate_all, greedy_request
 from tests.prompts import LONG_TEXT, PROMPTS, prompt_token_ids
 
@@ -21,7 +21,7 @@ NUM_TOKENS = 24
 @pytest.fixture(scope="module")
 def int8_dir(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("int8") / "SmolLM2-int8"
-    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "8", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", "--bits", "8", "--out", str(out),
                     "--model", str(model_dir)], check=True, timeout=600)  # fmt: skip
     return out
 
@@ -39,7 +39,7 @@ def in_process_greedy(model_config, prompts):
 
 
 def test_int8_cluster_matches_int8_in_process(model_dir, int8_dir, tokenizer):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     cases = [p for p in PROMPTS if p[0] in ("capital", "raw_story", "chinese_chat")]
     config = ModelConfig.from_dir(model_dir, str(int8_dir))
@@ -58,10 +58,10 @@ def mixed_dir(model_dir, tmp_path_factory):
     """INT4 g128 with 3 MiB of budget to keep the most sensitive linears in float; returns (checkpoint dir, byte
     budget). The sensitivities come from a file (the analysis itself is tested in tests/unit/quant): every v_proj
     ranks first, so float v_proj sit beside INT4 q/k_proj and the fused qkv_proj cannot be one matmul."""
-    from shared.quant import float_tensors
-    from shared.quant.modules import quantizable_linears
-    from shared.quant.sensitivity import format_bytes
-    from tools.evaluation import load_hf_model
+    from tandem.shared.quant import float_tensors
+    from tandem.shared.quant.modules import quantizable_linears
+    from tandem.shared.quant.sensitivity import format_bytes
+    from tandem.tools.evaluation import load_hf_model
 
     model = load_hf_model(model_dir)
     linears = quantizable_linears(model)
@@ -73,7 +73,7 @@ def mixed_dir(model_dir, tmp_path_factory):
                                                    for name in linears]}
     (tmp / "sensitivity.json").write_text(json.dumps(analysis))
     out = tmp / "SmolLM2-mixed"
-    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "4", "--budget-bytes",
+    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", "--bits", "4", "--budget-bytes",
                     str(budget), "--high-precision", "float", "--sensitivity", str(tmp / "sensitivity.json"),
                     "--calib-windows", "1", "--calib-seq-len", "64", "--out", str(out), "--model", str(model_dir)],
                    check=True, timeout=900)  # fmt: skip
@@ -81,10 +81,10 @@ def mixed_dir(model_dir, tmp_path_factory):
 
 
 def test_mixed_checkpoint_serves_token_exact_within_its_budget(model_dir, mixed_dir, tokenizer):
-    from services.launcher import LocalCluster
-    from shared.model_files import read_safetensors
-    from shared.quant.layers import ConcatLinear
-    from shared.quant.sensitivity import format_bytes
+    from tandem.services.launcher import LocalCluster
+    from tandem.shared.model_files import read_safetensors
+    from tandem.shared.quant.layers import ConcatLinear
+    from tandem.shared.quant.sensitivity import format_bytes
 
     path, budget = mixed_dir
     config = ModelConfig.from_dir(model_dir, str(path))
@@ -141,7 +141,7 @@ def test_non_finite_logits_fail_the_request_not_the_batch(model_config):
 
 def test_up_with_an_unreadable_quantization_says_why_in_one_line(model_dir, tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(96))
-    result = subprocess.run([sys.executable, "-m", "services", "up", "--model", str(model_dir), "--threads", "1",
+    result = subprocess.run([sys.executable, "-m", "tandem.services", "up", "--model", str(model_dir), "--threads", "1",
                              "--quantization", str(tmp_path / "junk.gguf"), "--prompt", "hi"],
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr

@@ -5,7 +5,7 @@ import time
 import grpc
 import pytest
 
-from services.client import generate, make_request
+from tandem.services.client import generate, make_request
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.integration.helpers import generate_all, greedy_request, kv_transfer, load, wait_all_blocks_free
 
@@ -70,7 +70,7 @@ def test_repeated_kv_completion_is_refused_and_decode_stays_healthy(cluster, mod
 
 
 def test_gateway_places_requests_elsewhere_when_a_decode_dies(model_dir, hf_references):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
     with LocalCluster(str(model_dir), num_decode=2, prefill_args=engine, decode_args=engine) as c:
@@ -87,7 +87,7 @@ def test_a_stalled_prefill_loses_its_reservation_and_the_request_is_placed_again
     prefill, and the client gets the right answer; nothing leaks on either side once the prefill runs again."""
     import signal
 
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
     with LocalCluster(str(model_dir), num_prefill=2, prefill_args=engine,

@@ -5,11 +5,11 @@ entries, a killed instance, a mismatched hash contract, the decode's choice and 
 import asyncio
 import logging
 
-from services.gateway.router import DECODE_LOAD_TOKENS, Router
-from shared.block_hash import HashContract, hash_request_blocks
-from shared.kv_events import BlockStored, KVEventBatch
-from shared.prefix_index import KVEventPublisher, PrefixIndex
-from shared.registry import InstanceInfo, Registry
+from tandem.services.gateway.router import DECODE_LOAD_TOKENS, Router
+from tandem.shared.block_hash import HashContract, hash_request_blocks
+from tandem.shared.kv_events import BlockStored, KVEventBatch
+from tandem.shared.prefix_index import KVEventPublisher, PrefixIndex
+from tandem.shared.registry import InstanceInfo, Registry
 
 MODEL_ID = "smollm2:abc:fp32"
 CONTRACT = HashContract(block_size=16, model_id=MODEL_ID, kv_dtype="float32")
@@ -140,7 +140,7 @@ def test_an_instance_marked_down_is_routed_around_until_its_ttl_unless_no_other_
 def test_the_registry_keeps_its_last_list_through_a_redis_restart(redis_server, monkeypatch):
     """Redis down: the last list; Redis back without its data: still the last list for REREGISTER_GRACE_S (the
     instances re-register with their next heartbeat), then what Redis says."""
-    import shared.registry
+    import tandem.shared.registry
 
     async def body(world):
         await world.register(instance("decode-1", "decode"))
@@ -149,7 +149,7 @@ def test_the_registry_keeps_its_last_list_through_a_redis_restart(redis_server, 
         assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
         redis_server.start()  # (empty: no persistence)
         assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
-        monkeypatch.setattr(shared.registry, "REREGISTER_GRACE_S", 0.0)
+        monkeypatch.setattr(tandem.shared.registry, "REREGISTER_GRACE_S", 0.0)
         for _ in range(20):  # (a read started before the grace ended may still answer first)
             if not await world.registry.list_instances("decode"):
                 break
@@ -165,7 +165,7 @@ def test_other_hash_contract_is_never_looked_up(redis_server, caplog):
         holder = instance("prefill-a", "prefill", contract=int8)
         await world.register(instance("decode-1", "decode"), holder, instance("prefill-b", "prefill"))
         await world.cache(holder, CACHED)
-        with caplog.at_level(logging.WARNING, logger="services.gateway.router"):
+        with caplog.at_level(logging.WARNING, logger="tandem.services.gateway.router"):
             route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
         assert f"prefill prefill-a: 0 queued + {len(PROMPT)} to compute" in route.explain()
         assert "prefill-a has hash contract" in caplog.text
@@ -199,7 +199,7 @@ def test_decode_choice_and_local_prefill_threshold(redis_server):
 
 
 def test_a_prompt_just_routed_draws_its_prefix_before_the_index_shows_it(redis_server, monkeypatch):
-    import services.gateway.router as router_module
+    import tandem.services.gateway.router as router_module
 
     async def body(world):
         await world.register(instance("decode-1", "decode"), instance("prefill-a", "prefill"),

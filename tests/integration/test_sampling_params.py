@@ -6,10 +6,10 @@ import grpc
 import pytest
 import torch
 
-from services.client import generate, make_request
-from shared.config import CacheConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
+from tandem.services.client import generate, make_request
+from tandem.shared.config import CacheConfig, SchedulerConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.prompts import prompt_token_ids
 
@@ -287,7 +287,7 @@ def _stream(cluster, req):
 def test_logprobs_and_min_tokens_with_speculation_equal_plain_and_penalties_do_not_speculate(model_config, tokenizer):
     """Speculative decoding (n-gram) keeps logprobs and min_tokens exactly as plain decoding; a request with
     penalties never speculates (its drafts would need a penalty state per position) and still decodes right."""
-    from shared.config import SpeculativeConfig
+    from tandem.shared.config import SpeculativeConfig
 
     text = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog."
     ids = prompt_token_ids(tokenizer, "chat", text)

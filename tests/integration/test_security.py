@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import Client, generate
-from services.security import TLSConfig, open_channel
+from tandem.services.client import Client, generate
+from tandem.services.security import TLSConfig, open_channel
 from tandem.v1 import common_pb2, common_pb2_grpc
 from tests.integration.helpers import RedisServer, greedy_request
 from tests.prompts import PROMPTS
@@ -54,7 +54,7 @@ def redis_with_password():
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, hf_references, pki, redis_with_password):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
     tls = TLSConfig(pki["service.pem"], pki["service.key"], pki["ca.pem"])
@@ -163,7 +163,7 @@ def test_no_secret_reaches_a_log(cluster):
 def test_a_wrong_redis_password_stops_a_service_with_a_clear_error(redis_with_password, service, tmp_path):
     url = redis_with_password.url.replace(PASSWORD, "not-the-password")
     env = dict(os.environ, REDIS_URL=url)
-    result = subprocess.run([sys.executable, "-m", f"services.{service}", "--port", "0", "--host", "127.0.0.1",
+    result = subprocess.run([sys.executable, "-m", f"tandem.services.{service}", "--port", "0", "--host", "127.0.0.1",
                              "--metrics-port" if service == "decode" else "--http-port", "0"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=180)  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
@@ -175,7 +175,7 @@ def test_a_wrong_redis_password_stops_a_service_with_a_clear_error(redis_with_pa
 def test_rediss_urls_carry_the_password_and_the_ca(redis_with_password, pki):
     """The registry through TLS: rediss:// with ssl_ca_certs in the URL (redis-py's from_url). The redis-server
     at hand is built without TLS, so a TLS terminator (Python's ssl, the service's certificate) fronts it."""
-    from shared.registry import InstanceInfo, Registry
+    from tandem.shared.registry import InstanceInfo, Registry
 
     async def run():
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -227,7 +227,7 @@ def test_the_container_health_check_speaks_mutual_tls(cluster, name):
 def test_the_client_cli_over_tls_with_the_key_from_the_environment(cluster, pki, hf_references):
     name, kind, text = PROMPTS[0]
     env = dict(os.environ, TANDEM_API_KEY=API_KEY)
-    result = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--json", "--gateway",
+    result = subprocess.run([sys.executable, "-m", "tandem.services.cli", "generate", "--json", "--gateway",
                              cluster.gateway_address, "--tls-ca-file", pki["ca.pem"], "--max-tokens", str(MAX_TOKENS),
                              "--temperature", "0", text], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip

@@ -6,7 +6,7 @@ import sys
 import grpc
 import pytest
 
-from services.client import make_request, stream
+from tandem.services.client import make_request, stream
 from tests.integration.helpers import generate_all, greedy_request, load, wait_all_blocks_free
 from tandem.v1 import gateway_pb2_grpc
 from tests.prompts import PROMPTS
@@ -71,7 +71,7 @@ def test_cli_generate_json(cluster, hf_references):
     and a copy of the block holding the rest)."""
     for _ in range(2):
         out = subprocess.run(
-            [sys.executable, "-m", "services", "generate", "--json", "--max-tokens", "12", "--temperature", "0",
+            [sys.executable, "-m", "tandem.services", "generate", "--json", "--max-tokens", "12", "--temperature", "0",
              "--gateway", cluster.gateway_address, "What is the capital of France?"],
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
@@ -91,7 +91,7 @@ def test_tandem_up_passes_engine_flags_to_every_engine(tmp_path):
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "services", "up", "--num-blocks", "96", "--kv-dtype", "bfloat16", "--max-num-seqs",
+        [sys.executable, "-m", "tandem.services", "up", "--num-blocks", "96", "--kv-dtype", "bfloat16", "--max-num-seqs",
          "5", "--prefill-chunk", "48", "--log-dir", str(tmp_path), "--prompt", "Hi", "--max-tokens", "3",
          "--temperature", "0"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

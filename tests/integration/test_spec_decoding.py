@@ -5,10 +5,10 @@ whole cluster (stop strings, usage counts)."""
 import grpc
 import pytest
 
-from services.client import make_request, stream
-from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine import LLMEngine
-from shared.request import FinishReason, Request, SamplingParams
+from tandem.services.client import make_request, stream
+from tandem.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import FinishReason, Request, SamplingParams
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 from tests.integration.helpers import wait_all_blocks_free
 from tests.prompts import PROMPTS, prompt_token_ids
@@ -48,7 +48,7 @@ def flat(chunks):
 @pytest.fixture(scope="module")
 def int8_draft(tmp_path_factory, model_dir) -> str:
     """An INT8 (RTN, per channel) copy of the model: a separate draft checkpoint with the same tokenizer."""
-    from tools.quantize import main as quantize
+    from tandem.tools.quantize import main as quantize
 
     out = tmp_path_factory.mktemp("draft") / "int8"
     assert quantize(["--method", "rtn", "--bits", "8", "--model", str(model_dir), "--out", str(out)]) == 0
@@ -150,7 +150,7 @@ def _starts(chunks):
 
 @pytest.fixture(scope="module", params=METHODS)
 def spec_cluster(request, model_dir, int8_draft):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
     spec = ["--speculative-method", request.param, "--num-speculative-tokens", "4"]
@@ -239,7 +239,7 @@ def test_cluster_structured_output_with_speculation(spec_cluster, model_config, 
 
 
 def test_bad_speculative_flags_are_refused(model_dir):
-    from services.launcher import LocalCluster
+    from tandem.services.launcher import LocalCluster
 
     with pytest.raises((RuntimeError, grpc.RpcError), match="speculative|num_speculative_tokens"):
         LocalCluster(str(model_dir), decode_args=["--speculative-method", "ngram", "--num-speculative-tokens", "0"],

@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 import torch
 
-from services.client import generate, make_request
-from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams, StructuredOutputParams
-from shared.structured_output import grammar_for
+from tandem.services.client import generate, make_request
+from tandem.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams, StructuredOutputParams
+from tandem.shared.structured_output import grammar_for
 from tandem.v1 import common_pb2
 from tests.integration.helpers import generate_all, hf_constrained, wait_all_blocks_free
 from tests.prompts import prompt_token_ids

@@ -1,6 +1,6 @@
 """The task suite through the engine: batched greedy outputs of the default fp32 model equal HF transformers'
 greedy outputs for the same prompts, and a report diffed against itself changes nothing."""
-from tools.tasks import CATEGORIES, diff_report, evaluate_tasks, load_tasks, prompt_token_ids
+from tandem.tools.tasks import CATEGORIES, diff_report, evaluate_tasks, load_tasks, prompt_token_ids
 
 NUM_TOKENS = 48
 

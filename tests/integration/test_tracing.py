@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from services.launcher import LocalCluster, free_port
+from tandem.services.launcher import LocalCluster, free_port
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.prompts import LONG_TEXT
 

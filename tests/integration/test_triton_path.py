@@ -25,10 +25,10 @@ NUM_LAYERS = 1
 SCRIPT = r"""
 import collections, json, sys, torch
 torch.set_num_threads(1)
-import kernels.kv_cache_write, kernels.paged_attention, kernels.prefill_attention, kernels.quant_gemm
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig
-from shared.engine import LLMEngine
-from shared.request import Request, SamplingParams
+import tandem.kernels.kv_cache_write, tandem.kernels.paged_attention, tandem.kernels.prefill_attention, tandem.kernels.quant_gemm
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
 
 model_dir, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
 config = ModelConfig.from_dir(model_dir, quantization)
@@ -46,11 +46,11 @@ def count_calls(module, name):  # the engine imports kernels lazily, by module a
     setattr(module, name, counted)
 
 
-count_calls(kernels.kv_cache_write, "write_kv_cache")
-count_calls(kernels.paged_attention, "paged_decode_attention")
-count_calls(kernels.prefill_attention, "paged_prefill_attention")
-count_calls(kernels.quant_gemm, "w8a16_gemm")
-count_calls(kernels.quant_gemm, "w4a16_gemm")
+count_calls(tandem.kernels.kv_cache_write, "write_kv_cache")
+count_calls(tandem.kernels.paged_attention, "paged_decode_attention")
+count_calls(tandem.kernels.prefill_attention, "paged_prefill_attention")
+count_calls(tandem.kernels.quant_gemm, "w8a16_gemm")
+count_calls(tandem.kernels.quant_gemm, "w4a16_gemm")
 
 engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(24, 4))
 tokens = {}
@@ -118,7 +118,7 @@ def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
         return compare_paths(cut_model_dir)
     quantized = tmp_path / fmt
     bits = ["--bits", "8"] if fmt == "int8" else ["--bits", "4", "--group-size", "128"]
-    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", *bits,
+    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", *bits,
                     "--model", str(cut_model_dir), "--out", str(quantized)], check=True, timeout=300)
     compare_paths(cut_model_dir, quantized)
 
@@ -126,8 +126,8 @@ def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
 def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_path):
     """A mixed checkpoint (k_proj float inside an INT4 qkv: the unfused ConcatLinear; down_proj INT8) and an
     outlier-aware INT8 one (the INT8 GEMM plus the float outlier columns) on the GPU code path."""
-    from shared.quant import QuantConfig, quantize_model, save_quantized
-    from tools.evaluation import load_hf_model
+    from tandem.shared.quant import QuantConfig, quantize_model, save_quantized
+    from tandem.tools.evaluation import load_hf_model
 
     layer_formats = {"model.layers.0.self_attn.k_proj": "float", "model.layers.0.mlp.down_proj": "int8"}
     model = load_hf_model(cut_model_dir)
@@ -135,7 +135,7 @@ def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_pa
     save_quantized(tmp_path / "mixed", quantize_model(model, "rtn", 4, 128, layer_formats=layer_formats), config,
                    cut_model_dir)
     compare_paths(cut_model_dir, tmp_path / "mixed")
-    subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "llmint8", "--bits", "8",
+    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "llmint8", "--bits", "8",
                     "--outlier-threshold", "1.0", "--model", str(cut_model_dir), "--out", str(tmp_path / "llmint8")],
                    check=True, timeout=300)  # fmt: skip
     compare_paths(cut_model_dir, tmp_path / "llmint8")

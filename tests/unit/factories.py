@@ -1,7 +1,7 @@
-from shared.config import SchedulerConfig
-from shared.kv_cache_manager import KVCacheManager
-from shared.request import Request, SamplingParams
-from shared.scheduler import Scheduler
+from tandem.shared.config import SchedulerConfig
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.request import Request, SamplingParams
+from tandem.shared.scheduler import Scheduler
 
 
 def make_request(request_id="r0", num_prompt_tokens=10, max_tokens=8, **params) -> Request:

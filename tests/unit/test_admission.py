@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
-from services.gateway.router import Route
-from shared.errors import DeadlineError
-from shared.registry import InstanceInfo
+from tandem.services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
+from tandem.services.gateway.router import Route
+from tandem.shared.errors import DeadlineError
+from tandem.shared.registry import InstanceInfo
 
 
 def run(coro):

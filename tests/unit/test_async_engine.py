@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from shared.async_engine import AsyncEngine
-from shared.engine import RequestOutput
-from shared.engine_stats import EngineStats
-from shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
-from shared.request import FinishReason, StructuredOutputParams
+from tandem.shared.async_engine import AsyncEngine
+from tandem.shared.engine import RequestOutput
+from tandem.shared.engine_stats import EngineStats
+from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
+from tandem.shared.request import FinishReason, StructuredOutputParams
 from tests.unit.factories import make_request
 
 

@@ -7,11 +7,11 @@ import math
 import pytest
 from tqdm import tqdm
 
-from benchmarks.bench.backends.base import RequestResult
-from benchmarks.bench.metrics import compute_metrics, meets_slos, parse_slo
-from benchmarks.bench.report import ratios_to_baseline
-from benchmarks.bench.runner import Load, RunResult, arrival_times_s, run_static, run_streaming
-from benchmarks.bench.workloads import BenchRequest, build_requests
+from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.metrics import compute_metrics, meets_slos, parse_slo
+from tandem.benchmarks.bench.report import ratios_to_baseline
+from tandem.benchmarks.bench.runner import Load, RunResult, arrival_times_s, run_static, run_streaming
+from tandem.benchmarks.bench.workloads import BenchRequest, build_requests
 
 
 def make_result(index=0, ttft=0.1, gaps=(0.05, 0.1, 0.05), tail=0.0, prompt_len=10, error=None, start=0.0):

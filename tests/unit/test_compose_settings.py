@@ -17,7 +17,7 @@ def test_compose_environment_names_real_flags(service):
     for path in FILES:
         names |= set((yaml.safe_load((REPO / path).read_text())["services"][service].get("environment") or {}))
     assert names
-    help_text = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], cwd=REPO, capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", f"tandem.services.{service}", "--help"], cwd=REPO, capture_output=True,
                                text=True, check=True).stdout  # fmt: skip
     help_text = " ".join(help_text.split())  # argparse wraps lines
     assert not [n for n in names if f"${n}" not in help_text], f"not a setting of {service}"

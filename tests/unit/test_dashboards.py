@@ -12,12 +12,12 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.flags import DEFAULT_METRICS_PORT
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.router import Route
-from services.metrics import EngineMetrics
-from shared.engine_stats import EngineStats, StepStats
-from shared.registry import InstanceInfo
+from tandem.services.flags import DEFAULT_METRICS_PORT
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.gateway.router import Route
+from tandem.services.metrics import EngineMetrics
+from tandem.shared.engine_stats import EngineStats, StepStats
+from tandem.shared.registry import InstanceInfo
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = json.loads((REPO / "deploy/grafana/tandem-dashboard.json").read_text())

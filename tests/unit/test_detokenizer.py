@@ -1,4 +1,4 @@
-from services.gateway.detokenizer import TextStream
+from tandem.services.gateway.detokenizer import TextStream
 
 
 def stream_all(tokenizer, ids, stop=()):

@@ -6,9 +6,9 @@ import asyncio
 import grpc
 import pytest
 
-from services.grpc_errors import status_for, upstream_error
-from services.server import Server
-from shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
+from tandem.services.grpc_errors import status_for, upstream_error
+from tandem.services.server import Server
+from tandem.shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
                            UnknownRequestError, UpstreamError)
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 

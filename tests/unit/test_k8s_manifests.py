@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.metrics import StatsCollector
+from tandem.services.metrics import StatsCollector
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy/k8s"
@@ -46,12 +46,12 @@ def render(build: str) -> tuple[dict, ...]:
 def help_env() -> dict[str, set[str] | None]:
     """{tier: the $VARIABLES its --help names}, or None for every tier while the services do not yet read each
     flag from TANDEM_<FLAG> (decode's --help does not name $TANDEM_PORT)."""
-    procs = {t: subprocess.Popen([sys.executable, "-m", f"services.{t}", "--help"], cwd=REPO, text=True,
+    procs = {t: subprocess.Popen([sys.executable, "-m", f"tandem.services.{t}", "--help"], cwd=REPO, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for t in TIERS}  # fmt: skip
     names = {}
     for tier, proc in procs.items():
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"python -m services.{tier} --help: {err}"
+        assert proc.returncode == 0, f"python -m tandem.services.{tier} --help: {err}"
         names[tier] = set(re.findall(r"\$([A-Z][A-Z0-9_]*)", out))
     return names if "TANDEM_PORT" in names["decode"] else dict.fromkeys(TIERS)
 
@@ -71,8 +71,8 @@ def tandem_containers(objects):
         pod = deployment["spec"]["template"]["spec"]
         for container in pod["containers"]:
             command = container.get("command", [])
-            if command[:2] == ["python", "-m"] and command[2].removeprefix("services.") in TIERS:
-                yield deployment, pod, container, command[2].removeprefix("services.")
+            if command[:2] == ["python", "-m"] and command[2].removeprefix("tandem.services.") in TIERS:
+                yield deployment, pod, container, command[2].removeprefix("tandem.services.")
 
 
 def container_env(objects, container: dict) -> tuple[dict[str, str], list[str]]:
@@ -126,7 +126,7 @@ def wiring_problems(objects) -> list[str]:
         read = help_env()[tier]
         for name in env:
             if read is not None and name not in read:
-                problems.append(f"{where}: sets {name}, which `python -m services.{tier} --help` does not name")
+                problems.append(f"{where}: sets {name}, which `python -m tandem.services.{tier} --help` does not name")
             elif read is None and not (name.startswith(("TANDEM_", "OTEL_")) or name == "REDIS_URL"):
                 problems.append(f"{where}: sets {name}, which no tandem service reads")
         for required in ("TANDEM_PORT", "TANDEM_DRAIN_TIMEOUT", "REDIS_URL"):

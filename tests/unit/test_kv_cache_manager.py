@@ -1,6 +1,6 @@
 import pytest
 
-from shared.kv_cache_manager import BlockPool, KVCacheManager
+from tandem.shared.kv_cache_manager import BlockPool, KVCacheManager
 from tests.unit.factories import make_request
 
 

@@ -6,10 +6,10 @@ import psutil
 import pytest
 import torch
 
-from shared.config import CacheConfig, EngineArgs
-from shared.model import LlamaForCausalLM
-from shared.model_files import default_model_dir
-from shared.model_runner import ModelRunner
+from tandem.shared.config import CacheConfig, EngineArgs
+from tandem.shared.model import LlamaForCausalLM
+from tandem.shared.model_files import default_model_dir
+from tandem.shared.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@ import pytest
 import torch
 import xxhash
 
-from services.kv_wire import (DEFAULT_MAX_MESSAGE_BYTES, KVTransferTally, checksum, kv_from_message, kv_to_messages,
+from tandem.services.kv_wire import (DEFAULT_MAX_MESSAGE_BYTES, KVTransferTally, checksum, kv_from_message, kv_to_messages,
                               last_message)
-from shared.config import CacheConfig
-from shared.engine import KVBlocks
+from tandem.shared.config import CacheConfig
+from tandem.shared.engine import KVBlocks
 from tandem.v1 import decode_pb2
 
 

@@ -11,8 +11,8 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from services.flags import add_engine_service_args, add_gateway_args, apply_env
-from services.logs import request_id_var, set_request_id, setup_logging
+from tandem.services.flags import add_engine_service_args, add_gateway_args, apply_env
+from tandem.services.logs import request_id_var, set_request_id, setup_logging
 
 log = logging.getLogger("tandem.test")
 

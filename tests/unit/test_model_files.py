@@ -1,7 +1,7 @@
 import torch
 from safetensors.torch import save_file
 
-from shared.model_files import fingerprint
+from tandem.shared.model_files import fingerprint
 
 
 def make_checkpoint(path, value: float):

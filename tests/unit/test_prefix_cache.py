@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from shared import block_hash
-from shared.block_hash import HashContract, hash_block_tokens, hash_request_blocks
-from shared.config import SchedulerConfig
-from shared.kv_cache_manager import KVCacheManager
-from shared.kv_events import BlockRemoved, BlockStored
-from shared.request import Request, SamplingParams
-from shared.scheduler import Scheduler
+from tandem.shared import block_hash
+from tandem.shared.block_hash import HashContract, hash_block_tokens, hash_request_blocks
+from tandem.shared.config import SchedulerConfig
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.kv_events import BlockRemoved, BlockStored
+from tandem.shared.request import Request, SamplingParams
+from tandem.shared.scheduler import Scheduler
 
 BS = 4
 CONTRACT = HashContract(BS, "m:abc:fp32", "fp32")
@@ -86,7 +86,7 @@ def test_salts_and_contracts_separate_hashes():
 
 
 def test_hashes_are_the_same_in_processes_with_different_hash_seeds():
-    code = ("from shared.block_hash import HashContract, hash_request_blocks;"
+    code = ("from tandem.shared.block_hash import HashContract, hash_request_blocks;"
             "print(hash_request_blocks(list(range(40)), HashContract(16, 'm', 'fp32'), 'salt')[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed),
                            capture_output=True, text=True, check=True).stdout for seed in ("0", "1", "12345")}

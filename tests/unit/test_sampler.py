@@ -1,6 +1,6 @@
 import torch
 
-from shared.sampler import apply_top_k_top_p, sample
+from tandem.shared.sampler import apply_top_k_top_p, sample
 from tests.unit.factories import make_request
 
 

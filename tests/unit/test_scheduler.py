@@ -1,4 +1,4 @@
-from shared.request import RequestStatus
+from tandem.shared.request import RequestStatus
 from tests.unit.factories import make_request, make_scheduler
 
 

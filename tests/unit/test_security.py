@@ -7,9 +7,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.flags import add_engine_service_args, add_gateway_args, settings_line
-from services.security import APIKeys, TLSConfig, open_channel, redacted_url, tls_from_args
-from services.server import Server
+from tandem.services.flags import add_engine_service_args, add_gateway_args, settings_line
+from tandem.services.security import APIKeys, TLSConfig, open_channel, redacted_url, tls_from_args
+from tandem.services.server import Server
 
 trustme = pytest.importorskip("trustme")
 
@@ -139,7 +139,7 @@ def test_api_keys_accept_only_a_bearer_of_a_key():
 
 
 def test_keys_come_from_flags_commas_and_the_environment(monkeypatch):
-    from services.flags import apply_env
+    from tandem.services.flags import apply_env
 
     monkeypatch.setenv("TANDEM_API_KEY", "env-a,env-b")
     parser = argparse.ArgumentParser()

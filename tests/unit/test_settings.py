@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from services.flags import add_engine_service_args, add_gateway_args, apply_env, settings_table
-from shared.config import TIER_DEFAULTS, EngineArgs
-from shared.request import SamplingParams
+from tandem.services.flags import add_engine_service_args, add_gateway_args, apply_env, settings_table
+from tandem.shared.config import TIER_DEFAULTS, EngineArgs
+from tandem.shared.request import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_readme_settings_table_is_the_one_the_parsers_make():
     readme = (REPO / "README.md").read_text()
-    table = readme.split("<!-- settings table: python -m services.flags -->\n", 1)[1].split("\n<!-- end", 1)[0]
+    table = readme.split("<!-- settings table: python -m tandem.services.flags -->\n", 1)[1].split("\n<!-- end", 1)[0]
     assert table == settings_table()
 
 
@@ -134,14 +134,14 @@ def test_engine_flags_default_to_engine_args_and_the_tier(tier, monkeypatch):
 
 def test_an_engine_without_a_registry_refuses_to_start(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no REDIS_URL
-    result = subprocess.run([sys.executable, "-m", "services.decode", "--port", "0"], cwd=REPO, env=env,
+    result = subprocess.run([sys.executable, "-m", "tandem.services.decode", "--port", "0"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "no registry" in result.stderr and "--standalone" in result.stderr
 
 
 def test_the_client_cli_imports_neither_torch_nor_redis_nor_the_engine():
-    code = ("import sys, services.cli; "
-            "print(sorted(m for m in ('torch', 'redis', 'transformers', 'shared.engine') if m in sys.modules))")
+    code = ("import sys, tandem.services.cli; "
+            "print(sorted(m for m in ('torch', 'redis', 'transformers', 'tandem.shared.engine') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
@@ -158,8 +158,8 @@ def test_the_gateway_refuses_bad_values_at_start(flag, value, capsys):
 
 
 def test_tandem_up_passes_the_gateway_policy_flags_it_was_given_to_the_gateway():
-    from services.cli import build_parser
-    from services.flags import gateway_policy_argv
+    from tandem.services.cli import build_parser
+    from tandem.services.flags import gateway_policy_argv
 
     argv = ["up", "--max-concurrent-requests", "3", "--routing", "round-robin", "--queue-timeout", "2.5"]
     args = build_parser(argv).parse_args(argv)

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine import LLMEngine
-from shared.kv_cache_manager import KVCacheManager
-from shared.request import Request, SamplingParams
-from shared.scheduler import Scheduler
-from shared.spec_decode.drafter import SPEC_REST_STEPS, SpeculationGate
-from shared.spec_decode.ngram_proposer import NgramProposer
-from shared.spec_decode.rejection_sampler import accept_draft_tokens
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.request import Request, SamplingParams
+from tandem.shared.scheduler import Scheduler
+from tandem.shared.spec_decode.drafter import SPEC_REST_STEPS, SpeculationGate
+from tandem.shared.spec_decode.ngram_proposer import NgramProposer
+from tandem.shared.spec_decode.rejection_sampler import accept_draft_tokens
 
 
 def test_ngram_longest_suffix_then_latest_occurrence():

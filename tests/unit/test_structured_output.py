@@ -3,9 +3,9 @@ tokenizer: masks per draft row, rollback, the grammar's end, and apply_bitmask a
 import pytest
 import torch
 
-from shared.errors import InvalidRequestError
-from shared.request import StructuredOutputParams
-from shared.structured_output import StructuredOutputManager, apply_bitmask
+from tandem.shared.errors import InvalidRequestError
+from tandem.shared.request import StructuredOutputParams
+from tandem.shared.structured_output import StructuredOutputManager, apply_bitmask
 
 
 @pytest.fixture(scope="module")

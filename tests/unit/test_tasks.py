@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from tests.prompts import prompt_token_ids as gateway_prompt_token_ids
-from tools.tasks import (CATEGORIES, TASKS_FILE, Task, TaskReport, TaskResult, cut_completion, diff_report, load_tasks,
+from tandem.tools.tasks import (CATEGORIES, TASKS_FILE, Task, TaskReport, TaskResult, cut_completion, diff_report, load_tasks,
                          prompt_token_ids, run_code, score)
 
 FAST_S = 2.0  # subprocess timeout in these tests

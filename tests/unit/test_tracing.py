@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 from opentelemetry import trace
 
-from services import tracing
-from services.channels import ChannelPool
-from services.grpc_tracing import client_interceptors
-from services.logs import request_id_var
-from services.server import Server
-from shared.errors import InvalidRequestError
+from tandem.services import tracing
+from tandem.services.channels import ChannelPool
+from tandem.services.grpc_tracing import client_interceptors
+from tandem.services.logs import request_id_var
+from tandem.services.server import Server
+from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,8 +101,8 @@ CONFIGURED = textwrap.dedent("""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from services import tracing
-    from services.channels import ChannelPool
+    from tandem.services import tracing
+    from tandem.services.channels import ChannelPool
     from tests.unit.test_tracing import serve_and_call
     from tandem.v1 import decode_pb2, decode_pb2_grpc
 
@@ -115,7 +115,7 @@ CONFIGURED = textwrap.dedent("""
         with tracing.use_span(caller := tracing.start_span("caller")):
             seen = await serve_and_call()
         caller.end()
-        from services.server import Server
+        from tandem.services.server import Server
         from tests.unit.test_tracing import FakeDecode
         server = Server("decode", "decode-test", "127.0.0.1", 0)
         decode_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(), server.grpc)

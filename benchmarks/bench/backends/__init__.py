@@ -1,7 +1,7 @@
 """The backends `tandem bench` compares, by name, and how each is built from the command line's settings."""
 from __future__ import annotations
 
-from benchmarks.bench.backends.base import Backend
+from tandem.benchmarks.bench.backends.base import Backend
 
 BACKENDS = ("cluster", "colocated", "hf-static", "llama-server")
 DEFAULT_BACKENDS = ("cluster", "colocated", "hf-static")  # + llama-server when its binary is found
@@ -15,20 +15,20 @@ def create_backend(name: str, args, model_dir: str, max_in_flight: int, max_requ
     max_in_flight: the most requests in flight at once (the largest concurrency, or every request for a
     request rate); max_request_len: the longest prompt + output in tokens (sizes llama-server's slots)."""
     if name == "cluster":
-        from benchmarks.bench.backends.cluster import ClusterBackend
+        from tandem.benchmarks.bench.backends.cluster import ClusterBackend
 
         return ClusterBackend(model_dir, args.engine_args, args.gateway, args.log_dir, args.request_timeout)
     if name == "colocated":
-        from benchmarks.bench.backends.colocated import ColocatedBackend
+        from tandem.benchmarks.bench.backends.colocated import ColocatedBackend
 
         return ColocatedBackend(model_dir, args.engine_args, args.threads, args.request_timeout)
     if name == "hf-static":
-        from benchmarks.bench.backends.hf_static import HFStaticBackend
+        from tandem.benchmarks.bench.backends.hf_static import HFStaticBackend
 
         return HFStaticBackend(model_dir, args.threads)
     if name == "llama-server":
-        from benchmarks.bench.backends.llama_server import LlamaServerBackend, find_llama_server
-        from shared.model_files import packaged_gguf_path
+        from tandem.benchmarks.bench.backends.llama_server import LlamaServerBackend, find_llama_server
+        from tandem.shared.model_files import packaged_gguf_path
 
         slots = args.llama_slots or max(LLAMA_DEFAULT_SLOTS, max_in_flight)
         ctx_per_slot = max(LLAMA_MIN_CTX_PER_SLOT, -(-max_request_len // 256) * 256)

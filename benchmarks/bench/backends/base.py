@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from benchmarks.bench.workloads import BenchRequest
+from tandem.benchmarks.bench.workloads import BenchRequest
 
 
 @dataclass(slots=True)

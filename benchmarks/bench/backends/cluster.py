@@ -12,11 +12,11 @@ import time
 
 import grpc
 
-from benchmarks.bench.backends.base import RequestResult
-from benchmarks.bench.workloads import BenchRequest
-from services.client import make_request
-from services.flags import engine_argv
-from shared.config import EngineArgs
+from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.workloads import BenchRequest
+from tandem.services.client import make_request
+from tandem.services.flags import engine_argv
+from tandem.shared.config import EngineArgs
 from tandem.v1 import gateway_pb2_grpc
 
 
@@ -44,7 +44,7 @@ class ClusterBackend:
     async def start(self) -> None:
         address = self.gateway
         if address is None:
-            from services.launcher import LocalCluster
+            from tandem.services.launcher import LocalCluster
 
             flags = engine_argv(dataclasses.replace(self.engine_args, model=None))
             extra = self.extra_args

@@ -12,9 +12,9 @@ import dataclasses
 import itertools
 import time
 
-from benchmarks.bench.backends.base import RequestResult
-from benchmarks.bench.workloads import BenchRequest
-from shared.config import TIER_DEFAULTS, EngineArgs
+from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.workloads import BenchRequest
+from tandem.shared.config import TIER_DEFAULTS, EngineArgs
 
 
 class ColocatedBackend:
@@ -32,13 +32,13 @@ class ColocatedBackend:
         self._ids = itertools.count()
 
     async def start(self) -> None:
-        from shared.async_engine import AsyncEngine, build_engine
+        from tandem.shared.async_engine import AsyncEngine, build_engine
 
         engine = build_engine(self.engine_args, "decode", self.model_dir)
         self.engine = AsyncEngine(engine, asyncio.get_running_loop())
 
     async def generate(self, request: BenchRequest) -> RequestResult:
-        from shared.request import FinishReason, Request, SamplingParams
+        from tandem.shared.request import FinishReason, Request, SamplingParams
 
         params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
         engine_request = Request(f"bench-{next(self._ids)}", list(request.prompt_token_ids), params)

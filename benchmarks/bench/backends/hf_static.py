@@ -12,8 +12,8 @@ import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.bench.backends.base import RequestResult
-from benchmarks.bench.workloads import BenchRequest
+from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.workloads import BenchRequest
 
 
 class StepTimer:

@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.bench.backends.base import RequestResult
-from benchmarks.bench.workloads import BenchRequest
+from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.workloads import BenchRequest
 
 HEALTH_TIMEOUT_S = 180
 
@@ -63,7 +63,7 @@ class LlamaServerBackend:
                 "--no-webui"]  # fmt: skip
 
     async def start(self) -> None:
-        from services.launcher import free_port
+        from tandem.services.launcher import free_port
 
         self.port = free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""kernels.bench: the benchmark cases run (tiny shapes, on the kernel test device) and agree with their
+"""tandem.kernels.bench: the benchmark cases run (tiny shapes, on the kernel test device) and agree with their
 references."""
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kernels import bench
+from tandem.kernels import bench
 
 
 @pytest.mark.parametrize("index", range(len(bench.make_cases("cpu", small=True))))
@@ -20,6 +20,6 @@ def test_small_case_matches_reference(device, index):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available, so kernels.bench would run the full "
                     "benchmark; this test checks the no-CUDA exit")
 def test_exits_cleanly_without_cuda():
-    result = subprocess.run([sys.executable, "-m", "kernels.bench"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "tandem.kernels.bench"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout

@@ -4,9 +4,9 @@ chunked-prefill batches."""
 import pytest
 import torch
 
-from kernels.paged_attention import paged_decode_attention_ref
-from kernels.prefill_attention import paged_prefill_attention_ref
-from shared.attention import AttentionMetadata, paged_attention
+from tandem.kernels.paged_attention import paged_decode_attention_ref
+from tandem.kernels.prefill_attention import paged_prefill_attention_ref
+from tandem.shared.attention import AttentionMetadata, paged_attention
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, Q_HEADS, HEAD_DIM = 64, 4, 3, 9, 16
 

@@ -4,8 +4,8 @@ head sizes, long contexts (the exp over scores far below the max), and the AVX2 
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_ext
-from kernels.paged_attention import paged_decode_attention_ref
+from tandem.kernels import cpu_attention, cpu_ext
+from tandem.kernels.paged_attention import paged_decode_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernels need AVX2 and a C++ compiler")
 

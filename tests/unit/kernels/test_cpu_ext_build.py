@@ -3,7 +3,7 @@ of a build that may still be running is kept."""
 import os
 import time
 
-from kernels import cpu_ext
+from tandem.kernels import cpu_ext
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):

@@ -5,7 +5,7 @@ multiples of the SIMD width (the scalar tails); bad arguments; and the AVX2 buil
 import pytest
 import torch
 
-from kernels import cpu_ext, cpu_layer_ops as ops
+from tandem.kernels import cpu_ext, cpu_layer_ops as ops
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernels need AVX2 and a C++ compiler")
 

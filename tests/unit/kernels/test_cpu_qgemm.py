@@ -4,9 +4,9 @@ CPU forward (kernel for small M, dequantize + matmul otherwise) against the laye
 import pytest
 import torch
 
-from kernels import cpu_ext, cpu_qgemm
-from kernels.int4_format import pack_int4
-from shared.quant.layers import CPU_KERNEL_MAX_M, WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.kernels import cpu_ext, cpu_qgemm
+from tandem.kernels.int4_format import pack_int4
+from tandem.shared.quant.layers import CPU_KERNEL_MAX_M, WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="the CPU kernel needs AVX2 and a C++ compiler")
 # Sums of K products of size ~1 in fp32 with another summation order.

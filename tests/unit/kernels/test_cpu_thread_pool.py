@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_ext, cpu_qgemm
+from tandem.kernels import cpu_attention, cpu_ext, cpu_qgemm
 from tests.unit.kernels.test_cpu_attention_kernel import make
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernels need AVX2 and a C++ compiler")

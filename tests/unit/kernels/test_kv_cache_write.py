@@ -4,7 +4,7 @@ write the same slots."""
 import pytest
 import torch
 
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from tandem.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 
 
 def _tokens(num_tokens, num_kv_heads, head_dim, dtype, device, seed=0):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from tandem.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
 NUM_KV_HEADS = 2
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.paged_attention import paged_decode_attention_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from tandem.kernels.paged_attention import paged_decode_attention_ref
+from tandem.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
 NUM_KV_HEADS = 2
 

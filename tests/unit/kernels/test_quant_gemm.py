@@ -4,8 +4,8 @@ int4 packing."""
 import pytest
 import torch
 
-from kernels.int4_format import pack_int4, unpack_int4
-from kernels.quant_gemm import w4a16_gemm, w4a16_gemm_ref, w8a16_gemm, w8a16_gemm_ref
+from tandem.kernels.int4_format import pack_int4, unpack_int4
+from tandem.kernels.quant_gemm import w4a16_gemm, w4a16_gemm_ref, w8a16_gemm, w8a16_gemm_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Outputs are sums of K products of size ~1; fp16/bf16 tolerances scale with the output magnitude.

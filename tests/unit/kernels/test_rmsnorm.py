@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.rmsnorm import rms_norm, rms_norm_ref
+from tandem.kernels.rmsnorm import rms_norm, rms_norm_ref
 
 
 def _inputs(num_tokens, hidden_size, dtype, device, seed=0):

@@ -31,7 +31,7 @@ def make_tiny_llama():
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from shared.model_files import default_model_dir, is_model_dir
+    from tandem.shared.model_files import default_model_dir, is_model_dir
 
     path = default_model_dir()
     if not is_model_dir(path):
@@ -42,7 +42,7 @@ def model_dir():
 @pytest.fixture(scope="session")
 def eval_reference(model_dir):
     """(windows [B, T] token ids of tools/data/quant_eval.txt, fp32 log-probs per window)."""
-    from tools.evaluation import EVAL_TEXT, eval_windows, load_hf_model, reference_logprobs, text_token_ids
+    from tandem.tools.evaluation import EVAL_TEXT, eval_windows, load_hf_model, reference_logprobs, text_token_ids
 
     windows = eval_windows(text_token_ids(model_dir, EVAL_TEXT), EVAL_SEQ_LEN, EVAL_POSITIONS)
     return windows, reference_logprobs(load_hf_model(model_dir), windows)
@@ -50,6 +50,6 @@ def eval_reference(model_dir):
 
 @pytest.fixture(scope="session")
 def calib_ids(model_dir):
-    from tools.evaluation import CALIBRATION_TEXT, text_token_ids
+    from tandem.tools.evaluation import CALIBRATION_TEXT, text_token_ids
 
     return text_token_ids(model_dir, CALIBRATION_TEXT)[:1024]

@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from kernels.int4_format import unpack_int4
-from shared.quant import apply_quantized_state, quantize_model
-from shared.quant.awq import apply_layer_scales, search_scales
-from shared.quant.calibration import capture_first_layer_inputs, decoder_layers, record_inputs, run_layer
-from shared.quant.gptq import gptq_quantize_weight
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-from shared.quant.rtn import fake_quantize
+from tandem.kernels.int4_format import unpack_int4
+from tandem.shared.quant import apply_quantized_state, quantize_model
+from tandem.shared.quant.awq import apply_layer_scales, search_scales
+from tandem.shared.quant.calibration import capture_first_layer_inputs, decoder_layers, record_inputs, run_layer
+from tandem.shared.quant.gptq import gptq_quantize_weight
+from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.shared.quant.rtn import fake_quantize
 
 
 def make_problem(n=32, k=192, tokens=400, seed=0):

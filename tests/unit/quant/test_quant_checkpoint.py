@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kernels.int4_format import unpack_int4
-from shared.quant import apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
-from shared.quant.checkpoint import load_quantized_state, save_quantized
-from shared.quant.config import QuantConfig
-from shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
-from shared.quant.modules import quantizable_linears
+from tandem.kernels.int4_format import unpack_int4
+from tandem.shared.quant import apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
+from tandem.shared.quant.checkpoint import load_quantized_state, save_quantized
+from tandem.shared.quant.config import QuantConfig
+from tandem.shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq
+from tandem.shared.quant.modules import quantizable_linears
 
 
 AUTOAWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ WQLinear_GEMM: nibble i holds channel 8c + order[i]

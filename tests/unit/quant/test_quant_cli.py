@@ -4,9 +4,9 @@ import argparse
 import pytest
 import torch
 
-from shared.quant import QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
-from tools.eval_quant import _parse_method, add_eval_args, run_eval
-from tools.quantize import add_quantize_args, run_quantize
+from tandem.shared.quant import QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
+from tandem.tools.eval_quant import _parse_method, add_eval_args, run_eval
+from tandem.tools.quantize import add_quantize_args, run_quantize
 
 
 @pytest.mark.parametrize("config,name", [
@@ -104,7 +104,7 @@ def test_eval_checks_its_arguments_before_any_work(tmp_path, make_tiny_llama):
 
 
 def test_calibration_text_must_be_varied():
-    from shared.quant.calibration import MIN_DISTINCT_TOKENS, calibration_batch
+    from tandem.shared.quant.calibration import MIN_DISTINCT_TOKENS, calibration_batch
 
     assert calibration_batch(torch.arange(64), 32).shape == (2, 32)
     with pytest.raises(ValueError, match="distinct tokens"):
@@ -131,12 +131,12 @@ def test_tandem_commands_end_bad_input_with_one_error_line(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "services", "quantize", "--method", "rtn", "--bits", "8",
+    result = subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", "--bits", "8",
                              "--group-size", "128", "--out", str(tmp_path / "q")],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: int8 is per output channel")
-    result = subprocess.run([sys.executable, "-m", "services", "up", "--quantization", " ", "--prompt", "hi"],
+    result = subprocess.run([sys.executable, "-m", "tandem.services", "up", "--quantization", " ", "--prompt", "hi"],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2 and "--quantization: must name a checkpoint" in result.stderr, result.stderr
 
@@ -196,7 +196,7 @@ def test_analysis_json_feeds_a_kl_budgeted_checkpoint(tmp_path, model_dir, capsy
 def test_a_sensitivity_file_is_checked_against_the_model(tmp_path):
     import json
 
-    from tools.quantize import _read_sensitivities
+    from tandem.tools.quantize import _read_sensitivities
 
     linears = {"model.layers.0.mlp.up_proj": torch.nn.Linear(64, 96), "model.layers.0.mlp.down_proj":
                torch.nn.Linear(96, 64)}

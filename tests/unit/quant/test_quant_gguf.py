@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared.quant import apply_quantization, detect_quant_config
-from shared.quant.gguf_loader import load_gguf_state
-from shared.quant.modules import quantizable_linears
+from tandem.shared.quant import apply_quantization, detect_quant_config
+from tandem.shared.quant.gguf_loader import load_gguf_state
+from tandem.shared.quant.modules import quantizable_linears
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType

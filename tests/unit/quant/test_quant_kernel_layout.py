@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[3]
 SCRIPT = r"""
 import torch
 import torch.nn.functional as F
-from kernels.quant_gemm import w4a16_gemm, w8a16_gemm
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.kernels.quant_gemm import w4a16_gemm, w8a16_gemm
+from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
 torch.manual_seed(0)
 for k, group_size in ((128, 32), (96, 64)):  # 96 / 64: K padded to 128

@@ -3,11 +3,11 @@ for group sizes that do not divide K, RTN error bounds, and torch's packed CPU o
 import pytest
 import torch
 
-from benchmarks.quant_cpu_ops import int4pack_linear, to_int4pack_cpu
-from kernels import cpu_qgemm
-from kernels.int4_format import pack_int4, unpack_int4
-from shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
-from shared.quant.rtn import fake_quantize, int4_params, quantize_int4
+from tandem.benchmarks.quant_cpu_ops import int4pack_linear, to_int4pack_cpu
+from tandem.kernels import cpu_qgemm
+from tandem.kernels.int4_format import pack_int4, unpack_int4
+from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from tandem.shared.quant.rtn import fake_quantize, int4_params, quantize_int4
 
 
 def int4_reference_weight(layer: WeightOnlyInt4Linear) -> torch.Tensor:

@@ -7,8 +7,8 @@ cannot follow the 32-wide blocks) is a hard case where GPTQ and AWQ must beat RT
 import pytest
 import torch
 
-from shared.quant import apply_quantization, apply_quantized_state, quantize_model
-from tools.evaluation import compare_to_reference, load_hf_model
+from tandem.shared.quant import apply_quantization, apply_quantized_state, quantize_model
+from tandem.tools.evaluation import compare_to_reference, load_hf_model
 
 
 def evaluate(model_dir, eval_reference, method, bits, group_size, calib_ids=None, **options):
@@ -40,7 +40,7 @@ def test_int8_rtn_per_group_meets_the_target(model_dir, eval_reference):
 
 
 def test_native_gguf_q4_1_matches_hf_dequantized_model(model_dir, eval_reference):
-    from shared.model_files import packaged_gguf_path
+    from tandem.shared.model_files import packaged_gguf_path
 
     windows, reference = eval_reference
     model = load_hf_model(model_dir)
@@ -67,7 +67,7 @@ def test_int4_g32_rtn_recovers_the_q4_1_grid(model_dir, eval_reference):
 
 
 def test_quantized_weight_bytes(model_dir):
-    from shared.quant import weight_bytes
+    from tandem.shared.quant import weight_bytes
 
     model = load_hf_model(model_dir)
     fp32 = weight_bytes(model)
@@ -88,8 +88,8 @@ def test_outlier_aware_int8_beats_per_channel_int8(model_dir, eval_reference, ca
 def test_sensitivity_ranking_is_stable_across_calibration_seeds(model_dir):
     """Two calibration samples (seeds 0 and 1: different windows of the calibration text) must rank the same
     linears as sensitive. Layers 0, 1, 14, 28 and 29 (35 linears) keep the run short."""
-    from shared.quant.sensitivity import SensitivityProbe, calibration_windows, rank_correlation
-    from tools.evaluation import CALIBRATION_TEXT, text_token_ids
+    from tandem.shared.quant.sensitivity import SensitivityProbe, calibration_windows, rank_correlation
+    from tandem.tools.evaluation import CALIBRATION_TEXT, text_token_ids
 
     model = load_hf_model(model_dir)
     ids = text_token_ids(model_dir, CALIBRATION_TEXT)
