@@ -6,7 +6,7 @@ from dataclasses import fields
 from tandem.shared.engine_stats import EngineStats
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.request import FinishReason, SamplingParams, StructuredOutputParams
-from tandem.shared.sampler import TokenLogprobs
+from tandem.shared.request import TokenLogprobs
 from tandem.v1 import common_pb2
 
 # The proto's optional scalar fields that map one to one onto SamplingParams.

@@ -18,8 +18,8 @@ from tandem.services.server import Server, exit_on_signal_while_starting, new_in
 from tandem.services.tracing import setup_tracing
 from tandem.shared.async_engine import AsyncEngine, build_engine
 from tandem.shared.config import EngineArgs
-from tandem.shared.prefix_index import KVEventPublisher
-from tandem.shared.registry import InstanceInfo, Registry
+from tandem.shared.cluster_state.prefix_index import KVEventPublisher
+from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.services.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tandem.services.security import TLSConfig, open_channel
 from tandem.shared import envs
-from tandem.shared.registry import KEY_PREFIX
+from tandem.shared.cluster_state.registry import KEY_PREFIX
 
 
 def free_port() -> int:

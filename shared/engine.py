@@ -21,7 +21,7 @@ from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_events import KVEventBatch
 from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
 from tandem.shared.request import FinishReason, Request, RequestStatus
-from tandem.shared.sampler import TokenLogprobs
+from tandem.shared.request import TokenLogprobs
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
 from tandem.shared.spec_decode.drafter import Drafter
 from tandem.shared.structured_output import StructuredOutputManager
@@ -277,7 +277,8 @@ class LLMEngine:
                 queue_times.append(request.queue_time_s)
         if self.drafter is not None:
             self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
-        scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
+        scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+            scheduler_output.constrained_samples())
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
         outputs = self.update_from_output(scheduler_output, model_output, kv_blocks)

@@ -1,4 +1,4 @@
-"""Prefix-cache events of one instance's block pool, the input of the shared prefix index (shared/prefix_index.py).
+"""Prefix-cache events of one instance's block pool, the input of the shared prefix index (shared/cluster_state/prefix_index.py).
 
 The pool (shared/kv_cache_manager.py) records a BlockStored when a full, computed block gets its hash and becomes
 reusable, and a BlockRemoved when an evicted block loses it; the engine hands them out once per step as one

@@ -9,7 +9,8 @@ import torch
 from tandem.shared.attention import AttentionMetadata
 from tandem.shared.config import CacheConfig, ModelConfig
 from tandem.shared.model import load_model
-from tandem.shared.sampler import TokenLogprobs, process_logits, sample, token_logprobs
+from tandem.shared.request import TokenLogprobs
+from tandem.shared.sampler import process_logits, sample, token_logprobs
 from tandem.shared.scheduler import SchedulerOutput
 from tandem.shared.spec_decode.rejection_sampler import accept_draft_tokens, rejection_sample
 from tandem.shared.structured_output import apply_bitmask

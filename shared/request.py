@@ -4,16 +4,36 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tandem.shared.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tandem.shared.sampler import TokenLogprobs
-    from tandem.shared.structured_output import GrammarMatcher
+    import torch
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's cap)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the model's raw distribution (log_softmax of its logits before
+    penalties, temperature or filters: vLLM's default logprobs mode), its rank there (1 = the most likely), and
+    the top most likely tokens as (token id, logprob), most likely first (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Grammar(Protocol):
+    """A constrained request's grammar state (structured_output.GrammarMatcher is the implementation)."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def num_valid(self, token_ids: list[int]) -> int: ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, draft_token_ids: list[int]) -> None: ...
 
 
 class RequestStatus(enum.Enum):
@@ -147,7 +167,7 @@ class Request:
     kv_skip_blocks: int = 0  # prefill tier: leading blocks the receiving decode holds already (not sent)
     # with sampling_params.prompt_logprobs: prompt tokens 1, 2, ... as computed so far (TokenLogprobs)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    grammar: GrammarMatcher | None = None  # with structured_output: the grammar's state after the output so far
+    grammar: Grammar | None = None  # with structured_output: the grammar's state after the output so far
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
     num_draft_tokens: int = 0  # drafts verified so far, and of those accepted (speculative decoding)
     num_accepted_tokens: int = 0

@@ -5,24 +5,10 @@ The order is vLLM's: penalties and min_tokens on the raw logits, then temperatur
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import xxhash
 
-from tandem.shared.request import Request, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """One generated token's log-probability under the model's raw distribution (log_softmax of its logits before
-    penalties, temperature or filters: vLLM's default logprobs mode), its rank there (1 = the most likely), and
-    the top most likely tokens as (token id, logprob), most likely first (as many as the request asked for)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()
+from tandem.shared.request import Request, SamplingParams, TokenLogprobs
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:

@@ -52,6 +52,11 @@ class SchedulerOutput:
         return request.num_computed_tokens + self.num_scheduled_tokens[request.request_id] == (
             request.num_tokens + num_drafts)
 
+    def constrained_samples(self) -> list[tuple[Request, list[int]]]:
+        """(request, its draft token ids) for each request with a grammar that samples this step."""
+        return [(r, self.scheduled_spec_decode_tokens.get(r.request_id, [])) for r in self.scheduled_requests
+                if r.grammar is not None and self.samples(r)]
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):

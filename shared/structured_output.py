@@ -26,8 +26,7 @@ import llguidance
 import torch
 
 from tandem.shared.errors import InvalidRequestError
-from tandem.shared.request import StructuredOutputParams
-from tandem.shared.scheduler import SchedulerOutput
+from tandem.shared.request import Request, StructuredOutputParams
 
 # JSON is generated in json.dumps' default layout ({"a": 1, "b": [2, 3]}): with free whitespace a small model can
 # loop on newlines until max_tokens.
@@ -150,14 +149,14 @@ class StructuredOutputManager:
             raise InvalidRequestError(f"structured_output: {error}")
         return GrammarMatcher(matcher, self.eos_token_ids)
 
-    def grammar_bitmask(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """The bitmasks of this step's constrained requests that sample: request id -> [num_drafts + 1,
-        ceil(vocab / 32)] int32 (GrammarMatcher.fill_bitmask), for the rows ModelRunner.execute_model samples."""
+    def grammar_bitmask(self, sampling: list[tuple[Request, list[int]]]) -> dict[str, torch.Tensor]:
+        """The bitmasks of this step's constrained requests that sample, given as (request, its draft token ids
+        this step): request id -> [num_drafts + 1, ceil(vocab / 32)] int32 (GrammarMatcher.fill_bitmask), for the
+        rows ModelRunner.execute_model samples. Unconstrained requests are skipped."""
         masks = {}
-        for request in out.scheduled_requests:
-            if request.grammar is None or not out.samples(request):
+        for request, drafts in sampling:
+            if request.grammar is None:
                 continue
-            drafts = out.scheduled_spec_decode_tokens.get(request.request_id, [])
             bitmask = torch.full((len(drafts) + 1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
             request.grammar.fill_bitmask(bitmask, drafts)
             masks[request.request_id] = bitmask

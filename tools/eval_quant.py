@@ -27,8 +27,8 @@ import torch
 
 from tandem.shared.config import ModelConfig
 from tandem.shared.model_files import packaged_gguf_path
-from tandem.shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config,
-                          quantize_model, save_quantized, weight_bytes)
+from tandem.shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config, save_quantized, weight_bytes)
+from tandem.tools.quant import quantize_model
 from tandem.shared.quant.modules import quantizable_linears
 from tandem.tools.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, Agreement, compare_to_reference, engine_speed,
                               eval_windows, load_hf_model, reference_logprobs, text_token_ids)

@@ -6,7 +6,7 @@ sensitivity.
     tandem quantize --analyze --bits 4 [--json]
 
 --analyze prints every linear's sensitivity (KL over calibration windows with only that linear quantized to
-the --bits/--group-size format, shared/quant/sensitivity.py), most sensitive first, and a summary per layer type.
+the --bits/--group-size format, tools/quant/sensitivity.py), most sensitive first, and a summary per layer type.
 --budget-bytes / --max-kl run the same analysis (or read it from --sensitivity FILE, an `--analyze --json` output)
 and write a mixed-precision checkpoint: the linears that remove the most KL per byte keep --high-precision, the
 rest take the --bits format.
@@ -24,9 +24,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tandem.shared.quant import QuantConfig, apply_quantized_state, quantize_model, save_quantized, weight_bytes
+from tandem.shared.quant import QuantConfig, apply_quantized_state, save_quantized, weight_bytes
+
+from tandem.tools.quant import quantize_model
 from tandem.shared.quant.modules import quantizable_linears
-from tandem.shared.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
+from tandem.tools.quant.outliers import DEFAULT_MAX_FRACTION, DEFAULT_THRESHOLD
 from tandem.tools.evaluation import CALIBRATION_TEXT, load_hf_model, text_token_ids
 from tandem.tools.prepare_model import float_model_dir
 
@@ -172,7 +174,7 @@ def _method_options(args: argparse.Namespace) -> dict:
 
 
 def _probe(args: argparse.Namespace, model, calib):
-    from tandem.shared.quant.sensitivity import SensitivityProbe, calibration_windows
+    from tandem.tools.quant.sensitivity import SensitivityProbe, calibration_windows
 
     return SensitivityProbe(model, calibration_windows(calib, args.calib_seq_len, args.calib_windows, args.calib_seed))
 
@@ -185,7 +187,7 @@ def _sensitivities(probe, low: str):
 def _choose_mixed(args: argparse.Namespace, model, calib, low: str) -> dict[str, str]:
     """The layer map of a mixed checkpoint (sensitivity.choose_layer_formats), printed with its calibration KL."""
     from tandem.shared.quant import float_tensors
-    from tandem.shared.quant.sensitivity import choose_layer_formats
+    from tandem.tools.quant.sensitivity import choose_layer_formats
 
     if args.sensitivity is None:
         _fill_calibration(args)
@@ -213,7 +215,7 @@ def _read_sensitivities(path: str, low: str, linears: dict):
     """(the LinearSensitivity list of an `--analyze --json` output, the calibration settings it recorded),
     checked against the model's linears (name -> nn.Linear): ValueError unless it analysed format low on exactly
     these linears with finite KLs >= 0. Byte counts are recomputed from the model's shapes, not read."""
-    from tandem.shared.quant.sensitivity import LinearSensitivity, format_bytes
+    from tandem.tools.quant.sensitivity import LinearSensitivity, format_bytes
 
     try:
         data = json.loads(Path(path).read_text())
@@ -238,7 +240,7 @@ def _read_sensitivities(path: str, low: str, linears: dict):
 
 def _analyze(args: argparse.Namespace, low: str) -> int:
     from tandem.shared.quant import float_tensors
-    from tandem.shared.quant.sensitivity import format_bytes, summarize_by_kind
+    from tandem.tools.quant.sensitivity import format_bytes, summarize_by_kind
 
     model_dir = float_model_dir(args.model)
     model = load_hf_model(model_dir)

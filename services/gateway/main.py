@@ -32,8 +32,8 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
 
     from tandem.shared.block_hash import HashContract
     from tandem.shared.model_files import default_model_dir
-    from tandem.shared.prefix_index import PrefixIndex
-    from tandem.shared.registry import Registry
+    from tandem.shared.cluster_state.prefix_index import PrefixIndex
+    from tandem.shared.cluster_state.registry import Registry
 
     torch.set_num_threads(1)
     await check_redis_auth(args.redis_url)  # (a wrong password stops the start: ValueError naming --redis-url)

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from tandem.shared.registry import InstanceInfo
+from tandem.shared.cluster_state.registry import InstanceInfo
 
 
 class PrefillLostError(Exception):

@@ -1,5 +1,5 @@
 """Routing: one cost model picks the prefill and the decode for a prompt, from the instances registered in Redis
-and the prefix index (shared/prefix_index.py). docs/prefix-caching.md describes the model.
+and the prefix index (shared/cluster_state/prefix_index.py). docs/prefix-caching.md describes the model.
 
 - Prefill: the fewest tokens to compute before this prompt's first token: the instance's queue
   (num_queued_tokens) plus the prompt minus its longest cached leading run there.
@@ -14,7 +14,7 @@ decode must not be asked to compute a prompt whose KV is still on its way to it.
 Ties go round-robin. Instances whose hash contract differs from the gateway's are never looked up in the index
 (logged once each). If Redis cannot answer, routing is load-only until it can: after one failed lookup no request
 waits for the index until a background probe finds it answering, and instances come from the registry's last
-view (shared/registry.py). routing="round-robin" ignores the
+view (shared/cluster_state/registry.py). routing="round-robin" ignores the
 index and queues (the baseline the benchmark compares against).
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from tandem.services.tracing import traced
 from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
 from tandem.shared.errors import NoInstanceError
-from tandem.shared.prefix_index import IndexUnavailableError, PrefixIndex
-from tandem.shared.registry import InstanceInfo, Registry
+from tandem.shared.cluster_state.prefix_index import IndexUnavailableError, PrefixIndex
+from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 
 log = logging.getLogger(__name__)
 DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as much as 256 cached prompt tokens

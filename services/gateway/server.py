@@ -26,7 +26,7 @@ from tandem.services.grpc_errors import error_code, peer_is_down, upstream_error
 from tandem.services.tracing import bind_request, in_span, observe_generate, start_span, traced, traced_stream
 from tandem.shared.config import ModelConfig
 from tandem.shared.errors import DeadlineError, InvalidRequestError, NoInstanceError, UpstreamError
-from tandem.shared.registry import InstanceInfo
+from tandem.shared.cluster_state.registry import InstanceInfo
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)

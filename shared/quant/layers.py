@@ -65,7 +65,7 @@ class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (qweight * scales).T (+ bias); int8 weights, float activations (int16 inside the VNNI kernel).
 
     With outlier columns (LLM.int8()'s decomposition, Dettmers et al. 2022, applied to the weights; see
-    shared/quant/outliers.py): y = x[:, ~O] @ (qweight * scales)[:, ~O].T + x[:, O] @ outlier_weight.T, where O
+    tools/quant/outliers.py): y = x[:, ~O] @ (qweight * scales)[:, ~O].T + x[:, O] @ outlier_weight.T, where O
     (outlier_idx) are the input channels whose activations are large. qweight holds zero codes in O's columns,
     so every INT8 kernel path runs unchanged and one small float matmul adds the outlier part.
 

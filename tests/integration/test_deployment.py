@@ -14,7 +14,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.services.client import generate
-from tandem.shared.registry import KEY_PREFIX
+from tandem.shared.cluster_state.registry import KEY_PREFIX
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.integration.helpers import generate_all, greedy_request, load
 from tests.prompts import PROMPTS

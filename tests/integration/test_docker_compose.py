@@ -15,7 +15,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.services.launcher import free_port
-from tandem.shared.registry import KEY_PREFIX
+from tandem.shared.cluster_state.registry import KEY_PREFIX
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 from tests.integration.helpers import generate_all, greedy_request
 from tests.prompts import PROMPTS

@@ -159,7 +159,7 @@ def client_error_for(reply: decode_pb2.DecodeResponse):
 
     from tandem.services.gateway.server import GatewayServicer
     from tandem.shared.errors import UpstreamError
-    from tandem.shared.registry import InstanceInfo
+    from tandem.shared.cluster_state.registry import InstanceInfo
 
     class Call:
         async def read(self):

@@ -1,5 +1,5 @@
 """The prefix index in a real redis-server: events in, exact prefix lengths out; replays, gaps, a flushed or
-restarted Redis, stale incarnations and separate hash contracts (shared/prefix_index.py)."""
+restarted Redis, stale incarnations and separate hash contracts (shared/cluster_state/prefix_index.py)."""
 import asyncio
 import json
 import signal
@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 
 from tandem.shared.block_hash import HashContract, hash_request_blocks
 from tandem.shared.kv_events import BlockRemoved, BlockStored, KVEventBatch
-from tandem.shared.prefix_index import IndexUnavailableError, KVEventPublisher, PrefixIndex
-from tandem.shared.registry import InstanceInfo
+from tandem.shared.cluster_state.prefix_index import IndexUnavailableError, KVEventPublisher, PrefixIndex
+from tandem.shared.cluster_state.registry import InstanceInfo
 
 CONTRACT = HashContract(block_size=4, model_id="m:abc:fp32", kv_dtype="float32")
 OTHER_CONTRACT = HashContract(block_size=4, model_id="m:abc:int8", kv_dtype="float32")

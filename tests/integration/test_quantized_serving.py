@@ -60,7 +60,7 @@ def mixed_dir(model_dir, tmp_path_factory):
     ranks first, so float v_proj sit beside INT4 q/k_proj and the fused qkv_proj cannot be one matmul."""
     from tandem.shared.quant import float_tensors
     from tandem.shared.quant.modules import quantizable_linears
-    from tandem.shared.quant.sensitivity import format_bytes
+    from tandem.tools.quant.sensitivity import format_bytes
     from tandem.tools.evaluation import load_hf_model
 
     model = load_hf_model(model_dir)
@@ -84,7 +84,7 @@ def test_mixed_checkpoint_serves_token_exact_within_its_budget(model_dir, mixed_
     from tandem.services.launcher import LocalCluster
     from tandem.shared.model_files import read_safetensors
     from tandem.shared.quant.layers import ConcatLinear
-    from tandem.shared.quant.sensitivity import format_bytes
+    from tandem.tools.quant.sensitivity import format_bytes
 
     path, budget = mixed_dir
     config = ModelConfig.from_dir(model_dir, str(path))

@@ -8,8 +8,8 @@ import logging
 from tandem.services.gateway.router import DECODE_LOAD_TOKENS, Router
 from tandem.shared.block_hash import HashContract, hash_request_blocks
 from tandem.shared.kv_events import BlockStored, KVEventBatch
-from tandem.shared.prefix_index import KVEventPublisher, PrefixIndex
-from tandem.shared.registry import InstanceInfo, Registry
+from tandem.shared.cluster_state.prefix_index import KVEventPublisher, PrefixIndex
+from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 
 MODEL_ID = "smollm2:abc:fp32"
 CONTRACT = HashContract(block_size=16, model_id=MODEL_ID, kv_dtype="float32")
@@ -140,7 +140,7 @@ def test_an_instance_marked_down_is_routed_around_until_its_ttl_unless_no_other_
 def test_the_registry_keeps_its_last_list_through_a_redis_restart(redis_server, monkeypatch):
     """Redis down: the last list; Redis back without its data: still the last list for REREGISTER_GRACE_S (the
     instances re-register with their next heartbeat), then what Redis says."""
-    import tandem.shared.registry
+    import tandem.shared.cluster_state.registry
 
     async def body(world):
         await world.register(instance("decode-1", "decode"))
@@ -149,7 +149,7 @@ def test_the_registry_keeps_its_last_list_through_a_redis_restart(redis_server, 
         assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
         redis_server.start()  # (empty: no persistence)
         assert [i.instance_id for i in await world.registry.list_instances("decode")] == ["decode-1"]
-        monkeypatch.setattr(tandem.shared.registry, "REREGISTER_GRACE_S", 0.0)
+        monkeypatch.setattr(tandem.shared.cluster_state.registry, "REREGISTER_GRACE_S", 0.0)
         for _ in range(20):  # (a read started before the grace ended may still answer first)
             if not await world.registry.list_instances("decode"):
                 break

@@ -175,7 +175,7 @@ def test_a_wrong_redis_password_stops_a_service_with_a_clear_error(redis_with_pa
 def test_rediss_urls_carry_the_password_and_the_ca(redis_with_password, pki):
     """The registry through TLS: rediss:// with ssl_ca_certs in the URL (redis-py's from_url). The redis-server
     at hand is built without TLS, so a TLS terminator (Python's ssl, the service's certificate) fronts it."""
-    from tandem.shared.registry import InstanceInfo, Registry
+    from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 
     async def run():
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

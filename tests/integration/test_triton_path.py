@@ -126,7 +126,8 @@ def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
 def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_path):
     """A mixed checkpoint (k_proj float inside an INT4 qkv: the unfused ConcatLinear; down_proj INT8) and an
     outlier-aware INT8 one (the INT8 GEMM plus the float outlier columns) on the GPU code path."""
-    from tandem.shared.quant import QuantConfig, quantize_model, save_quantized
+    from tandem.shared.quant import QuantConfig, save_quantized
+    from tandem.tools.quant import quantize_model
     from tandem.tools.evaluation import load_hf_model
 
     layer_formats = {"model.layers.0.self_attn.k_proj": "float", "model.layers.0.mlp.down_proj": "int8"}

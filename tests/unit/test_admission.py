@@ -7,7 +7,7 @@ import pytest
 from tandem.services.gateway.admission import AdmissionQueue, OverloadedError, check_predicted_ttft
 from tandem.services.gateway.router import Route
 from tandem.shared.errors import DeadlineError
-from tandem.shared.registry import InstanceInfo
+from tandem.shared.cluster_state.registry import InstanceInfo
 
 
 def run(coro):

@@ -17,7 +17,7 @@ from tandem.services.gateway.metrics import GatewayMetrics
 from tandem.services.gateway.router import Route
 from tandem.services.metrics import EngineMetrics
 from tandem.shared.engine_stats import EngineStats, StepStats
-from tandem.shared.registry import InstanceInfo
+from tandem.shared.cluster_state.registry import InstanceInfo
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = json.loads((REPO / "deploy/grafana/tandem-dashboard.json").read_text())

@@ -3,10 +3,11 @@ import pytest
 import torch
 
 from tandem.kernels.int4_format import unpack_int4
-from tandem.shared.quant import apply_quantized_state, quantize_model
-from tandem.shared.quant.awq import apply_layer_scales, search_scales
-from tandem.shared.quant.calibration import capture_first_layer_inputs, decoder_layers, record_inputs, run_layer
-from tandem.shared.quant.gptq import gptq_quantize_weight
+from tandem.shared.quant import apply_quantized_state
+from tandem.tools.quant import quantize_model
+from tandem.tools.quant.awq import apply_layer_scales, search_scales
+from tandem.tools.quant.calibration import capture_first_layer_inputs, decoder_layers, record_inputs, run_layer
+from tandem.tools.quant.gptq import gptq_quantize_weight
 from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 from tandem.shared.quant.rtn import fake_quantize
 

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.kernels.int4_format import unpack_int4
-from tandem.shared.quant import apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
+from tandem.shared.quant import apply_quantization, apply_quantized_state, detect_quant_config
+from tandem.tools.quant import quantize_model
 from tandem.shared.quant.checkpoint import load_quantized_state, save_quantized
 from tandem.shared.quant.config import QuantConfig
 from tandem.shared.quant.hf_formats import convert_hf_awq, convert_hf_gptq

@@ -4,7 +4,9 @@ import argparse
 import pytest
 import torch
 
-from tandem.shared.quant import QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config, quantize_model
+from tandem.shared.quant import QuantConfig, apply_quantization, apply_quantized_state, detect_quant_config
+
+from tandem.tools.quant import quantize_model
 from tandem.tools.eval_quant import _parse_method, add_eval_args, run_eval
 from tandem.tools.quantize import add_quantize_args, run_quantize
 
@@ -104,7 +106,7 @@ def test_eval_checks_its_arguments_before_any_work(tmp_path, make_tiny_llama):
 
 
 def test_calibration_text_must_be_varied():
-    from tandem.shared.quant.calibration import MIN_DISTINCT_TOKENS, calibration_batch
+    from tandem.tools.quant.calibration import MIN_DISTINCT_TOKENS, calibration_batch
 
     assert calibration_batch(torch.arange(64), 32).shape == (2, 32)
     with pytest.raises(ValueError, match="distinct tokens"):

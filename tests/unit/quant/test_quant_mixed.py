@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_qgemm
-from tandem.shared.quant import (QuantConfig, apply_quantization, apply_quantized_state, quantize_model, save_quantized,
-                          weight_bytes)
+from tandem.shared.quant import QuantConfig, apply_quantization, apply_quantized_state, save_quantized, weight_bytes
+from tandem.tools.quant import quantize_model
 from tandem.shared.quant.layers import ConcatLinear, WeightOnlyInt4Linear, WeightOnlyInt8Linear, concat_linears
 from tandem.shared.quant.modules import quantizable_linears
-from tandem.shared.quant.outliers import outlier_channels, outlier_int8_tensors
-from tandem.shared.quant.sensitivity import (LinearSensitivity, calibration_windows, choose_layer_formats, format_bytes,
+from tandem.tools.quant.outliers import outlier_channels, outlier_int8_tensors
+from tandem.tools.quant.sensitivity import (LinearSensitivity, calibration_windows, choose_layer_formats, format_bytes,
                                       rank_correlation)
 
 MIXED = {"model.layers.0.self_attn.k_proj": "float", "model.layers.0.mlp.down_proj": "int8",

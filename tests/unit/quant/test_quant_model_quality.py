@@ -7,7 +7,9 @@ cannot follow the 32-wide blocks) is a hard case where GPTQ and AWQ must beat RT
 import pytest
 import torch
 
-from tandem.shared.quant import apply_quantization, apply_quantized_state, quantize_model
+from tandem.shared.quant import apply_quantization, apply_quantized_state
+
+from tandem.tools.quant import quantize_model
 from tandem.tools.evaluation import compare_to_reference, load_hf_model
 
 
@@ -88,7 +90,7 @@ def test_outlier_aware_int8_beats_per_channel_int8(model_dir, eval_reference, ca
 def test_sensitivity_ranking_is_stable_across_calibration_seeds(model_dir):
     """Two calibration samples (seeds 0 and 1: different windows of the calibration text) must rank the same
     linears as sensitive. Layers 0, 1, 14, 28 and 29 (35 linears) keep the run short."""
-    from tandem.shared.quant.sensitivity import SensitivityProbe, calibration_windows, rank_correlation
+    from tandem.tools.quant.sensitivity import SensitivityProbe, calibration_windows, rank_correlation
     from tandem.tools.evaluation import CALIBRATION_TEXT, text_token_ids
 
     model = load_hf_model(model_dir)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from tandem.shared.quant.calibration import (calibration_batch, capture_first_layer_inputs, decoder_layers,
+from tandem.tools.quant.calibration import (calibration_batch, capture_first_layer_inputs, decoder_layers,
                                       layer_linears, record_inputs, run_layer)
 from tandem.shared.quant.rtn import fake_quantize, rtn_tensors
 

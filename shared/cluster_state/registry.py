@@ -34,7 +34,7 @@ class InstanceInfo:
     num_waiting: int = 0
     num_queued_tokens: int = 0  # tokens still to compute over its requests (the router's queue estimate)
     tokens_per_s: float = 0.0  # tokens its recent steps computed per second of step time (0: not measured yet)
-    incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/prefix_index.py)
+    incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
 
     @property

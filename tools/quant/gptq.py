@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.kernels.int4_format import padded_in_features
-from tandem.shared.quant.calibration import (calibration_batch, capture_first_layer_inputs, decoder_layers,
+from tandem.tools.quant.calibration import (calibration_batch, capture_first_layer_inputs, decoder_layers,
                                       input_owner, layer_linears, record_inputs, run_layer)
 from tandem.shared.quant.rtn import INT4_MAX, INT8_MAX, canonical_tensors, int4_params, int8_scales
 

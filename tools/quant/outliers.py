@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from tandem.shared.quant.calibration import INPUT_OWNERS, calibration_batch, decoder_layers, input_owner, layer_linears
+from tandem.tools.quant.calibration import INPUT_OWNERS, calibration_batch, decoder_layers, input_owner, layer_linears
 from tandem.shared.quant.rtn import quantize_int8
 
 DEFAULT_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold on |activation|

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tandem.kernels.int4_format import padded_in_features
-from tandem.shared.quant.calibration import LayerInputs, capture_first_layer_inputs, decoder_layers, run_layer
+from tandem.tools.quant.calibration import LayerInputs, capture_first_layer_inputs, decoder_layers, run_layer
 from tandem.shared.quant.config import parse_linear_format
 from tandem.shared.quant.modules import quantizable_linears
 from tandem.shared.quant.rtn import fake_quantize
