@@ -6,7 +6,7 @@ first then oldest (vLLM's priority order), at most max_wait_s (then OverloadedEr
 deadline (then DeadlineError); with max_waiting requests already waiting it is refused at once. A refusal is
 OverloadedError: RESOURCE_EXHAUSTED (HTTP 429) with a retry hint, sent as gRPC's server pushback trailer
 `grpc-retry-pushback-ms` (gRFC A6) and HTTP's `Retry-After`.
-The same wait bound applies while every decode's KV pool is full (GatewayServicer._start waits for room).
+The same wait bound applies while every decode's KV pool is full (placement.Placer.place waits for room).
 check_predicted_ttft refuses at once a request whose deadline its prefill's queue would already miss.
 """
 from __future__ import annotations

@@ -25,15 +25,19 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import torch
 
 from tandem.services.client import finish_name
 from tandem.services.gateway.detokenizer import TextStream
+from tandem.services.gateway.request import GatewayRequest
 from tandem.services.gateway.router import SharedPrompt
 from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
+
+if TYPE_CHECKING:
+    from tandem.services.gateway.pipeline import GatewayPipeline
 
 NEG = -1.0e9  # HF's stand-in for "impossible"
 MAX_BEAM_WIDTH = 8  # 2 * width candidates per beam must fit MAX_LOGPROBS (shared/request.py)
@@ -113,17 +117,17 @@ def check_beam_params(p: common_pb2.SamplingParams) -> None:
         raise InvalidRequestError(f"{', '.join(extra)}: not defined for beam search (beam_width > 1)")
 
 
-async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.SamplingParams, request_id: str,
-                          cache_salt: str | None, time_remaining, t0: float,
-                          priority: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """Beam search for one prompt through the cluster (servicer: the GatewayServicer). Step 0 places the prompt
-    (prefill -> decode); each later step sends every running beam to that decode (compute_prompt: its prefix
-    cache holds the beams' common blocks). Yields, for each of the n best beams (index i, best first), one
-    message with its text and tokens and one with finish_reason (STOP when it ended with EOS, else LENGTH),
-    usage and timings. InvalidRequestError (validation.check_sampling_params, which runs check_beam_params) on bad
-    input."""
-    max_tokens = servicer.check_params(len(prompt_ids), p).max_tokens
-    search = BeamSearch(p.beam_width, servicer.model_config.eos_token_ids, max_tokens,
+async def run_beam_search(pipeline: GatewayPipeline,
+                          request: GatewayRequest) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Beam search for one validated request's prompt through the cluster (pipeline: the gateway's). Step 0 places
+    the prompt (prefill -> decode); each later step sends every running beam to that decode (compute_prompt: its
+    prefix cache holds the beams' common blocks), each beam one request of its own derived from request
+    (GatewayRequest.replace). Yields, for each of the n best beams (index i, best first), one message with its
+    text and tokens and one with finish_reason (STOP when it ended with EOS, else LENGTH), usage and timings.
+    The parameters were checked by validation.check_sampling_params (which runs check_beam_params)."""
+    t0 = time.perf_counter() if request.arrival_time is None else request.arrival_time
+    p, prompt_ids = request.sampling_params, request.prompt_token_ids
+    search = BeamSearch(p.beam_width, pipeline.model_config.eos_token_ids, p.max_tokens,
                         p.length_penalty if p.HasField("length_penalty") else 1.0)  # fmt: skip
     step_params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                             logprobs=search.num_candidates)  # fmt: skip
@@ -132,9 +136,10 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
 
     async def next_tokens(b: int, tokens: list[int]) -> list[tuple[int, float]]:
         top = None
-        async for msg in servicer.generate(prompt_ids + tokens, step_params, f"{request_id}-beam{step}-{b}",
-                                           cache_salt, time_remaining, None, placed, int(step > 0), priority,
-                                           metrics=False):  # fmt: skip
+        beam = request.replace(request_id=f"{request.request_id}-beam{step}-{b}", prompt_token_ids=prompt_ids + tokens,
+                               sampling_params=step_params, arrival_time=None, shared_prompt=placed,
+                               index=int(step > 0), record_metrics=False)  # fmt: skip
+        async for msg in pipeline.relay(beam):
             top = msg.logprobs[0].top if msg.logprobs else top
         return [(t.token_id, t.logprob) for t in top]
 
@@ -147,15 +152,15 @@ async def run_beam_search(servicer, prompt_ids: list[int], p: common_pb2.Samplin
         search.step([task.result() for task in tasks])
         step += 1
     e2e_ms = (time.perf_counter() - t0) * 1000
-    for i, hypothesis in enumerate(search.best(p.n if p.HasField("n") else 1)):
-        text = TextStream(servicer.tokenizer, (), False)
+    for i, hypothesis in enumerate(search.best(request.n)):
+        text = TextStream(pipeline.tokenizer, (), False)
         delta = text.push(hypothesis.token_ids)
-        yield gateway_pb2.GenerateResponse(request_id=request_id, index=i, text=delta + text.finish(),
+        yield gateway_pb2.GenerateResponse(request_id=request.request_id, index=i, text=delta + text.finish(),
                                            token_ids=hypothesis.token_ids)  # fmt: skip
         reason = common_pb2.FINISH_REASON_STOP if hypothesis.finished_by_eos else common_pb2.FINISH_REASON_LENGTH
-        servicer.metrics.observe_finished(finish_name(reason), len(prompt_ids), 0, len(hypothesis.token_ids),
+        pipeline.metrics.observe_finished(finish_name(reason), len(prompt_ids), 0, len(hypothesis.token_ids),
                                           e2e_ms / 1000, e2e_ms / 1000)  # fmt: skip
         yield gateway_pb2.GenerateResponse(
-            request_id=request_id, index=i, finish_reason=reason,
+            request_id=request.request_id, index=i, finish_reason=reason,
             usage=gateway_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(hypothesis.token_ids)),
             timings=gateway_pb2.Timings(ttft_ms=e2e_ms, e2e_ms=e2e_ms))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The gateway process: flags -> tokenizer, router and GatewayServicer -> the gRPC server (with health and
+"""The gateway process: flags -> tokenizer, router and the request pipeline -> the gRPC server (with health and
 reflection) and the OpenAI-compatible HTTP API (with /metrics) in one event loop, until SIGTERM/SIGINT."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.services.flags import HelpFormatter, add_gateway_args, apply_env, settings_line
 from tandem.services.channels import ChannelPool
 from tandem.services.gateway.admission import AdmissionQueue
+from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.router import Router
 from tandem.services.gateway.server import GatewayServicer
 from tandem.services.logs import setup_logging
@@ -49,16 +50,16 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     server = Server("gateway", instance_id, args.host, args.port, args.drain_timeout, ("/tandem.v1.Gateway/",),
                     tls, APIKeyInterceptor(api_keys) if api_keys else None)  # fmt: skip
     admission = AdmissionQueue(args.max_concurrent_requests, args.max_waiting_requests, args.queue_timeout)
-    servicer = GatewayServicer(model_config, tokenizer, router, args.default_max_tokens, instance_id,
+    pipeline = GatewayPipeline(model_config, tokenizer, router, args.default_max_tokens, instance_id,
                                ChannelPool(tls), admission)  # fmt: skip
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.grpc)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(pipeline), server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
     http = http_task = None
     if args.http_port >= 0:  # (up before health says SERVING)
         from tandem.services.gateway.openai_api import create_app, serve_http
 
-        app = create_app(servicer, args.served_model_name or Path(model_dir).name, server.instance_id, api_keys)
+        app = create_app(pipeline, args.served_model_name or Path(model_dir).name, server.instance_id, api_keys)
         http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout, tls)
     await server.start()
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))

@@ -1,6 +1,6 @@
 """The OpenAI API's request bodies (pydantic) and their translation to the gRPC API's messages: SamplingParams
 from a body (with the completions API's legacy echo and best_of) and the completions API's prompt forms. Field
-names and shapes follow OpenAI's API reference plus vLLM's extensions (services/gateway/openai_api.py serves
+names and shapes follow OpenAI's API reference plus vLLM's extensions (services/gateway/openai_serving.py serves
 them; services/gateway/openai_responses.py assembles the answers)."""
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ class CompletionRequest(SamplingFields):
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
-    """The request's fields as the gRPC API's SamplingParams (validated there: generate_n raises
+    """The request's fields as the gRPC API's SamplingParams (validated by the pipeline, which raises
     InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
     if body.cache_salt is not None and len(body.cache_salt) > MAX_ID_CHARS:
         raise APIError(400, f"cache_salt has {len(body.cache_salt)} characters; at most {MAX_ID_CHARS}", "cache_salt")
@@ -234,10 +234,10 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
     return common_pb2.StructuredOutput(**{kind: value})
 
 
-def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
+def prompts(prompt) -> list[str | list[int]]:
     """The completions API's prompt field as a list of prompts: a string, a list of strings, a list of token
-    ids (one prompt) or a list of token id lists (at most MAX_PROMPTS). APIError 400 for anything else, an empty
-    prompt or token ids outside [0, vocab_size)."""
+    ids (one prompt) or a list of token id lists (at most MAX_PROMPTS). APIError 400 for anything else or an
+    empty prompt (token ids are range-checked by validation.check_token_ids)."""
     def is_ids(x) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -252,8 +252,6 @@ def prompts(prompt, vocab_size: int) -> list[str | list[int]]:
     for p in prompt:
         if not p:
             raise APIError(400, "prompt is empty", "prompt")
-        if not isinstance(p, str) and any(not 0 <= t < vocab_size for t in p):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
     return prompt
 
 

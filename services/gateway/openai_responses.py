@@ -1,7 +1,7 @@
 """OpenAI answers from the gRPC API's GenerateResponse messages: each prompt's completions as the choices of one
 JSON body or of a stream of server-sent events, with OpenAI's logprobs objects, vLLM's prompt_logprobs, usage
 totals, and the completions API's legacy echo and best_of (OpenAI's API reference; vLLM's serving_completion
-answers the same way). services/gateway/openai_api.py runs the requests and serves these."""
+answers the same way). services/gateway/openai_serving.py runs the requests and serves these."""
 from __future__ import annotations
 
 import json
@@ -124,7 +124,7 @@ def _completion_choice(shape: ResponseShape, p: int, text: str, logprobs: list, 
 
 # -- one JSON body -------------------------------------------------------------------------------------------
 async def collect(messages, shape: ResponseShape, tokenizer) -> tuple[list[dict], Totals]:
-    """Read the prompts' merged streams (openai_api.merge: (prompt p, generate_n's message)) to the end and
+    """Read the prompts' merged streams (openai_serving.merge: (prompt p, the pipeline's message)) to the end and
     assemble the choices: prompt p's completions as choices p * n + i, or with best_of the n of highest
     cumulative logprob, best first (ties in generation order). Returns (choices, usage over every completion
     generated)."""
@@ -171,7 +171,7 @@ async def sse(messages, first: list, base: dict, shape: ResponseShape, include_u
     carries the assistant role; with echo, a completion's first chunk starts with the prompt, as vLLM's), its
     finish chunk, then with include_usage a last chunk with empty choices and the usage (every other chunk has
     "usage": null), then [DONE]. text_offset goes on from the text sent before. messages: the prompts' merged
-    streams (openai_api.merge: (prompt p, message)); first: the ones already read from it. An error mid-stream is
+    streams (openai_serving.merge: (prompt p, message)); first: the ones already read from it. An error mid-stream is
     sent as an error chunk, on_error(exception)'s body."""
     kind = "chat.completion.chunk" if shape.chat else "text_completion"
     usage = Totals()
@@ -196,7 +196,7 @@ async def sse(messages, first: list, base: dict, shape: ResponseShape, include_u
             opening = index not in sent
             finish = finish_name(msg.finish_reason) if msg.HasField("finish_reason") else None
             if msg.prompt_logprobs:
-                # NOTE: completion 0's first message, which generate_n sends before any other completion's
+                # NOTE: completion 0's first message, which the pipeline sends before any other completion's
                 prompt_logprobs[p] = list(msg.prompt_logprobs)
             choice: dict = {"index": index}
             if shape.chat:

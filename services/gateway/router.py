@@ -41,7 +41,7 @@ ROUTED_HINT_S = 10.0  # seconds a routed prompt's blocks count as held where it 
 
 @dataclass
 class SharedPrompt:
-    """Requests that follow one placed prompt (generate_n's completions, beam search's steps): ready is set once
+    """Requests that follow one placed prompt (the pipeline's n completions, beam search's steps): ready is set once
     the first request's decode (decode) holds the prompt's KV, or once it failed (decode None: the others place
     themselves); the others then go to that decode, whose prefix cache holds the prompt's blocks."""
 

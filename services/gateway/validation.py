@@ -1,5 +1,6 @@
 """A request's validation for both public APIs (README "Limits"): the prompt (tokenize_request) and the
-sampling parameters (check_sampling_params), each refusal an InvalidRequestError naming the field. A prompt's own
+sampling parameters (check_sampling_params, which resolves max_tokens) and the token ids a client sends
+(check_token_ids), each refusal an InvalidRequestError naming the field. A prompt's own
 limits follow from the model's context: at most max_model_len - 1 tokens, and at most
 MAX_CHARS_PER_TOKEN * max_model_len characters before it is tokenized."""
 from __future__ import annotations
@@ -83,11 +84,19 @@ def _check_chars(num_chars: int, max_model_len: int) -> None:
         raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
 
 
+def check_token_ids(name: str, token_ids, vocab_size: int) -> None:
+    """InvalidRequestError "<name> must be in [0, vocab_size)" unless every token id is in the model's vocabulary:
+    the gateway's one range check of token ids a client sends (a token-id prompt, stop_token_ids, logit_bias)."""
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"{name} must be in [0, {vocab_size})")
+
+
 def check_sampling_params(p: common_pb2.SamplingParams, num_prompt_tokens: int, model_config: ModelConfig,
                           default_max_tokens: int) -> common_pb2.SamplingParams:
-    """Validate a request's prompt length and sampling parameters; return the parameters the tiers get
-    (max_tokens defaulted to default_max_tokens and clamped to the context). InvalidRequestError naming the field
-    on bad input."""
+    """Validate a request's prompt length and sampling parameters; return the parameters the tiers get, with
+    max_tokens resolved: defaulted to default_max_tokens and clamped to the context left after the prompt (the
+    one place the gateway decides it; min_tokens is checked against the max_tokens asked for). Runs once per
+    request (GatewayPipeline.validate). InvalidRequestError naming the field on bad input."""
     if p.beam_width > 1:
         check_beam_params(p)
     elif not 1 <= (n := p.n if p.HasField("n") else 1) <= MAX_N:
@@ -96,14 +105,12 @@ def check_sampling_params(p: common_pb2.SamplingParams, num_prompt_tokens: int, 
     if num_prompt_tokens >= max_len:
         raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")
     check_counts(p)
-    defaults = {} if p.HasField("max_tokens") else {"max_tokens": default_max_tokens}
-    params = sampling_params_from_proto(p, **defaults)
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else default_max_tokens
+    params = sampling_params_from_proto(p, max_tokens=max_tokens)  # (ranges: SamplingParams' own checks)
     if params.min_tokens > params.max_tokens:
         raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})")
-    if any(t >= model_config.vocab_size for t in params.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be in [0, {model_config.vocab_size})")
-    if any(t >= model_config.vocab_size for t, _ in params.logit_bias):
-        raise InvalidRequestError(f"logit_bias token ids must be in [0, {model_config.vocab_size})")
+    check_token_ids("stop_token_ids", params.stop_token_ids, model_config.vocab_size)
+    check_token_ids("logit_bias token ids", (t for t, _ in params.logit_bias), model_config.vocab_size)
     if any(not s for s in p.stop):
         raise InvalidRequestError("stop strings must be non-empty")
     if params.structured_output is not None:
@@ -111,5 +118,5 @@ def check_sampling_params(p: common_pb2.SamplingParams, num_prompt_tokens: int, 
         check_grammar(params.structured_output)
     proto_params = common_pb2.SamplingParams()
     proto_params.CopyFrom(p)
-    proto_params.max_tokens = min(params.max_tokens, max_len - num_prompt_tokens)
+    proto_params.max_tokens = min(max_tokens, max_len - num_prompt_tokens)
     return proto_params

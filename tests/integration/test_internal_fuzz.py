@@ -153,11 +153,11 @@ def test_a_damaged_transfer_fails_the_request_cleanly(cluster, decode, model_con
 
 
 def client_error_for(reply: decode_pb2.DecodeResponse):
-    """The UpstreamError the gateway makes of a decode's failed reply (GatewayServicer._read): what the client
+    """The UpstreamError the gateway makes of a decode's failed reply (Placer.read_decode): what the client
     of the public API gets, as (status name, message)."""
     import asyncio
 
-    from tandem.services.gateway.server import GatewayServicer
+    from tandem.services.gateway.placement import Placer
     from tandem.shared.errors import UpstreamError
     from tandem.shared.cluster_state.registry import InstanceInfo
 
@@ -166,7 +166,7 @@ def client_error_for(reply: decode_pb2.DecodeResponse):
             return reply
 
     try:
-        asyncio.run(GatewayServicer._read(None, Call(), InstanceInfo("decode-1", "decode", "127.0.0.1:1", "m", 16)))
+        asyncio.run(Placer.read_decode(None, Call(), InstanceInfo("decode-1", "decode", "127.0.0.1:1", "m", 16)))
     except UpstreamError as e:
         return e.status, str(e)
     raise AssertionError("the gateway took a failed reply for a good one")

@@ -1,0 +1,86 @@
+"""The stream relay of one placed request: the decode's (and the prefill's first-token) messages in, the public
+stream out: UTF-8-safe text deltas with their token ids and logprobs (services/gateway/detokenizer.py cuts stop
+strings), then a last message with finish_reason, usage and timings."""
+from __future__ import annotations
+
+import logging
+import time
+
+from tandem.services.client import finish_name
+from tandem.services.gateway.detokenizer import TextStream
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.gateway.placement import Placement
+from tandem.services.gateway.request import GatewayRequest
+from tandem.v1 import common_pb2, decode_pb2, gateway_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Relay:
+    """One placed request's stream state: push() each decode message, then final() once finish_reason is set.
+    metrics: the gateway's, or None when the request is not counted (GatewayRequest.record_metrics)."""
+
+    def __init__(self, request: GatewayRequest, placement: Placement, text: TextStream, arrival_time: float,
+                 metrics: GatewayMetrics | None):
+        self.request, self.placement, self.text, self.metrics = request, placement, text, metrics
+        self.arrival_time = arrival_time  # perf_counter seconds
+        prefill_reply = placement.prefill_reply
+        self.num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.finish_reason: int | None = None  # common_pb2.FinishReason
+        self.last_sent = time.perf_counter()
+        self.ttft_ms = (self.last_sent - arrival_time) * 1000
+        self.prompt_logprobs = prefill_reply.prompt_logprobs if prefill_reply else ()  # (sent with the first message)
+        if prefill_reply is not None and metrics is not None:
+            metrics.queue_time.observe(prefill_reply.queue_ms / 1000)
+
+    def push(self, reply: decode_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse | None:
+        """The public message for reply (None when it carries nothing to send: a token held back for a possible
+        stop string); sets finish_reason when the request ends with it."""
+        if reply.HasField("finish_reason"):
+            self.finish_reason = reply.finish_reason
+        if self.placement.prefill_reply is None:
+            self.num_cached_tokens = reply.num_cached_tokens
+        text = self.text
+        num_before = len(text.token_ids)
+        delta = text.push(list(reply.token_ids))
+        new_ids = text.token_ids[num_before:]  # (none past a stop string)
+        self.num_draft_tokens += reply.num_draft_tokens
+        self.num_accepted_tokens += min(reply.num_accepted_tokens, len(new_ids))  # (those sent)
+        if self.metrics is not None and new_ids and len(text.token_ids) > len(new_ids):  # (the first's: the TTFT)
+            now = time.perf_counter()
+            self.metrics.observe_tokens(len(new_ids), now - self.last_sent)
+            self.last_sent = now
+        msg = None
+        if new_ids or self.prompt_logprobs:
+            msg = gateway_pb2.GenerateResponse(request_id=self.request.request_id, text=delta, token_ids=new_ids,
+                                               logprobs=reply.logprobs[: len(new_ids)],
+                                               prompt_logprobs=self.prompt_logprobs)  # fmt: skip
+            self.prompt_logprobs = ()
+        if text.stopped:
+            self.finish_reason = common_pb2.FINISH_REASON_STOP
+        return msg
+
+    def final(self) -> gateway_pb2.GenerateResponse:
+        """The last message: the rest of the text, finish_reason, usage and timings (counted in the metrics, and
+        logged)."""
+        request, route, prefill_reply = self.request, self.placement.route, self.placement.prefill_reply
+        num_prompt, num_generated = request.num_prompt_tokens, len(self.text.token_ids)
+        e2e_ms = (time.perf_counter() - self.arrival_time) * 1000
+        if self.metrics is not None:
+            self.metrics.observe_finished(finish_name(self.finish_reason), num_prompt, self.num_cached_tokens,
+                                          num_generated, self.ttft_ms / 1000, e2e_ms / 1000)  # fmt: skip
+        where = (f"prefill {prefill_reply.prefill_ms:.0f} ms on {route.prefill.instance_id}, "
+                 f"{prefill_reply.num_blocks_sent} KV blocks sent" if prefill_reply else "prompt computed on the decode")
+        log.info("request %s: %d prompt (%d cached) + %d completion tokens, %s, TTFT %.0f ms (%s), E2E %.0f ms "
+                 "(decode %s)", request.request_id, num_prompt, self.num_cached_tokens, num_generated,
+                 common_pb2.FinishReason.Name(self.finish_reason), self.ttft_ms, where, e2e_ms, route.decode.instance_id)
+        return gateway_pb2.GenerateResponse(
+            request_id=request.request_id,
+            text=self.text.finish(),
+            finish_reason=self.finish_reason,
+            usage=gateway_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                    cached_tokens=self.num_cached_tokens, num_draft_tokens=self.num_draft_tokens,
+                                    num_accepted_tokens=self.num_accepted_tokens),
+            timings=gateway_pb2.Timings(ttft_ms=self.ttft_ms, e2e_ms=e2e_ms),
+        )
