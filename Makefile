@@ -51,3 +51,13 @@ bench: model
 
 clean:
 	rm -rf $(VENV) proto/tandem/v1/*_pb2*.py proto/tandem/v1/*_pb2.pyi
+
+# The architecture picture (README.md, docs/architecture.md) from its source; needs Graphviz (apt-get install graphviz).
+.PHONY: diagram
+diagram: docs/img/architecture.svg docs/img/architecture.png
+
+docs/img/architecture.svg: docs/img/architecture.dot
+	dot -Tsvg $< -o $@
+
+docs/img/architecture.png: docs/img/architecture.dot
+	dot -Tpng -Gdpi=110 $< -o $@
