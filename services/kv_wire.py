@@ -6,7 +6,7 @@ The receiver refuses blocks whose model id, dtype, block size or shape differ fr
 Integrity: each data message carries the XXH3-64 of its bytes (xxhash, already a dependency for the model
 digest: about 0.08 ms per 4 MiB message here, 50 GiB/s, against 1.2 ms for zlib.crc32, and 64 bits rather
 than 32), and the last message states the data messages and blocks sent; KVTransferTally checks both on the
-receiving side, and LLMEngine.finish_kv_import checks that every layer of every block the decode lacked came.
+receiving side, and KVConnector.finish_kv_import checks that every layer of every block the decode lacked came.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 import xxhash
 
 from tandem.shared.config import CacheConfig, ModelConfig, dtype_name
-from tandem.shared.engine import KVBlocks
 from tandem.shared.errors import InvalidRequestError
+from tandem.shared.kv_connector import KVBlocks
 from tandem.v1 import decode_pb2
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -104,7 +104,7 @@ def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, 
     """Check a data message (num_blocks > 0) against this instance and its checksum, and view its bytes as a
     tensor [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, head_dim] in the KV cache dtype.
     InvalidRequestError naming the field on any mismatch (the block range is checked on import, against the
-    request's reserved blocks: LLMEngine.import_kv)."""
+    request's reserved blocks: KVConnector.import_kv)."""
     want = {
         "model_id": model_config.model_id,
         "dtype": cache_config.kv_dtype,

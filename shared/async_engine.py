@@ -21,9 +21,10 @@ from typing import Callable
 
 from tandem.shared.block_hash import BlockHash
 from tandem.shared.config import CacheConfig, EngineArgs, ModelConfig
-from tandem.shared.engine import KVBlocks, LLMEngine, RequestOutput
+from tandem.shared.engine import LLMEngine, RequestOutput
 from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError
+from tandem.shared.kv_connector import KVBlocks
 from tandem.shared.kv_events import KVEventBatch
 from tandem.shared.request import FinishReason, Request
 

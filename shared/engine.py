@@ -1,23 +1,25 @@
-"""LLMEngine: one step reads top to bottom - schedule -> execute_model -> update_from_output.
+"""LLMEngine: one step reads top to bottom - schedule -> draft -> grammar masks -> execute_model -> save KV ->
+update_from_output.
 
-The same engine serves both tiers. The prefill tier runs requests with max_tokens=1 and exports the KV of the
-blocks each step completes (export_kv); the decode tier reserves blocks for a request, imports its prompt KV,
-then decodes it in the running batch (continuous batching). With prefix caching (CacheConfig
-enable_prefix_caching) every full computed block is published in the KV cache manager's prefix cache after the
-step that completed it, and take_kv_events() hands the cache's changes out as numbered batches.
+The same engine serves both tiers; the prefill -> decode KV protocol is its KVConnector (shared/kv_connector.py).
+The prefill tier runs requests with max_tokens=1 and, after each forward, the connector copies out the KV of the
+blocks the step completed (save_kv); the decode tier reserves blocks for a request, imports its prompt KV, then
+decodes it in the running batch (continuous batching): reserve, import_kv, finish_kv_import and fail_kv_import
+here admit, look up and finish the request and hand the KV part to the connector. With prefix caching
+(CacheConfig enable_prefix_caching) every full computed block is published in the KV cache manager's prefix cache
+after the step that completed it, and take_kv_events() hands the cache's changes out as numbered batches.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-import torch
-
 from tandem.shared.block_hash import HashContract
 from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.kv_connector import KVBlocks, KVConnector
 from tandem.shared.kv_events import KVEventBatch
 from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
 from tandem.shared.request import FinishReason, Request, RequestStatus
@@ -25,18 +27,6 @@ from tandem.shared.request import TokenLogprobs
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
 from tandem.shared.spec_decode.drafter import Drafter
 from tandem.shared.structured_output import StructuredOutputManager
-
-
-@dataclass(slots=True)
-class KVBlocks:
-    """Consecutive logical blocks of one request for layers layer_start.. (all layers when exported).
-
-    data [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in the KV cache dtype.
-    """
-
-    first_block_index: int
-    data: torch.Tensor
-    layer_start: int = 0
 
 
 @dataclass(slots=True)
@@ -75,8 +65,9 @@ class LLMEngine:
         kv_events: bool = False,
         speculative_config: SpeculativeConfig | None = None,
     ):
-        """kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the
-        prefix index); off, nothing accumulates. speculative_config: speculative decoding (None: off)."""
+        """export_kv: the prefill tier (each step returns the KV blocks it filled: KVConnector is_kv_producer).
+        kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the prefix
+        index); off, nothing accumulates. speculative_config: speculative decoding (None: off)."""
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
@@ -86,14 +77,11 @@ class LLMEngine:
                                                self.hash_contract if self.cache_config.enable_prefix_caching else None,
                                                record_events=kv_events)
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
-        self._num_exported_blocks: dict[str, int] = {}  # prefill tier: leading blocks of a request already sent
-        # decode tier: per request waiting for KV, which layers of which of its blocks arrived [num_blocks, num_layers]
-        self._kv_received: dict[str, torch.Tensor] = {}
-        self.num_blocks_exported = self.num_blocks_imported = 0
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step_stats: StepStats | None = None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
-        self.exports_kv = export_kv  # prefill tier: each step returns the KV blocks it filled
+        self.kv_connector = KVConnector(model_config, self.model_runner, self.kv_cache_manager, self.scheduler,
+                                        is_kv_producer=export_kv)
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
         self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
@@ -136,95 +124,43 @@ class LLMEngine:
         self._admit(request)
         self.scheduler.add_request(request)
 
+    # -- the prefill -> decode KV protocol, decode tier (the KV part is the connector's) -------------------
     def reserve(self, request: Request) -> int:
-        """Decode tier: hold blocks for the prompt, to be filled by import_kv, reusing the longest cached prefix.
+        """Decode tier: admit a request whose prompt KV comes from a prefill and hold blocks for it
+        (KVConnector.reserve, reusing the longest cached prefix, preempting running requests of lower priority).
         Returns the prompt tokens already cached here (a multiple of block_size): KV for them need not come.
-        Without room, running requests of lower priority are preempted (newest first) until it fits.
         InvalidRequestError on bad input, NoCapacityError if the pool has no room now (with room_soon when
         requests of lower priority still waiting for their KV hold blocks: preemptible once they decode)."""
         self._admit(request)
-        computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-        while not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
-                                                       computed_block_ids):  # fmt: skip
-            victim = self.scheduler.lowest_priority_running()
-            if victim is None or victim.priority <= request.priority:
-                self.kv_cache_manager.free(request)
-                del self.requests[request.request_id]
-                room_soon = any(r.status == RequestStatus.WAITING_FOR_KV and r.priority > request.priority
-                                for r in self.requests.values())  # fmt: skip
-                raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV", room_soon)
-            self.scheduler.preempt(victim)
-        request.status = RequestStatus.WAITING_FOR_KV
-        request.num_cached_tokens = num_cached
-        return num_cached
+        try:
+            return self.kv_connector.reserve(request)
+        except NoCapacityError:
+            del self.requests[request.request_id]
+            raise
 
     def import_kv(self, request_id: str, kv: KVBlocks) -> None:
-        """Write received blocks into the pool at the request's reserved block ids, and record which layers of
-        which blocks came (finish_kv_import checks that all did). kv.data [num_layers_in_msg, 2, n, block_size,
-        num_kv_heads, head_dim] in the KV cache dtype. UnknownRequestError for an id not here;
-        InvalidRequestError when the request is not waiting for KV or the blocks or layers overrun it."""
-        request = self._get(request_id)
-        if request.status != RequestStatus.WAITING_FOR_KV:
-            raise InvalidRequestError(f"request {request_id!r} is not waiting for KV")
-        block_table = self.kv_cache_manager.get_block_table(request_id)
-        n, num_layers = kv.data.shape[2], self.model_config.num_hidden_layers
-        if kv.first_block_index + n > len(block_table):
-            raise InvalidRequestError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the "
-                                      f"request's {len(block_table)} reserved blocks (first_block_index, num_blocks)")
-        if kv.layer_start + kv.data.shape[0] > num_layers:
-            raise InvalidRequestError(f"KV layers from {kv.layer_start} overrun the model's {num_layers} layers")
-        if (received := self._kv_received.get(request_id)) is None:
-            received = self._kv_received[request_id] = torch.zeros(len(block_table), num_layers, dtype=torch.bool)
-        received[kv.first_block_index : kv.first_block_index + n, kv.layer_start : kv.layer_start + kv.data.shape[0]] = True  # fmt: skip
-        # NOTE: blocks this pool had cached are shared with other requests: never overwritten
-        skip = max(0, request.num_cached_tokens // self.cache_config.block_size - kv.first_block_index)
-        if skip >= n:
-            return
-        device = self.model_runner.device
-        ids = torch.tensor(block_table[kv.first_block_index + skip : kv.first_block_index + n], device=device)
-        layers = self.model_runner.kv_caches[kv.layer_start : kv.layer_start + kv.data.shape[0]]
-        layers.index_copy_(2, ids, kv.data[:, :, skip:].to(device))
-        if kv.layer_start + kv.data.shape[0] == self.model_config.num_hidden_layers:  # count each block once
-            self.num_blocks_imported += n - skip
+        """Write received blocks into the request's reserved blocks (KVConnector.import_kv: kv.data
+        [num_layers_in_msg, 2, n, block_size, num_kv_heads, head_dim] in the KV cache dtype). UnknownRequestError
+        for an id not here; InvalidRequestError when the request is not waiting for KV or the blocks or layers
+        overrun it."""
+        self.kv_connector.import_kv(self._get(request_id), kv)
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """The prompt's KV is complete and the prefill sampled first_token_id: join the running batch.
 
         Returns a finished RequestOutput if that first token already ends the request, else None.
-        InvalidRequestError when the request is not waiting for KV, the token is outside the vocabulary or its
-        structured_output, or some layer of a block it lacked never arrived (the caller then fails the import).
+        UnknownRequestError for an id not here; InvalidRequestError when the request is not waiting for KV, the
+        token is outside the vocabulary or its structured_output, or some layer of a block it lacked never
+        arrived (KVConnector.finish_kv_import; the caller then fails the import).
         """
         request = self._get(request_id)
-        if request.status != RequestStatus.WAITING_FOR_KV:
-            raise InvalidRequestError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
-        if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
-        if request.grammar is not None and not request.grammar.num_valid([first_token_id]):
-            raise InvalidRequestError(f"first token id {first_token_id} violates the request's structured_output")
-        self._check_kv_complete(request)
-        self._kv_received.pop(request_id, None)
-        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_connector.finish_kv_import(request, first_token_id)
         request.arrival_time = time.monotonic()  # (its queue time: from joining the batch, not from the reserve)
-        self.kv_cache_manager.cache_full_blocks(request)
         reason = request.append_output_token(first_token_id)
         if reason is not None:
             return self._finish(request, reason, RequestOutput(request_id, []))
         self.scheduler.add_request(request)
         return None
-
-    def _check_kv_complete(self, request: Request) -> None:
-        """InvalidRequestError unless every layer of every block this pool lacked (all but its cached prefix)
-        arrived by import_kv: a truncated transfer must never decode from stale blocks."""
-        num_blocks = len(self.kv_cache_manager.get_block_table(request.request_id))
-        num_cached = (request.num_cached_tokens or 0) // self.cache_config.block_size
-        received = self._kv_received.get(request.request_id)
-        if received is None:
-            received = torch.zeros(num_blocks, self.model_config.num_hidden_layers, dtype=torch.bool)
-        missing = (~received[num_cached:].all(dim=1)).nonzero().flatten()
-        if len(missing):
-            first, count = int(missing[0]) + num_cached, len(missing)
-            raise InvalidRequestError(f"KV transfer incomplete: {count} of the {num_blocks - num_cached} blocks it "
-                                      f"needed lack layers (the first: block {first})")  # fmt: skip
 
     def fail_kv_import(self, request_id: str, error: str) -> RequestOutput | None:
         """A KV transfer broke: fail the request if it is still waiting for its KV (blocks freed) and return its
@@ -234,6 +170,7 @@ class LLMEngine:
             return None
         return self._finish(request, FinishReason.ABORT, RequestOutput(request_id, []), error)
 
+    # -- ending requests -----------------------------------------------------------------------------------
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once. False if it was not here (already finished)."""
         request = self.requests.get(request_id)
@@ -254,8 +191,7 @@ class LLMEngine:
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._num_exported_blocks.pop(request.request_id, None)
-        self._kv_received.pop(request.request_id, None)
+        self.kv_connector.request_finished(request)
         out.finish_reason, out.error = reason, error
         return out
 
@@ -264,9 +200,25 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One step: schedule -> execute_model -> update_from_output; its StepStats go to last_step_stats."""
+        """One step: schedule -> draft -> grammar masks -> execute_model -> save KV (prefill tier) ->
+        update_from_output. Returns one RequestOutput per request with new tokens, a finish or saved KV blocks;
+        its StepStats go to last_step_stats."""
         start, start_wall = time.perf_counter(), time.monotonic()
         self.last_step_stats = None
+        scheduler_output, queue_times = self._schedule(start_wall)
+        self._draft(scheduler_output)
+        scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+            scheduler_output.constrained_samples())
+        model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
+        kv_blocks = self.kv_connector.save_kv(scheduler_output)
+        outputs = self.update_from_output(scheduler_output, model_output, kv_blocks)
+        self._record_step(scheduler_output, outputs, time.perf_counter() - start, queue_times)
+        return outputs
+
+    def _schedule(self, start_wall: float) -> tuple[SchedulerOutput, list[float]]:
+        """Propose drafts for the running requests (speculative decoding), then the scheduler's decision. Returns
+        it and the queue times (seconds from admission; start_wall is the step's time.monotonic()) of the requests
+        it schedules for the first time."""
         if self.drafter is not None:
             self.drafter.propose_drafts(self.scheduler.running, self.model_config.max_model_len)
         scheduler_output = self.scheduler.schedule()
@@ -275,19 +227,20 @@ class LLMEngine:
             if request.queue_time_s is None:
                 request.queue_time_s = start_wall - request.arrival_time
                 queue_times.append(request.queue_time_s)
+        return scheduler_output, queue_times
+
+    def _draft(self, scheduler_output: SchedulerOutput) -> None:
+        """With a draft model: fill in the drafts of the requests scheduled (placeholders until now)."""
         if self.drafter is not None:
             self.drafter.draft(scheduler_output, self.kv_cache_manager.block_tables)
-        scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-            scheduler_output.constrained_samples())
-        model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
-        kv_blocks = self.export_kv(scheduler_output) if self.exports_kv else {}
-        outputs = self.update_from_output(scheduler_output, model_output, kv_blocks)
-        duration = time.perf_counter() - start
+
+    def _record_step(self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput], duration: float,
+                     queue_times: list[float]) -> None:
+        """The step's StepStats to last_step_stats (duration in seconds), and its timing to adaptive speculation."""
         if self.drafter is not None:
             self.drafter.observe_step(scheduler_output, sum(len(o.new_token_ids) for o in outputs), duration)
         self.last_step_stats = StepStats(duration, len(scheduler_output.scheduled_requests),
                                          scheduler_output.total_num_scheduled_tokens, queue_times)  # fmt: skip
-        return outputs
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
                            kv_blocks: dict[str, KVBlocks]) -> list[RequestOutput]:
@@ -346,26 +299,6 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def export_kv(self, scheduler_output: SchedulerOutput) -> dict[str, KVBlocks]:
-        """Prefill tier: copy the blocks this step fills, per request (the partial last block too once the
-        prompt is done), and on a request's first step also its leading blocks found in the prefix cache from
-        request.kv_skip_blocks on (the blocks the receiving decode lacks). Call after execute_model and before
-        update_from_output, which frees finished requests."""
-        exported = {}
-        for request in scheduler_output.scheduled_requests:
-            start = request.num_computed_tokens
-            end = start + scheduler_output.num_scheduled_tokens[request.request_id]
-            block_size = self.cache_config.block_size
-            first = self._num_exported_blocks.get(request.request_id, request.kv_skip_blocks)
-            last = self.kv_cache_manager.num_blocks_for(end) if end == request.num_tokens else end // block_size
-            if last > first:
-                self._num_exported_blocks[request.request_id] = last
-                self.num_blocks_exported += last - first
-                block_ids = self.kv_cache_manager.get_block_table(request.request_id)[first:last]
-                ids = torch.tensor(block_ids, device=self.model_runner.device)
-                exported[request.request_id] = KVBlocks(first, self.model_runner.kv_caches.index_select(2, ids))
-        return exported
-
     # -- introspection -------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
@@ -404,8 +337,8 @@ class LLMEngine:
             prefix_cache_queries=kv.num_queries,
             prefix_cache_hits=kv.num_hits,
             num_evictions=kv.block_pool.num_evictions,
-            num_blocks_exported=self.num_blocks_exported,
-            num_blocks_imported=self.num_blocks_imported,
+            num_blocks_exported=self.kv_connector.num_blocks_exported,
+            num_blocks_imported=self.kv_connector.num_blocks_imported,
             spec_num_drafts=d.num_drafts if d else 0,
             spec_num_draft_tokens=d.num_draft_tokens if d else 0,
             spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,

@@ -96,7 +96,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Prefill -> decode: one request's prompt KV (services/kv_wire.py). Each data message is checked (model,
         dtype, shape, checksum, block and layer range against the reservation) and written at once; the last one
         (first_token_id) states the totals sent, which must equal what arrived, and every layer of every block the
-        request lacked must have come (LLMEngine.finish_kv_import) before it joins the batch. A refused transfer
+        request lacked must have come (KVConnector.finish_kv_import) before it joins the batch. A refused transfer
         fails the request (blocks freed; its Generate stream carries the reason) and answers INVALID_ARGUMENT;
         an unknown request id answers NOT_FOUND; a second transfer for a request whose transfer is under way
         (or done) is refused with INVALID_ARGUMENT and leaves that request alone."""

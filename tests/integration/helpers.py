@@ -60,7 +60,7 @@ def kv_transfer(decode_address: str, model_config, request_id: str, num_blocks: 
     import torch
 
     from tandem.services.kv_wire import kv_to_messages, last_message
-    from tandem.shared.engine import KVBlocks
+    from tandem.shared.kv_connector import KVBlocks
 
     shape = (model_config.num_hidden_layers, 2, num_blocks, block_size, model_config.num_key_value_heads,
              model_config.head_dim)  # fmt: skip

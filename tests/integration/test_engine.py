@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tandem.shared.config import CacheConfig, SchedulerConfig
-from tandem.shared.engine import KVBlocks, LLMEngine
+from tandem.shared.engine import LLMEngine
+from tandem.shared.kv_connector import KVBlocks
 from tandem.shared.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.integration.conftest import NUM_REFERENCE_TOKENS
 

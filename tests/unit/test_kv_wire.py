@@ -5,7 +5,7 @@ import xxhash
 from tandem.services.kv_wire import (DEFAULT_MAX_MESSAGE_BYTES, KVTransferTally, checksum, kv_from_message, kv_to_messages,
                               last_message)
 from tandem.shared.config import CacheConfig
-from tandem.shared.engine import KVBlocks
+from tandem.shared.kv_connector import KVBlocks
 from tandem.v1 import decode_pb2
 
 

@@ -1,0 +1,165 @@
+"""KVConnector: the prefill -> decode KV protocol of one engine, on both tiers (vLLM v1's KVConnector, adapted).
+
+The prefill tier is the producer: after each step's forward, save_kv copies the blocks the step filled out of the
+pool, and the service ships them (services/kv_wire.py). The decode tier is the consumer: reserve holds blocks for
+a prompt, import_kv writes the blocks that arrive into them, and finish_kv_import checks the transfer is complete
+before the request may decode. request_finished forgets a request's transfer state.
+
+Where vLLM's names fit, they are used: save_kv is save_kv_layer + wait_for_save for every layer at once (this
+engine runs the whole forward first), and request_finished is its namesake. The consumer differs from vLLM's:
+there the decode pulls the KV (get_num_new_matched_tokens, update_state_after_alloc, start_load_kv,
+get_finished); here the prefill pushes it, and it arrives between steps through the service, so reserve,
+import_kv and finish_kv_import take its place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.shared.config import ModelConfig
+from tandem.shared.errors import InvalidRequestError, NoCapacityError
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tandem.shared.model_runner import ModelRunner
+    from tandem.shared.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(slots=True)
+class KVBlocks:
+    """Consecutive logical blocks of one request for layers layer_start.. (all layers when exported).
+
+    data [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in the KV cache dtype.
+    """
+
+    first_block_index: int
+    data: torch.Tensor
+    layer_start: int = 0
+
+
+class KVConnector:
+    def __init__(self, model_config: ModelConfig, model_runner: ModelRunner, kv_cache_manager: KVCacheManager,
+                 scheduler: Scheduler, is_kv_producer: bool = False):
+        """is_kv_producer: the prefill tier (save_kv returns the blocks each step filled; otherwise nothing)."""
+        self.num_layers, self.vocab_size = model_config.num_hidden_layers, model_config.vocab_size
+        self.model_runner = model_runner  # (its kv_caches: the pool the blocks are copied out of and into)
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.scheduler = scheduler
+        self.is_kv_producer = is_kv_producer
+        self.num_blocks_exported = self.num_blocks_imported = 0  # since start
+        self._num_exported_blocks: dict[str, int] = {}  # producer: leading blocks of a request already saved
+        # consumer: each request waiting for its KV (RequestStatus.WAITING_FOR_KV, from reserve until
+        # finish_kv_import or request_finished), and which layers of which of its blocks arrived [num_blocks,
+        # num_layers] bool
+        self._receiving: dict[str, tuple[Request, torch.Tensor]] = {}
+
+    # -- consumer (decode tier): reserve -> import_kv ... -> finish_kv_import ------------------------------
+    def reserve(self, request: Request) -> int:
+        """Hold blocks for an admitted request's prompt, to be filled by import_kv, reusing the longest cached
+        prefix; the request then waits for its KV (RequestStatus.WAITING_FOR_KV). Returns the prompt tokens
+        already cached here (a multiple of block_size): KV for them need not come. Without room, running requests
+        of lower priority are preempted (newest first) until it fits. NoCapacityError if the pool has no room now
+        (nothing held; with room_soon when requests of lower priority still waiting for their KV hold blocks:
+        preemptible once they decode)."""
+        computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+        while not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
+                                                       computed_block_ids):  # fmt: skip
+            victim = self.scheduler.lowest_priority_running()
+            if victim is None or victim.priority <= request.priority:
+                self.kv_cache_manager.free(request)
+                room_soon = any(r.priority > request.priority for r, _ in self._receiving.values())
+                raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV", room_soon)
+            self.scheduler.preempt(victim)
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_tokens = num_cached
+        num_blocks = len(self.kv_cache_manager.get_block_table(request.request_id))
+        self._receiving[request.request_id] = (request, torch.zeros(num_blocks, self.num_layers, dtype=torch.bool))
+        return num_cached
+
+    def import_kv(self, request: Request, kv: KVBlocks) -> None:
+        """Write received blocks into the pool at the request's reserved block ids (vLLM: start_load_kv), and
+        record which layers of which blocks came (finish_kv_import checks that all did). kv.data
+        [num_layers_in_msg, 2, n, block_size, num_kv_heads, head_dim] in the KV cache dtype. InvalidRequestError
+        when the request is not waiting for KV or the blocks or layers overrun it."""
+        if request.request_id not in self._receiving:
+            raise InvalidRequestError(f"request {request.request_id!r} is not waiting for KV")
+        block_table = self.kv_cache_manager.get_block_table(request.request_id)
+        n, num_layers = kv.data.shape[2], kv.data.shape[0]
+        if kv.first_block_index + n > len(block_table):
+            raise InvalidRequestError(f"KV blocks {kv.first_block_index}..{kv.first_block_index + n} exceed the "
+                                      f"request's {len(block_table)} reserved blocks (first_block_index, num_blocks)")
+        if kv.layer_start + num_layers > self.num_layers:
+            raise InvalidRequestError(f"KV layers from {kv.layer_start} overrun the model's {self.num_layers} layers")
+        received = self._receiving[request.request_id][1]
+        received[kv.first_block_index : kv.first_block_index + n, kv.layer_start : kv.layer_start + num_layers] = True
+        # NOTE: blocks this pool had cached are shared with other requests: never overwritten
+        skip = max(0, request.num_cached_tokens // self.block_size - kv.first_block_index)
+        if skip >= n:
+            return
+        device = self.model_runner.device
+        ids = torch.tensor(block_table[kv.first_block_index + skip : kv.first_block_index + n], device=device)
+        layers = self.model_runner.kv_caches[kv.layer_start : kv.layer_start + num_layers]
+        layers.index_copy_(2, ids, kv.data[:, :, skip:].to(device))
+        if kv.layer_start + num_layers == self.num_layers:  # count each block once
+            self.num_blocks_imported += n - skip
+
+    def finish_kv_import(self, request: Request, first_token_id: int) -> None:
+        """The last message of a transfer: check it, then mark the prompt's KV complete (num_computed_tokens =
+        the prompt; its full blocks published in the prefix cache). The caller then appends first_token_id and
+        puts the request in the batch. InvalidRequestError (nothing changed) when the request is not waiting for
+        KV, the token is outside the vocabulary or its structured_output, or some layer of a block it lacked
+        never arrived (the caller then fails the import)."""
+        request_id = request.request_id
+        if request_id not in self._receiving:
+            raise InvalidRequestError(f"request {request_id!r} is not waiting for KV (its KV was completed already)")
+        if not 0 <= first_token_id < self.vocab_size:
+            raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
+        if request.grammar is not None and not request.grammar.num_valid([first_token_id]):
+            raise InvalidRequestError(f"first token id {first_token_id} violates the request's structured_output")
+        self._check_kv_complete(request)
+        del self._receiving[request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.cache_full_blocks(request)
+
+    def _check_kv_complete(self, request: Request) -> None:
+        """InvalidRequestError unless every layer of every block this pool lacked (all but its cached prefix)
+        arrived by import_kv: a truncated transfer must never decode from stale blocks."""
+        received = self._receiving[request.request_id][1]  # [num_blocks, num_layers]
+        num_blocks, num_cached = len(received), (request.num_cached_tokens or 0) // self.block_size
+        missing = (~received[num_cached:].all(dim=1)).nonzero().flatten()
+        if len(missing):
+            first, count = int(missing[0]) + num_cached, len(missing)
+            raise InvalidRequestError(f"KV transfer incomplete: {count} of the {num_blocks - num_cached} blocks it "
+                                      f"needed lack layers (the first: block {first})")  # fmt: skip
+
+    # -- producer (prefill tier) ---------------------------------------------------------------------------
+    def save_kv(self, scheduler_output: SchedulerOutput) -> dict[str, KVBlocks]:
+        """After execute_model, before update_from_output (which frees finished requests): per request, a copy of
+        the blocks this step filled (the partial last block too once the prompt is done), and on its first step
+        also its leading blocks found in the prefix cache from request.kv_skip_blocks on (the blocks the receiving
+        decode lacks). Each KVBlocks holds all layers. Empty unless is_kv_producer."""
+        if not self.is_kv_producer:
+            return {}
+        saved = {}
+        for request in scheduler_output.scheduled_requests:
+            start = request.num_computed_tokens
+            end = start + scheduler_output.num_scheduled_tokens[request.request_id]
+            first = self._num_exported_blocks.get(request.request_id, request.kv_skip_blocks)
+            last = self.kv_cache_manager.num_blocks_for(end) if end == request.num_tokens else end // self.block_size
+            if last > first:
+                self._num_exported_blocks[request.request_id] = last
+                self.num_blocks_exported += last - first
+                block_ids = self.kv_cache_manager.get_block_table(request.request_id)[first:last]
+                ids = torch.tensor(block_ids, device=self.model_runner.device)
+                saved[request.request_id] = KVBlocks(first, self.model_runner.kv_caches.index_select(2, ids))
+        return saved
+
+    # -- both ----------------------------------------------------------------------------------------------
+    def request_finished(self, request: Request) -> None:
+        """The request ended (finished, failed or aborted; its blocks are freed by the caller): forget it."""
+        self._num_exported_blocks.pop(request.request_id, None)
+        self._receiving.pop(request.request_id, None)
