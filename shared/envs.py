@@ -41,6 +41,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                         "kernels/cpu_ext.py)"),
     "TANDEM_TRITON_ON_CPU": (lambda: os.environ.get("TANDEM_TRITON_ON_CPU") == "1",
                              "1: CPU tensors go through the Triton kernels (with TRITON_INTERPRET=1)"),
+    "TANDEM_LAUNCHER_PID": (lambda: int(os.environ["TANDEM_LAUNCHER_PID"]) if os.environ.get("TANDEM_LAUNCHER_PID")
+                            else None, "set by `tandem up` where it cannot give its children a parent-death "
+                            "signal (not Linux): a service exits once that process is no longer its parent"),
     "OTEL_EXPORTER_OTLP_ENDPOINT": (_str("OTEL_EXPORTER_OTLP_ENDPOINT"),
                                     "OTLP/gRPC endpoint for traces when --otlp-traces-endpoint "
                                     "(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is unset"),
