@@ -31,11 +31,18 @@ def model_config(model_dir):
     return ModelConfig.from_dir(model_dir)
 
 
+# marker -> the variable that opts in to it: suites too slow for every `make test` (.ci/run runs them after it,
+# while the whole run stays well inside its limit)
+OPT_IN_MARKERS = {"docker": "TANDEM_TEST_DOCKER", "heavy": "TANDEM_TEST_HEAVY"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked docker (an image build and a compose cluster, many minutes) run only with TANDEM_TEST_DOCKER=1."""
-    if os.environ.get("TANDEM_TEST_DOCKER") == "1":
-        return
-    docker = [item for item in items if item.get_closest_marker("docker")]
-    if docker:
-        config.hook.pytest_deselected(items=docker)
-        items[:] = [item for item in items if not item.get_closest_marker("docker")]
+    """Tests marked docker (an image build and a compose cluster, many minutes) run only with TANDEM_TEST_DOCKER=1,
+    tests marked heavy (load tests, benchmarks run end to end, long fuzzing) only with TANDEM_TEST_HEAVY=1."""
+    for marker, variable in OPT_IN_MARKERS.items():
+        if os.environ.get(variable) == "1":
+            continue
+        skipped = [item for item in items if item.get_closest_marker(marker)]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]

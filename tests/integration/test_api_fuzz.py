@@ -7,16 +7,17 @@ import math
 import grpc
 import httpx2 as httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tandem.services.client import generate, make_request
+from tests.fuzz import fuzz_settings
 from tests.integration.helpers import wait_all_blocks_free
 
 FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_tokens", "logprobs", "n", "seed", "prompt_logprobs", "beam_width",
           "length_penalty")  # fmt: skip
-FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = fuzz_settings(25)
 
 numbers = st.one_of(st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True, width=32),
                     st.integers(-(2**63), 2**63))  # fmt: skip
@@ -91,7 +92,7 @@ def test_http_random_completions_bodies(cluster, body, prompt):
 
 
 @given(raw=st.binary(max_size=40))
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@fuzz_settings(15)
 def test_http_garbage_bodies(cluster, raw):
     r = httpx.post(cluster.openai_base_url + "/completions", content=raw, timeout=60,
                    headers={"content-type": "application/json"})  # fmt: skip
@@ -136,7 +137,7 @@ def _still_serving(cluster):
     assert all(l.num_free_blocks == l.num_blocks for l in loads.values())
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+pytestmark = [pytest.mark.fuzz, pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")]
 
 
 # -- hand-encoded and oversized requests ---------------------------------------------------------------------

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # an end-to-end load/benchmark run: .ci/run, when it has time
 REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 32, 4
 

@@ -9,16 +9,17 @@ import uuid
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tandem.services.client import generate, make_request
 from tandem.services.kv_wire import checksum
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.fuzz import fuzz_settings
 from tests.integration.helpers import kv_transfer, load
 
 CLIENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
-FUZZ = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = fuzz_settings(20)
 PROMPT_LEN = 40  # 3 blocks of 16: the last one partial
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "logprobs", "seed", "prompt_logprobs")  # fmt: skip
@@ -360,4 +361,4 @@ def test_services_still_serve_after_the_fuzzing(cluster, tracebacks_before):
     expect_healthy(cluster, tracebacks_before, gateway=True)
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+pytestmark = [pytest.mark.fuzz, pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")]

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # an end-to-end load/benchmark run: .ci/run, when it has time
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
 REQUESTS = {"grpc Generate", "POST /v1/completions"}  # each as "Type Name" of locust's stats

@@ -5,6 +5,7 @@ continue the caller's W3C trace context and failed calls carry status ERROR and 
 import asyncio
 import inspect
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -139,7 +140,9 @@ CONFIGURED = textwrap.dedent("""
 
 
 def test_configured_server_spans_continue_the_callers_trace_and_carry_the_grpc_code():
-    result = subprocess.run([sys.executable, "-c", CONFIGURED], cwd=REPO, capture_output=True, text=True, timeout=120)
+    # (PYTHONPATH: the script imports this module, tests.unit.test_tracing; the tests run in safe-path mode)
+    result = subprocess.run([sys.executable, "-c", CONFIGURED], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.splitlines()[-1])
     spans = {s["name"] if s["attributes"].get("tandem.request_id") != "bad" else "bad": s for s in out["spans"]}

@@ -167,6 +167,7 @@ def test_quantize_refuses_contradictory_flags_before_loading(argv, error):
         run_quantize(parser.parse_args(argv + ["--model", "/nonexistent"]))
 
 
+@pytest.mark.heavy  # minutes of GPTQ/AWQ/sensitivity on the whole model: .ci/run's heavy pass
 def test_analysis_json_feeds_a_kl_budgeted_checkpoint(tmp_path, model_dir, capsys):
     """--analyze --json on the real model (a short analysis: one window of 32 tokens), then --sensitivity reuses
     it for --max-kl: the checkpoint's layer map names the most sensitive linears first."""

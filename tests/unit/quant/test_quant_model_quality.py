@@ -52,11 +52,13 @@ def test_native_gguf_q4_1_matches_hf_dequantized_model(model_dir, eval_reference
     assert result.kl <= 1e-4 and result.top1 >= 0.999
 
 
+@pytest.mark.heavy  # minutes of GPTQ/AWQ/sensitivity on the whole model: .ci/run's heavy pass
 def test_gptq_g128_beats_rtn_g128(model_dir, eval_reference, calib_ids, rtn_g128):
     result = evaluate(model_dir, eval_reference, "gptq", 4, 128, calib_ids, seq_len=512)
     assert result.kl < rtn_g128.kl
 
 
+@pytest.mark.heavy  # minutes of GPTQ/AWQ/sensitivity on the whole model: .ci/run's heavy pass
 def test_awq_g128_beats_rtn_g128(model_dir, eval_reference, calib_ids, rtn_g128):
     result = evaluate(model_dir, eval_reference, "awq", 4, 128, calib_ids, seq_len=512, n_grid=5,
                       max_search_tokens=128)
@@ -78,6 +80,7 @@ def test_quantized_weight_bytes(model_dir):
     assert all(p.dtype != torch.float32 or p.dim() < 2 or "embed" in n for n, p in model.named_parameters())
 
 
+@pytest.mark.heavy  # minutes of GPTQ/AWQ/sensitivity on the whole model: .ci/run's heavy pass
 def test_outlier_aware_int8_beats_per_channel_int8(model_dir, eval_reference, calib_ids):
     """LLM.int8()'s decomposition (threshold 6, at most 2% of input channels in float) against plain
     per-channel INT8 RTN, on held-out text."""
@@ -87,6 +90,7 @@ def test_outlier_aware_int8_beats_per_channel_int8(model_dir, eval_reference, ca
     assert outlier.kl < 0.8 * per_channel.kl
 
 
+@pytest.mark.heavy  # minutes of GPTQ/AWQ/sensitivity on the whole model: .ci/run's heavy pass
 def test_sensitivity_ranking_is_stable_across_calibration_seeds(model_dir):
     """Two calibration samples (seeds 0 and 1: different windows of the calibration text) must rank the same
     linears as sensitive. Layers 0, 1, 14, 28 and 29 (35 linears) keep the run short."""
