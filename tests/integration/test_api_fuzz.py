@@ -184,7 +184,7 @@ def test_grpc_invalid_utf8_and_broken_bytes_are_invalid_argument(cluster, where)
 
 
 def _oversized(model_config) -> dict:
-    """Requests over each limit (README "Limits") -> the field their error must name."""
+    """Requests over each limit (docs/api.md "Limits") -> the field their error must name."""
     from tandem.services.gateway import validation
 
     cases = {
