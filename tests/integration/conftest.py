@@ -1,4 +1,7 @@
 """Integration fixtures: HF transformers fp32 greedy references and real local clusters (real Redis)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -8,18 +11,24 @@ NUM_REFERENCE_TOKENS = 48
 
 
 @pytest.fixture(scope="session")
-def hf_references(model_dir, tokenizer):
-    """{prompt name: (prompt token ids, 48 greedy tokens from HF generate in fp32, cut at EOS)}."""
+def hf_model(model_dir):
+    """The default model in HF transformers, fp32, loaded once for every test that compares against it (the
+    oracle; tests only generate with it, never change it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_references(hf_model, tokenizer):
+    """{prompt name: (prompt token ids, 48 greedy tokens from HF generate in fp32, cut at EOS)}."""
+    model = hf_model
     refs = {}
     for name, kind, text in PROMPTS:
         ids = prompt_token_ids(tokenizer, kind, text)
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_REFERENCE_TOKENS, do_sample=False)
         refs[name] = (ids, out[0, len(ids) :].tolist())
-    del model
     return refs
 
 
@@ -43,11 +52,9 @@ def cluster(model_dir, hf_references):
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(model_dir):
+def hf_greedy(hf_model):
     """generate(prompt ids, n) -> HF transformers fp32 greedy tokens (at most n, ending at EOS), cached."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model
     cache = {}
 
     def generate(ids: list[int], n: int) -> list[int]:
@@ -59,6 +66,16 @@ def hf_greedy(model_dir):
         return cache[key]
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def int8_dir(model_dir, tmp_path_factory):
+    """An INT8 (RTN, per channel) checkpoint of the default model, written once by `tandem quantize` (the int8
+    serving tests and the draft model of speculative decoding share it)."""
+    out = tmp_path_factory.mktemp("int8") / "SmolLM2-int8"
+    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", "--bits", "8", "--out",
+                    str(out), "--model", str(model_dir)], check=True, timeout=600)  # fmt: skip
+    return out
 
 
 @pytest.fixture

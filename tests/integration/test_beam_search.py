@@ -17,13 +17,6 @@ CASES = [  # (prompt name, kind, text, beam width, max tokens, length penalty)
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def hf_beams(hf_model, ids: list[int], width: int, max_tokens: int, length_penalty: float) -> list[list[int]]:
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=width, do_sample=False,

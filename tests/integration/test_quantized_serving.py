@@ -18,14 +18,6 @@ from tests.prompts import LONG_TEXT, PROMPTS, prompt_token_ids
 NUM_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def int8_dir(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("int8") / "SmolLM2-int8"
-    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", "--bits", "8", "--out", str(out),
-                    "--model", str(model_dir)], check=True, timeout=600)  # fmt: skip
-    return out
-
-
 def in_process_greedy(model_config, prompts):
     engine = LLMEngine(model_config, CacheConfig(16, 256), SchedulerConfig(256, 8))
     outs = {}

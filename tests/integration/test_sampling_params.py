@@ -17,13 +17,6 @@ CAPITAL = "What is the capital of France?"  # its greedy answer ends with EOS af
 STORY = "Once upon a time, in a small village by the mountains,"
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def request(text: str, raw: bool = False, **params) -> gateway_pb2.GenerateRequest:
     r = make_request(text, raw=raw)
     for name, value in params.items():

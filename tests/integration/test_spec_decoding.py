@@ -46,13 +46,9 @@ def flat(chunks):
 
 
 @pytest.fixture(scope="module")
-def int8_draft(tmp_path_factory, model_dir) -> str:
+def int8_draft(int8_dir) -> str:
     """An INT8 (RTN, per channel) copy of the model: a separate draft checkpoint with the same tokenizer."""
-    from tandem.tools.quantize import main as quantize
-
-    out = tmp_path_factory.mktemp("draft") / "int8"
-    assert quantize(["--method", "rtn", "--bits", "8", "--model", str(model_dir), "--out", str(out)]) == 0
-    return str(out)
+    return str(int8_dir)
 
 
 @pytest.fixture(params=METHODS)

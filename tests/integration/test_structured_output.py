@@ -10,7 +10,6 @@ import re
 import grpc
 import jsonschema
 import pytest
-import torch
 
 from tandem.services.client import generate, make_request
 from tandem.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -46,13 +45,6 @@ CASES = {
 }  # fmt: skip
 SCHEMAS = {"person": PERSON, "colors": COLORS, "verdict": VERDICT, "object": {"type": "object"}}
 MAX_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
