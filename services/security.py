@@ -4,7 +4,7 @@
   same files for uvicorn's HTTPS. One identity per process: its certificate serves its ports and is the client
   certificate it presents on internal hops.
 - APIKeys: the gateway's keys; APIKeyInterceptor refuses gRPC calls of the public API without one
-  (UNAUTHENTICATED). The HTTP API checks the same keys (services/gateway/openai_api.py).
+  (UNAUTHENTICATED). The HTTP API checks the same keys (services/gateway/http_middleware.py).
 - redacted_url / check_redis_auth: Redis URLs carry passwords (redis://:PASSWORD@host); keep them out of logs,
   and refuse to start on a password Redis rejects.
 

@@ -22,8 +22,7 @@ from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_connector import KVBlocks, KVConnector
 from tandem.shared.kv_events import KVEventBatch
 from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
-from tandem.shared.request import FinishReason, Request, RequestStatus
-from tandem.shared.request import TokenLogprobs
+from tandem.shared.request import FinishReason, Request, RequestStatus, TokenLogprobs, check_token_ids
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
 from tandem.shared.spec_decode.drafter import Drafter
 from tandem.shared.structured_output import StructuredOutputManager
@@ -99,12 +98,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
         vocab_size = self.model_config.vocab_size
-        if any(not 0 <= t < vocab_size for t in request.prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
-        if any(not 0 <= t < vocab_size for t in request.sampling_params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})")
-        if any(not 0 <= t < vocab_size for t, _ in request.sampling_params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})")
+        check_token_ids("prompt token ids", request.prompt_token_ids, vocab_size)
+        check_token_ids("stop_token_ids", request.sampling_params.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias token ids", (t for t, _ in request.sampling_params.logit_bias), vocab_size)
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         if self.kv_cache_manager.num_blocks_for(total) > self.cache_config.num_blocks:
             raise InvalidRequestError(

@@ -14,6 +14,14 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's cap)
 
 
+def check_token_ids(name: str, token_ids, vocab_size: int) -> None:
+    """InvalidRequestError "<name> must be in [0, vocab_size)" unless every token id is in the model's vocabulary.
+    The one range check of token ids from outside (a token-id prompt, stop_token_ids, logit_bias): the gateway runs
+    it on the public APIs' requests, the engine on what its own RPCs receive."""
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"{name} must be in [0, {vocab_size})")
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """One generated token's log-probability under the model's raw distribution (log_softmax of its logits before

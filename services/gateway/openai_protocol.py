@@ -237,7 +237,7 @@ def structured_output(body: SamplingFields) -> common_pb2.StructuredOutput | Non
 def prompts(prompt) -> list[str | list[int]]:
     """The completions API's prompt field as a list of prompts: a string, a list of strings, a list of token
     ids (one prompt) or a list of token id lists (at most MAX_PROMPTS). APIError 400 for anything else or an
-    empty prompt (token ids are range-checked by validation.check_token_ids)."""
+    empty prompt (token ids are range-checked by request.check_token_ids)."""
     def is_ids(x) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 

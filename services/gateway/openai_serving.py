@@ -23,7 +23,7 @@ from tandem.services.gateway.openai_protocol import (APIError, ChatCompletionReq
 from tandem.services.gateway.openai_responses import ResponseShape, collect, sse
 from tandem.services.gateway.pipeline import STREAM_BUFFER, GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest
-from tandem.services.gateway.validation import check_token_ids
+from tandem.shared.request import check_token_ids
 from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 

@@ -1,7 +1,7 @@
-"""A request's validation for both public APIs (README "Limits"): the prompt (tokenize_request) and the
+"""A request's validation for both public APIs (docs/api.md "Limits"): the prompt (tokenize_request) and the
 sampling parameters (check_sampling_params, which resolves max_tokens) and the token ids a client sends
-(check_token_ids), each refusal an InvalidRequestError naming the field. A prompt's own
-limits follow from the model's context: at most max_model_len - 1 tokens, and at most
+(shared/request.py check_token_ids, the same check the engines run), each refusal an InvalidRequestError
+naming the field. A prompt's own limits follow from the model's context: at most max_model_len - 1 tokens, and at most
 MAX_CHARS_PER_TOKEN * max_model_len characters before it is tokenized."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from tandem.services.convert import sampling_params_from_proto
 from tandem.services.gateway.beam_search import check_beam_params
 from tandem.shared.config import ModelConfig
 from tandem.shared.errors import InvalidRequestError
+from tandem.shared.request import check_token_ids
 from tandem.shared.structured_output import check_grammar
 from tandem.v1 import common_pb2, gateway_pb2
 
@@ -82,13 +83,6 @@ def _check_chars(num_chars: int, max_model_len: int) -> None:
     limit = MAX_CHARS_PER_TOKEN * max_model_len
     if num_chars > limit:
         raise InvalidRequestError(f"prompt has {num_chars} characters; at most {limit} fit the model's context")
-
-
-def check_token_ids(name: str, token_ids, vocab_size: int) -> None:
-    """InvalidRequestError "<name> must be in [0, vocab_size)" unless every token id is in the model's vocabulary:
-    the gateway's one range check of token ids a client sends (a token-id prompt, stop_token_ids, logit_bias)."""
-    if any(not 0 <= t < vocab_size for t in token_ids):
-        raise InvalidRequestError(f"{name} must be in [0, {vocab_size})")
 
 
 def check_sampling_params(p: common_pb2.SamplingParams, num_prompt_tokens: int, model_config: ModelConfig,
