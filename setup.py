@@ -12,6 +12,7 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
 FOLDERS = ("services", "shared", "kernels", "tools", "benchmarks")  # each is tandem.<folder>
+DATA_FOLDERS = ("kernels/cpu", "tools/data")  # no __init__.py: data the wheel carries (pyproject package-data)
 PROTO_DIR = ROOT / "proto"
 
 
@@ -26,6 +27,7 @@ def package_layout() -> tuple[list[str], dict[str, str]]:
         if (ROOT / folder).is_dir():
             package_dir[f"tandem.{folder}"] = folder
             packages += [f"tandem.{folder}", *(f"tandem.{folder}.{p}" for p in find_packages(ROOT / folder))]
+    packages += [f"tandem.{folder.replace('/', '.')}" for folder in DATA_FOLDERS if (ROOT / folder).is_dir()]
     return packages, package_dir
 
 
