@@ -41,10 +41,9 @@ demo: model
 serve: model
 	$(BIN)/tandem up --port $(PORT) --http-port $(HTTP_PORT)
 
-# pytest exits 5 when it collects no test; that is not a failure of the set-up. Two workers (pytest-xdist): one
-# runs the modules on the session's default cluster, the other the rest (tests/conftest.py group_by_module).
+# pytest exits 5 when it collects no test; that is not a failure of the set-up.
 test: model
-	$(BIN)/python -P -m pytest tests -q -n 2 --dist loadgroup; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -P -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # Serving benchmark (about 15 minutes); llama-server joins when $$LLAMA_SERVER is set or it is on PATH.
 bench: model

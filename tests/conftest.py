@@ -46,24 +46,3 @@ def pytest_collection_modifyitems(config, items):
         if skipped:
             config.hook.pytest_deselected(items=skipped)
             items[:] = [item for item in items if not item.get_closest_marker(marker)]
-    group_by_module(items)
-
-
-def group_by_module(items) -> None:
-    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every module runs whole on one worker, so the
-    cluster a module starts for itself starts once, and every module that uses the session's default cluster
-    runs on the same worker, so that one starts once too. The other worker meanwhile takes the unit tests and
-    the modules with clusters of their own: on two cores the integration tests wait on their clusters' processes
-    most of the time."""
-    modules_on_the_default_cluster = {item.module.__name__ for item in items if uses_the_default_cluster(item)}
-    for item in items:
-        module = item.module.__name__
-        group = "default-cluster" if module in modules_on_the_default_cluster else module
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
-def uses_the_default_cluster(item) -> bool:
-    """Whether the test needs tests/integration/conftest.py's session cluster (a module may define a `cluster` of
-    its own, module-scoped)."""
-    definitions = item._fixtureinfo.name2fixturedefs.get("cluster")
-    return bool(definitions) and definitions[-1].scope == "session"
