@@ -83,7 +83,7 @@ def test_a_wheel_from_a_clean_clone_installs_tandem_alone_and_runs_an_engine_ste
     assert step.returncode == 0, step.stderr
     installed_at, token_ids = step.stdout.strip().splitlines()[-2:]
     assert Path(installed_at).is_relative_to(site), installed_at  # the wheel's tandem, not the checkout's
-    assert len(eval(token_ids)) == 1
+    assert len(json.loads(token_ids)) == 1  # one new token: the step ran
 
 
 def test_the_editable_install_maps_tandem_onto_the_folders_and_installs_no_generic_name(tmp_path):
