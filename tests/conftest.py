@@ -1,7 +1,15 @@
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` without -P puts the working directory first on sys.path, where the checkout's folders
+# (kernels/, tools/, ...) would shadow installed packages of those names (Hugging Face's `kernels`, which
+# transformers imports): take it off before anything else imports.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 # Every Python the tests start runs in safe-path mode: its working directory (often the checkout root, whose

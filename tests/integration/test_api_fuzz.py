@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tandem.services.client import generate, make_request
-from tests.fuzz import fuzz_settings
+from tests.passes import fuzz_settings
 from tests.integration.helpers import wait_all_blocks_free
 
 FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",

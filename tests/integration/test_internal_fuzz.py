@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tandem.services.client import generate, make_request
 from tandem.services.kv_wire import checksum
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.fuzz import fuzz_settings
+from tests.passes import fuzz_settings
 from tests.integration.helpers import kv_transfer, load
 
 CLIENT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)

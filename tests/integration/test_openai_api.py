@@ -103,14 +103,23 @@ def test_sampling_parameters_reach_the_engine(cluster, client):
         ({"temperature": 1.0, "seed": 7, "extra_body": {"top_k": 2}}, {"temperature": 1.0, "seed": 7, "top_k": 2}),
         ({"temperature": 1.0, "seed": 7, "extra_body": {"min_p": 0.5}}, {"temperature": 1.0, "seed": 7, "min_p": 0.5}),
     ]  # fmt: skip
-    greedy = client.completions.create(**base, temperature=0).choices[0].text
-    seeded = client.completions.create(**base, temperature=1.0, seed=7).choices[0].text
-    for http_args, grpc_fields in cases:
-        text = client.completions.create(**base, **http_args).choices[0].text
+
+    def over_http(args: dict) -> str:
+        return client.completions.create(**base, **args).choices[0].text
+
+    def over_grpc(fields: dict) -> str:
         req = make_request(STORY, raw=True, max_tokens=24)
-        for name, value in grpc_fields.items():
+        for name, value in fields.items():
             setattr(req.sampling_params, name, value)
-        assert text == generate(cluster.gateway_address, req, timeout=300).text, http_args
+        return generate(cluster.gateway_address, req, timeout=300).text
+
+    # all at once (the engine batches them; each answer is the same in any batch)
+    with ThreadPoolExecutor(8) as pool:
+        http_texts = pool.map(over_http, [{"temperature": 0}, {"temperature": 1.0, "seed": 7}] + [a for a, _ in cases])
+        grpc_texts = pool.map(over_grpc, [grpc_fields for _, grpc_fields in cases])
+    greedy, seeded, *texts = http_texts
+    for (http_args, grpc_fields), text, grpc_text in zip(cases, texts, grpc_texts, strict=True):
+        assert text == grpc_text, http_args
         if len(grpc_fields) > 1 and not (len(grpc_fields) == 2 and "seed" in grpc_fields):
             assert text != (seeded if "seed" in grpc_fields else greedy), f"{http_args} changed nothing"
     # stop, with the stop string kept on request; ignore_eos and min_tokens run past EOS

@@ -1,8 +1,13 @@
 """Prefix caching across a real cluster (real Redis, two prefill instances, one decode), fp32 greedy against HF:
 prompts sharing a prefix go to the prefill that holds it (also after that prefill is killed and restarted), a
 second chat turn ships only the blocks the decode lacks, a short uncached suffix is computed on the decode with
-no prefill call, and routing survives Redis stopping (load-only) and resumes when it returns."""
+no prefill call, and routing survives Redis stopping (load-only) and resumes when it returns.
+
+The tests that always prefill share one cluster (each with a cache salt of its own, so none sees another's cached
+prefix; counters are compared with the test's own start); the one that kills and restarts a prefill runs last."""
 import time
+
+import pytest
 
 from tandem.services.client import generate, make_request
 from tests.integration.helpers import load
@@ -19,6 +24,14 @@ def start(model_dir, gateway_args):
                         gateway_args=gateway_args)  # fmt: skip (started by `with`)
 
 
+@pytest.fixture(scope="module")
+def routed_cluster(model_dir):
+    """Two prefills and one decode; --local-prefill-tokens 0: every prompt goes to a prefill, so routing is
+    visible."""
+    with start(model_dir, ["--local-prefill-tokens", "0"]) as cluster:
+        yield cluster
+
+
 def ask(cluster, text, tokenizer, salt=None):
     out = generate(cluster.gateway_address, make_request(text, raw=True, max_tokens=NUM_TOKENS, temperature=0.0,
                                                          cache_salt=salt), timeout=300)  # fmt: skip
@@ -29,23 +42,26 @@ def loads(cluster):
     return {name: load(address) for name, address in cluster.addresses.items()}
 
 
-def test_shared_prefixes_go_to_the_prefill_holding_them(model_dir, tokenizer, hf_greedy):
-    with start(model_dir, ["--local-prefill-tokens", "0"]) as cluster:  # always prefill: routing is visible
-        base = LONG_TEXT[:900]
-        out, ids = ask(cluster, base + " First question.", tokenizer)
+def test_shared_prefixes_go_to_the_prefill_holding_them(routed_cluster, tokenizer, hf_greedy):
+    cluster, salt = routed_cluster, "shared-prefixes"
+    before = loads(cluster)
+    base = LONG_TEXT[:900]
+    out, ids = ask(cluster, base + " First question.", tokenizer, salt)
+    assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
+    holder = max(("prefill0", "prefill1"),
+                 key=lambda n: loads(cluster)[n].prefix_cache_queries - before[n].prefix_cache_queries)
+    other = "prefill1" if holder == "prefill0" else "prefill0"
+    time.sleep(1.5)  # the heartbeat and the index catch up
+    for i in range(3):
+        out, ids = ask(cluster, base + f" Question number {i}?", tokenizer, salt)
         assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
-        holder = max(("prefill0", "prefill1"), key=lambda n: loads(cluster)[n].prefix_cache_queries)
-        other = "prefill1" if holder == "prefill0" else "prefill0"
-        time.sleep(1.5)  # the heartbeat and the index catch up
-        for i in range(3):
-            out, ids = ask(cluster, base + f" Question number {i}?", tokenizer)
-            assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
-            assert out.cached_tokens >= len(tokenizer(base).input_ids) // 16 * 16 - 16
-        now = loads(cluster)
-        assert now[holder].prefix_cache_hits > 0 and now[other].prefix_cache_queries == 0, now
-        # a salted request shares nothing, so it is routed on load alone
-        out, ids = ask(cluster, base + " First question.", tokenizer, salt="tenant-b")
-        assert out.token_ids == hf_greedy(ids, NUM_TOKENS) and out.cached_tokens == 0
+        assert out.cached_tokens >= len(tokenizer(base).input_ids) // 16 * 16 - 16
+    now = loads(cluster)
+    assert now[holder].prefix_cache_hits > before[holder].prefix_cache_hits, (before, now)
+    assert now[other].prefix_cache_queries == before[other].prefix_cache_queries, (before, now)
+    # a request with another salt shares nothing, so it is routed on load alone
+    out, ids = ask(cluster, base + " First question.", tokenizer, salt="tenant-b")
+    assert out.token_ids == hf_greedy(ids, NUM_TOKENS) and out.cached_tokens == 0
 
 
 def test_second_turn_ships_fewer_blocks_and_short_suffix_skips_prefill(model_dir, tokenizer, hf_greedy):
@@ -75,44 +91,47 @@ def test_second_turn_ships_fewer_blocks_and_short_suffix_skips_prefill(model_dir
         assert out3.cached_tokens > 0
 
 
-def test_redis_down_routes_on_load_and_recovers(model_dir, tokenizer, hf_greedy):
+def test_redis_down_routes_on_load_and_recovers(routed_cluster, tokenizer, hf_greedy):
     import os
     import signal
 
-    with start(model_dir, ["--local-prefill-tokens", "0"]) as cluster:
-        base = LONG_TEXT[:700]
-        out, ids = ask(cluster, base + " One.", tokenizer)
-        redis = cluster.processes["redis"]
-        os.kill(redis.pid, signal.SIGSTOP)  # frozen: every call times out
-        try:
-            out, ids = ask(cluster, base + " Two.", tokenizer)
-            assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
-        finally:
-            os.kill(redis.pid, signal.SIGCONT)
-        time.sleep(2)
-        out, ids = ask(cluster, base + " Three.", tokenizer)
+    cluster, salt = routed_cluster, "redis-down"
+    base = LONG_TEXT[:700]
+    out, ids = ask(cluster, base + " One.", tokenizer, salt)
+    redis = cluster.processes["redis"]
+    os.kill(redis.pid, signal.SIGSTOP)  # frozen: every call times out
+    try:
+        out, ids = ask(cluster, base + " Two.", tokenizer, salt)
         assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
-        assert out.cached_tokens > 0
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+    time.sleep(2)
+    out, ids = ask(cluster, base + " Three.", tokenizer, salt)
+    assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
+    assert out.cached_tokens > 0
 
 
-def test_killed_then_restarted_prefill_leaves_routing_correct(model_dir, tokenizer, hf_greedy):
-    with start(model_dir, ["--local-prefill-tokens", "0"]) as cluster:
-        base = LONG_TEXT[:900]
-        out, ids = ask(cluster, base + " First question.", tokenizer)
-        holder = max(("prefill0", "prefill1"), key=lambda n: loads(cluster)[n].prefix_cache_queries)
-        other = "prefill1" if holder == "prefill0" else "prefill0"
-        time.sleep(1.5)
-        # killed: still registered until its TTL, its index entries still claim the prefix; the request routed
-        # there is placed again on the other prefill
-        cluster.kill(holder)
-        out, ids = ask(cluster, base + " Second question.", tokenizer)
-        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
-        assert "placing it again" in (cluster.log_dir / "gateway.log").read_text()
-        assert load(cluster.addresses[other]).prefix_cache_queries > 0
-        # restarted: a new incarnation with an empty cache; the dead one's entries are never trusted again
-        cluster.restart(holder)
-        time.sleep(1.5)
-        out, ids = ask(cluster, base + " Third question.", tokenizer)
-        assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
-        assert out.cached_tokens > 0  # the other prefill, which holds the prefix now
-        assert load(cluster.addresses[holder]).prefix_cache_queries == 0
+def test_killed_then_restarted_prefill_leaves_routing_correct(routed_cluster, tokenizer, hf_greedy):
+    cluster, salt = routed_cluster, "killed-prefill"
+    before = loads(cluster)
+    base = LONG_TEXT[:900]
+    out, ids = ask(cluster, base + " First question.", tokenizer, salt)
+    holder = max(("prefill0", "prefill1"),
+                 key=lambda n: loads(cluster)[n].prefix_cache_queries - before[n].prefix_cache_queries)
+    other = "prefill1" if holder == "prefill0" else "prefill0"
+    time.sleep(1.5)
+    # killed: still registered until its TTL, its index entries still claim the prefix; the request routed
+    # there is placed again on the other prefill
+    placed_again = (cluster.log_dir / "gateway.log").read_text().count("placing it again")
+    cluster.kill(holder)
+    out, ids = ask(cluster, base + " Second question.", tokenizer, salt)
+    assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
+    assert (cluster.log_dir / "gateway.log").read_text().count("placing it again") > placed_again
+    assert load(cluster.addresses[other]).prefix_cache_queries > before[other].prefix_cache_queries
+    # restarted: a new incarnation with an empty cache; the dead one's entries are never trusted again
+    cluster.restart(holder)
+    time.sleep(1.5)
+    out, ids = ask(cluster, base + " Third question.", tokenizer, salt)
+    assert out.token_ids == hf_greedy(ids, NUM_TOKENS)
+    assert out.cached_tokens > 0  # the other prefill, which holds the prefix now
+    assert load(cluster.addresses[holder]).prefix_cache_queries == 0

@@ -1,11 +1,10 @@
 """What a tester broke once: cancels racing admission, duplicate ids, repeated KV completion, dead instances."""
-import threading
 import time
 
 import grpc
 import pytest
 
-from tandem.services.client import generate, make_request
+from tandem.services.client import Completion, generate, make_request, stream
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.integration.helpers import generate_all, greedy_request, kv_transfer, load, wait_all_blocks_free
 
@@ -36,17 +35,18 @@ def test_cancel_racing_the_reservation_leaks_no_blocks(cluster):
 
 def test_duplicate_request_id_is_refused_without_hurting_the_first(cluster, hf_references):
     ids, expected = hf_references["capital"]
-    first = make_request("What is the capital of France?", max_tokens=30, temperature=0.0)
+    # (past EOS, so that the first request is still running when the second comes, on any machine)
+    first = make_request("What is the capital of France?", max_tokens=200, temperature=0.0, ignore_eos=True)
     first.request_id = "same-id"
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("out", generate(cluster.gateway_address, first, timeout=120)))
-    t.start()
-    time.sleep(0.3)
+    running = stream(cluster.gateway_address, first, timeout=120)
+    out = Completion()
+    out.add(next(running))  # (its first tokens are out: the id is in use)
     with pytest.raises(grpc.RpcError) as err:
         generate(cluster.gateway_address, first, timeout=60)
-    t.join()
+    for message in running:
+        out.add(message)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in err.value.details()
-    assert result["out"].token_ids == expected[:30]
+    assert len(out.token_ids) == 200 and out.token_ids[: len(expected)] == expected
 
 
 def test_repeated_kv_completion_is_refused_and_decode_stays_healthy(cluster, model_config):
@@ -69,39 +69,45 @@ def test_repeated_kv_completion_is_refused_and_decode_stays_healthy(cluster, mod
     assert "Paris" in ok.text
 
 
-def test_gateway_places_requests_elsewhere_when_a_decode_dies(model_dir, hf_references):
+@pytest.fixture(scope="module")
+def two_by_two(model_dir):
+    """Two prefills and two decodes, round-robin (each tier's instances take turns), every prompt through a
+    prefill, a 2 s KV lease on the decodes. The test that kills an instance runs last."""
     from tandem.services.launcher import LocalCluster
 
     engine = ["--num-blocks", "256", "--threads", "1"]
-    with LocalCluster(str(model_dir), num_decode=2, prefill_args=engine, decode_args=engine) as c:
-        c.processes["decode1"].kill()  # still registered until its TTL runs out
-        c.processes["decode1"].wait()
-        del c.processes["decode1"]
-        outs = generate_all(c.gateway_address, [greedy_request("chat", "What is the capital of France?", 8)] * 4)
-        assert all(o.token_ids == hf_references["capital"][1][:8] for o in outs)
+    with LocalCluster(str(model_dir), num_prefill=2, num_decode=2, prefill_args=engine,
+                      decode_args=engine + ["--kv-lease-timeout", "2"],
+                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"]) as c:
+        yield c
 
 
-def test_a_stalled_prefill_loses_its_reservation_and_the_request_is_placed_again(model_dir, hf_references):
+def test_a_stalled_prefill_loses_its_reservation_and_the_request_is_placed_again(two_by_two, hf_references):
     """A prefill that stops (SIGSTOP) after the decode reserved the blocks: the decode frees them once no KV has
     come for --kv-lease-timeout, the gateway, reading the decode's stream, places the request on the other
     prefill, and the client gets the right answer; nothing leaks on either side once the prefill runs again."""
     import signal
 
-    from tandem.services.launcher import LocalCluster
+    c = two_by_two
+    c.processes["prefill0"].send_signal(signal.SIGSTOP)
+    try:
+        request = greedy_request("chat", "What is the capital of France?", 8)
+        expected = hf_references["capital"][1][:8]
+        for _ in range(2):  # (round-robin: one of them is routed to the stalled prefill)
+            assert generate(c.gateway_address, request, timeout=120).token_ids == expected
+        assert "did not deliver the prompt's KV" in (c.log_dir / "gateway.log").read_text()
+        for name in ("decode0", "decode1"):
+            decode = load(c.addresses[name])
+            assert decode.num_free_blocks == decode.num_blocks and decode.num_waiting == 0, name
+    finally:
+        c.processes["prefill0"].send_signal(signal.SIGCONT)
+    assert all(l.num_free_blocks == l.num_blocks for l in wait_all_blocks_free(c).values())
 
-    engine = ["--num-blocks", "256", "--threads", "1"]
-    with LocalCluster(str(model_dir), num_prefill=2, prefill_args=engine,
-                      decode_args=engine + ["--kv-lease-timeout", "2"],
-                      gateway_args=["--routing", "round-robin", "--local-prefill-tokens", "0"]) as c:
-        c.processes["prefill0"].send_signal(signal.SIGSTOP)
-        try:
-            request = greedy_request("chat", "What is the capital of France?", 8)
-            expected = hf_references["capital"][1][:8]
-            for _ in range(2):  # (round-robin: one of them is routed to the stalled prefill)
-                assert generate(c.gateway_address, request, timeout=120).token_ids == expected
-            assert "did not deliver the prompt's KV" in (c.log_dir / "gateway.log").read_text()
-            decode = load(c.addresses["decode0"])
-            assert decode.num_free_blocks == decode.num_blocks and decode.num_waiting == 0
-        finally:
-            c.processes["prefill0"].send_signal(signal.SIGCONT)
-        assert all(l.num_free_blocks == l.num_blocks for l in wait_all_blocks_free(c).values())
+
+def test_gateway_places_requests_elsewhere_when_a_decode_dies(two_by_two, hf_references):
+    c = two_by_two
+    c.processes["decode1"].kill()  # still registered until its TTL runs out
+    c.processes["decode1"].wait()
+    del c.processes["decode1"]
+    outs = generate_all(c.gateway_address, [greedy_request("chat", "What is the capital of France?", 8)] * 4)
+    assert all(o.token_ids == hf_references["capital"][1][:8] for o in outs)

@@ -138,27 +138,34 @@ def test_seeded_sampling_under_a_grammar_equals_a_colocated_run(cluster, model_c
             check_text(name, out.text)
 
 
+def greedy_seeded_and_sampled(references) -> list[Request]:
+    """For each case: a greedy, a seeded and an unseeded request under its grammar."""
+    out = []
+    for name, (ids, _) in references.items():
+        constraint = CASES[name][1]
+        out.append(Request(name, ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                     structured_output=constraint)))  # fmt: skip
+        out.append(Request(name + "-seeded", ids, SamplingParams(max_tokens=MAX_TOKENS, seed=3,
+                                                                 structured_output=constraint)))  # fmt: skip
+        out.append(Request(name + "-sampled", ids, SamplingParams(max_tokens=MAX_TOKENS,
+                                                                  structured_output=constraint)))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(model_config, references):
+    """greedy_seeded_and_sampled run without speculation (one run for every method below)."""
+    return run_engine(model_config, greedy_seeded_and_sampled(references))
+
+
 @pytest.mark.parametrize("method", ["ngram", "early-exit"])
-def test_speculative_decoding_keeps_constrained_outputs(model_config, tokenizer, references, method):
+def test_speculative_decoding_keeps_constrained_outputs(model_config, tokenizer, references, plain_outputs, method):
     """Greedy and seeded outputs with drafts (n-gram: truncated to what the grammar allows; early exit: a draft
     model's sampled drafts, verified under the mask) equal plain decoding; unseeded samples still validate."""
     spec = SpeculativeConfig(method, num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
                              draft_num_layers=8 if method == "early-exit" else None, adaptive=False)  # fmt: skip
-
-    def requests():
-        out = []
-        for name, (ids, _) in references.items():
-            constraint = CASES[name][1]
-            out.append(Request(name, ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                         structured_output=constraint)))  # fmt: skip
-            out.append(Request(name + "-seeded", ids, SamplingParams(max_tokens=MAX_TOKENS, seed=3,
-                                                                     structured_output=constraint)))  # fmt: skip
-            out.append(Request(name + "-sampled", ids, SamplingParams(max_tokens=MAX_TOKENS,
-                                                                      structured_output=constraint)))  # fmt: skip
-        return out
-
-    plain = run_engine(model_config, requests())
-    spec_requests = requests()
+    plain = plain_outputs
+    spec_requests = greedy_seeded_and_sampled(references)
     speculative = run_engine(model_config, spec_requests, spec)
     for name, (_, tokens) in references.items():
         assert speculative[name] == tokens == plain[name], name

@@ -75,6 +75,7 @@ def test_bad_block_ids_and_zero_kv_heads_raise():
         cpu_attention.paged_decode_attention(query, empty, empty.clone(), tables, lens, 0.25)
 
 
+@pytest.mark.heavy  # (a second build of the whole extension: about a minute of gcc)
 def test_avx2_build_matches_reference_too():
     """Built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it)."""
     import os

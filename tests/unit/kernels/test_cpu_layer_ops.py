@@ -81,6 +81,7 @@ def test_silu_and_mul_treats_every_column_alike_at_infinities():
     assert out[0].item() == out[19].item() == out[39].item() == float("-inf")
 
 
+@pytest.mark.heavy  # (a second build of the whole extension: about a minute of gcc)
 def test_avx2_build_matches_reference_too():
     """Built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it)."""
     import os

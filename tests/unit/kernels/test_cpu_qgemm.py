@@ -107,6 +107,7 @@ def test_layers_forward_matches_their_dequantized_weight(M, kind, kernel_threads
         assert len(calls) == (M <= CPU_KERNEL_MAX_M or kernel_threads > 1)
 
 
+@pytest.mark.heavy  # (a second build of the whole extension: about a minute of gcc)
 def test_avx2_build_matches_reference_too():
     """The kernel built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it) passes the
     reference comparisons above; this machine's default build uses AVX-512 where the CPU has it."""

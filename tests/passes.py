@@ -1,5 +1,6 @@
-"""Hypothesis settings of the fuzz tests: a short pass in every `make test`, the long one (the full example count)
-with TANDEM_TEST_HEAVY=1, which .ci/run sets for its heavy suites when the run has time for them."""
+"""The short pass and the long one: every `make test` runs the short pass of the fuzz tests (a quarter of their
+examples) and of the soak-like scenarios (fewer random faults, fewer restarts); TANDEM_TEST_HEAVY=1, which
+.ci/run sets for its heavy suites when the run has time for them, runs the long pass (LONG)."""
 import os
 
 from hypothesis import HealthCheck, settings
