@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from tandem.shared.architectures import architecture_features
 from tandem.shared.model_files import fingerprint
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family architecture read from an HF config.json."""
+    """The architecture read from an HF config.json (the families of shared/architectures.py)."""
 
     path: str
     name: str
@@ -63,6 +64,16 @@ class ModelConfig:
     weight_format: str = "fp32"
     quantization: str | None = None  # quantized checkpoint (dir or .gguf) whose linears replace the float ones
     dtype: str = DEFAULT_DTYPE  # weights and activations (the float ones; quantized codes keep their own type)
+    # the architecture beyond Llama's fields (shared/architectures.py)
+    model_type: str = "llama"
+    attention_bias: bool = False  # bias on q/k/v_proj (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    rope: tuple[tuple[str, object], ...] = ()  # rope_parameters' items (shared/rope.py); () is default RoPE
+
+    @property
+    def rope_parameters(self) -> dict:
+        """rope_theta, rope_type and that type's numbers (shared/rope.py)."""
+        return dict(self.rope) if self.rope else {"rope_theta": self.rope_theta, "rope_type": "default"}
 
     @property
     def model_id(self) -> str:
@@ -74,7 +85,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path, quantization: str | None = None, dtype: str = DEFAULT_DTYPE) -> ModelConfig:
-        """Read config.json (+ generation_config.json for extra EOS ids). ValueError if not Llama-like.
+        """Read config.json (+ generation_config.json for extra EOS ids). ValueError naming the field when the
+        architecture or one of its features is not served (shared/architectures.py).
 
         quantization: a quantized checkpoint (tandem / HF AWQ / HF GPTQ dir, a .gguf file, or "gguf" for the
         packaged GGUF) with this model's architecture, which supplies every weight; a path that is itself a
@@ -89,11 +101,8 @@ class ModelConfig:
         if not (path / "config.json").exists():
             raise ValueError(f"{path} is not a model directory (no config.json); run `tandem prepare-model`")
         cfg = json.loads((path / "config.json").read_text())
-        if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Llama-family model")
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-            raise ValueError("rope scaling is not supported yet")
+        features = architecture_features(cfg)  # (ValueError naming what is not supported)
+        rope = dict(features["rope"])
         eos = set(_as_list(cfg.get("eos_token_id")))
         gen_path = path / "generation_config.json"
         if gen_path.exists():
@@ -113,11 +122,15 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            max_model_len=cfg.get("max_position_embeddings", 2048),
+            rope_theta=rope["rope_theta"],
+            max_model_len=features["max_model_len"],
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=tuple(sorted(eos)),
         )
+        # beyond Llama's fields, only what differs from Llama (so that a Llama's id is what it was before them)
+        arch |= {k: v for k, v in features.items() if k not in arch and v != LLAMA_FEATURES.get(k, v)}
+        if rope["rope_type"] != "default":
+            arch["rope"] = features["rope"]
         # The same weights run with another architecture config (rope_theta, eps, ...) are another model.
         digest = xxhash.xxh3_64_hexdigest(f"{fingerprint(weights)}|{sorted(arch.items())}".encode())[:12]
         weight_format = detect_quant_config(quantization).weight_format
@@ -125,6 +138,9 @@ class ModelConfig:
             weight_format = _SHORT_DTYPE[dtype] if quantization is None else f"{weight_format}-{_SHORT_DTYPE[dtype]}"
         return cls(path=str(path), name=weights.stem if weights.suffix == ".gguf" else weights.name, digest=digest,
                    weight_format=weight_format, quantization=quantization, dtype=dtype, **arch)
+
+
+LLAMA_FEATURES = {"model_type": "llama", "attention_bias": False, "qk_norm": False}
 
 
 def _as_list(value) -> list[int]:

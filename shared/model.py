@@ -1,4 +1,5 @@
-"""Llama-family decoder over a flat batch of tokens with a paged KV cache.
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3: shared/architectures.py) over a flat batch of
+tokens with a paged KV cache.
 
 Our own forward (not transformers' modeling code), with HF module names so an HF safetensors checkpoint loads
 with load_state_dict and quantized linears can replace nn.Linear by name. Numerics follow the HF Llama reference
@@ -18,6 +19,7 @@ from tandem.shared.attention import AttentionMetadata, paged_attention, write_kv
 from tandem.shared.config import ModelConfig, torch_dtype
 from tandem.shared.device import use_triton
 from tandem.shared.model_files import read_safetensors
+from tandem.shared.rope import RotaryEmbedding
 from tandem.shared.quant.layers import concat_linears
 
 
@@ -44,21 +46,6 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al. 2021), rotate-half layout as in HF Llama."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] int64 -> cos, sin [num_tokens, head_dim] fp32."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -66,11 +53,14 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        if config.qk_norm:  # (Qwen3: over each head's head_dim, before RoPE)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj (the checkpoint's names) by one qkv_proj: one matmul reads all three weights."""
@@ -81,6 +71,10 @@ class Attention(nn.Module):
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim] fp32; kv_cache [2, num_blocks, block_size,
         num_kv_heads, head_dim] (this layer)."""
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            qkv = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
+                             self.k_norm(k.reshape(-1, self.head_dim)).view_as(k), v], dim=1)
         if cpu_kernels(qkv) and kv_cache.dtype == torch.float32:
             q = cpu_layer_ops.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                             self.num_heads)  # fmt: skip
@@ -140,7 +134,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_parameters)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -197,7 +191,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     model = model.to(torch_dtype(config.dtype)).eval()
     # NOTE: built after the cast: RoPE frequencies stay fp32 in every dtype (as in HF), since bf16 ones would
     # shift every position's angle.
-    model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_parameters).to(device)
     for layer in model.model.layers:  # after loading, which uses the checkpoint's per-projection names
         layer.self_attn.fuse_projections()
         layer.mlp.fuse_projections()

@@ -1,0 +1,113 @@
+"""Each architecture the engine serves (shared/architectures.py), on a tiny checkpoint transformers writes in the
+test (tests/tiny_models.py), greedy in fp32 against HF transformers' own modeling code, token for token: prompts
+crossing block boundaries, chunked prefill at two chunk sizes, a batch of prompts in flight together, prefix-cache
+hits (a prompt extending another one, at and off a block boundary). What the engine does not do is refused at
+start with the field named."""
+import json
+
+import pytest
+import torch
+
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.shared.engine import LLMEngine
+from tandem.shared.errors import InvalidRequestError
+from tandem.shared.request import Request, SamplingParams
+from tests.tiny_models import TINY_MODELS, save_tiny
+
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny(request, tmp_path_factory):
+    """(name, checkpoint dir, HF model in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0)  # (random weights: EOS is held back, n tokens each)
+    return out[0, len(ids):].tolist()
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], n: int = NUM_TOKENS) -> dict[str, list[int]]:
+    requests = [Request(name, ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
+                for name, ids in prompts.items()]  # fmt: skip (min_tokens: EOS held back, as HF's min_new_tokens)
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {r.request_id: r.output_token_ids for r in requests}
+
+
+def prompts_for(seed: int, vocab: int) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{length}": torch.randint(3, vocab, (length,), generator=g).tolist() for length in (5, 16, 37, 70)}
+
+
+@pytest.mark.parametrize("chunk", [16, 48])
+def test_greedy_equals_hf_in_a_batch_with_chunked_prefill(tiny, chunk):
+    name, path, hf = tiny
+    config = ModelConfig.from_dir(path)
+    prompts = prompts_for(1, config.vocab_size)
+    expected = {k: hf_greedy(hf, ids, NUM_TOKENS) for k, ids in prompts.items()}
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(chunk, 8))
+    assert run(engine, prompts) == expected, name
+    assert engine.num_free_blocks == 64
+
+
+def test_prefix_cache_hits_equal_hf(tiny):
+    name, path, hf = tiny
+    config = ModelConfig.from_dir(path)
+    base = prompts_for(2, config.vocab_size)["p70"]
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    run(engine, {"warm": base[:48]}, n=1)  # caches 3 full blocks
+    for cut in (48, 49, 64, 70):  # at a block boundary, one past it, the next boundary, mid-block
+        ids = base[:cut]
+        assert run(engine, {f"hit{cut}": ids}) == {f"hit{cut}": hf_greedy(hf, ids, NUM_TOKENS)}, (name, cut)
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_architecture_is_part_of_the_model_id(tmp_path):
+    """Two checkpoints with the same weights but another architecture (here: Qwen2's config read as Llama's, which
+    would drop the q/k/v biases) never share a model id, so their tiers never exchange KV."""
+    path = save_tiny("qwen2", tmp_path / "qwen2")
+    config = json.loads((path / "config.json").read_text())
+    other = tmp_path / "as-llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(config | {"model_type": "llama", "attention_bias": False}))
+    (other / "model.safetensors").symlink_to(path / "model.safetensors")
+    assert ModelConfig.from_dir(path).model_id != ModelConfig.from_dir(other).model_id
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2', 'qwen3']"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "rope_type 'longrope' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+])  # fmt: skip
+def test_what_the_engine_does_not_do_is_refused_by_name(tmp_path, change, words):
+    path = save_tiny("llama3", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        ModelConfig.from_dir(path)
+
+
+def test_a_sliding_window_caps_the_context_at_the_window(tmp_path):
+    """Mistral's window (96 here) is not in the kernels: the engine serves at most 96 tokens per sequence, where
+    windowed and full attention are the same, and refuses a longer one, instead of answering wrong past it."""
+    path = save_tiny("mistral", tmp_path / "m")
+    config = ModelConfig.from_dir(path)
+    assert config.max_model_len == 96
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    with pytest.raises(InvalidRequestError, match="the model's context is 96"):
+        engine.add_request(Request("long", list(range(3, 103)), SamplingParams(max_tokens=4, temperature=0.0)))
+    # a prompt and its output within the window: stopped at the window, as every sequence at max_model_len
+    outs = run(engine, {"fits": list(range(3, 83))}, n=40)
+    assert len(outs["fits"]) == 96 - 80 and engine.num_free_blocks == 64

@@ -1,0 +1,46 @@
+"""Tiny checkpoints of each architecture the engine serves, written by HF transformers itself (random weights,
+`save_pretrained`, no download), with the family's config features switched on: rope scaling, q/k/v bias, q/k
+norms with an explicit head_dim, a sliding window. Shared by the tests that serve them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# 2 layers, 4 query heads over 2 KV heads of 64 (the head size the CPU kernels are built for), a vocabulary of 512
+SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
+             initializer_range=0.1)  # (wider than HF's 0.02: decisive logits, so greedy ties are unlikely)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# name -> (transformers config class name, its arguments beyond SMALL)
+TINY_MODELS = {
+    "llama3": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "llama-linear-rope": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0,
+                                                              "factor": 4.0}}),
+    "llama-yarn": ("LlamaConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 256}}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 64, "hidden_size": 192, "num_attention_heads": 4}),  # 64 != 192 / 4
+    "mistral": ("MistralConfig", {"sliding_window": 96}),
+}
+
+
+def save_tiny(name: str, out: Path, seed: int = 0) -> Path:
+    """Write TINY_MODELS[name] with random weights (seeded) in fp32 to out; returns out."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    class_name, extra = TINY_MODELS[name]
+    config = getattr(transformers, class_name)(**(SMALL | extra))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms other than all-ones and biases other than zero, so one applied wrongly shows
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif param_name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    return out
