@@ -8,6 +8,7 @@ name into shared/model.py's layers).
 | mistral | Mistral | a sliding window (see below) |
 | qwen2 | Qwen2, Qwen2.5 | bias on q/k/v (`attention_bias` implied); optional sliding window |
 | qwen3 | Qwen3 | RMSNorm over each query and key head before RoPE; head_dim set apart from hidden/heads |
+| phi3 | Phi-3 | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj` (split on load, shared/model.py) |
 
 Sliding windows: attention limited to the last `sliding_window` positions is not in the kernels yet. A sequence
 no longer than the window attends to the same tokens either way, so a checkpoint with a window is served with
@@ -62,7 +63,7 @@ def _qwen3(cfg: dict) -> dict:
 
 
 # model_type -> features read from its config.json beyond the Llama fields ModelConfig.from_dir reads
-ARCHITECTURES = {"llama": _llama, "mistral": _llama, "qwen2": _qwen2, "qwen3": _qwen3}
+ARCHITECTURES = {"llama": _llama, "mistral": _llama, "phi3": _llama, "qwen2": _qwen2, "qwen3": _qwen3}
 
 
 def sliding_window(cfg: dict) -> int | None:

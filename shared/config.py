@@ -108,6 +108,10 @@ class ModelConfig:
         if gen_path.exists():
             eos |= set(_as_list(json.loads(gen_path.read_text()).get("eos_token_id")))
         heads = cfg["num_attention_heads"]
+        outside = sorted(t for t in eos if not 0 <= t < cfg["vocab_size"])
+        if outside:
+            raise ValueError(f"eos_token_id {outside} (config.json, generation_config.json) is outside the "
+                             f"vocabulary of {cfg['vocab_size']}")
         if quantization == "gguf":
             quantization = str(packaged_gguf_path())
         if quantization is None and detect_quant_config(path).bits is not None:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3: shared/architectures.py) over a flat batch of
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3: shared/architectures.py) over a flat batch of
 tokens with a paged KV cache.
 
 Our own forward (not transformers' modeling code), with HF module names so an HF safetensors checkpoint loads
@@ -202,4 +202,19 @@ def _read_state(config: ModelConfig, device="cpu") -> dict[str, torch.Tensor]:
     state = {name: tensor.to(device) for name, tensor in read_safetensors(config.path).items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    return split_fused_projections(config, state)
+
+
+def split_fused_projections(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint that stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3, rows in that
+    order, as HF's Phi3Attention and Phi3MLP slice them) gets the per-projection names the model loads (which
+    load_model fuses again). state is changed in place and returned."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for name in [n for n in state if n.endswith("self_attn.qkv_proj.weight")]:
+        prefix = name.removesuffix("qkv_proj.weight")
+        for part, tensor in zip(("q_proj", "k_proj", "v_proj"), state.pop(name).split([q, kv, kv])):
+            state[f"{prefix}{part}.weight"] = tensor
+    for name in [n for n in state if n.endswith("mlp.gate_up_proj.weight")]:
+        prefix = name.removesuffix("gate_up_proj.weight")
+        state[f"{prefix}gate_proj.weight"], state[f"{prefix}up_proj.weight"] = state.pop(name).chunk(2)
     return state

@@ -24,6 +24,7 @@ TINY_MODELS = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 64, "hidden_size": 192, "num_attention_heads": 4}),  # 64 != 192 / 4
     "mistral": ("MistralConfig", {"sliding_window": 96}),
+    "phi3": ("Phi3Config", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}),
 }
 
 
