@@ -3,6 +3,7 @@
 norms with an explicit head_dim, a sliding window. Shared by the tests that serve them."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,13 +29,25 @@ TINY_MODELS = {
 }
 
 
-def save_tiny(name: str, out: Path, seed: int = 0) -> Path:
-    """Write TINY_MODELS[name] with random weights (seeded) in fp32 to out; returns out."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def save_tiny(name: str, out: Path, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """Write TINY_MODELS[name] with random weights (seeded) in fp32 to out; returns out. tokenizer_from: a model
+    directory whose tokenizer files are copied in (the vocabulary grows to that tokenizer's, 49,152 for the
+    default model's), so that a cluster's gateway can serve it."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     class_name, extra = TINY_MODELS[name]
-    config = getattr(transformers, class_name)(**(SMALL | extra))
+    args = SMALL | extra
+    if tokenizer_from is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for file in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / file).exists():
+                (out / file).write_bytes((Path(tokenizer_from) / file).read_bytes())
+        args["vocab_size"] = json.loads((Path(tokenizer_from) / "config.json").read_text())["vocab_size"]
+    config = getattr(transformers, class_name)(**args)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # norms other than all-ones and biases other than zero, so one applied wrongly shows

@@ -2,7 +2,9 @@
 test (tests/tiny_models.py), greedy in fp32 against HF transformers' own modeling code, token for token: prompts
 crossing block boundaries, chunked prefill at two chunk sizes, a batch of prompts in flight together, prefix-cache
 hits (a prompt extending another one, at and off a block boundary). What the engine does not do is refused at
-start with the field named."""
+start with the field named. Through a real cluster (gateway, prefill, decode, Redis; every prompt's KV shipped from
+the prefill, speculative decoding on the decode, a prompt extending another): two architectures in make
+test, all of them in the long pass (tests/passes.py)."""
 import json
 import re
 
@@ -13,6 +15,8 @@ from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.shared.engine import LLMEngine
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.request import Request, SamplingParams
+from tests.passes import LONG
+from tests.prompts import LONG_TEXT
 from tests.tiny_models import TINY_MODELS, save_tiny
 
 NUM_TOKENS = 24
@@ -113,3 +117,31 @@ def test_a_sliding_window_caps_the_context_at_the_window(tmp_path):
     # a prompt and its output within the window: stopped at the window, as every sequence at max_model_len
     outs = run(engine, {"fits": list(range(3, 83))}, n=40)
     assert len(outs["fits"]) == 96 - 80 and engine.num_free_blocks == 64
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("name", sorted(TINY_MODELS) if LONG else ["phi3", "qwen3"])
+def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, model_dir, tokenizer, tmp_path):
+    from tandem.services.client import generate, make_request
+    from tandem.services.launcher import LocalCluster
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny(name, tmp_path / name, tokenizer_from=model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    texts = ["one two three four, " * 6 + "one two", LONG_TEXT[:300], LONG_TEXT[:300] + " And then,"]
+    engine = ["--num-blocks", "256", "--threads", "1"]
+    # (early exit after 1 of the 2 layers: drafts in every step; random weights seldom repeat, so n-gram drafts
+    # would seldom come)
+    spec = ["--speculative-method", "early-exit", "--draft-num-layers", "1", "--num-speculative-tokens", "4",
+            "--no-speculative-adaptive"]
+    with LocalCluster(str(path), prefill_args=engine + ["--max-num-batched-tokens", "32"], decode_args=engine + spec,
+                      gateway_args=["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
+        outs = [generate(cluster.gateway_address, make_request(text, raw=True, max_tokens=NUM_TOKENS,
+                                                                temperature=0.0), timeout=300) for text in texts]
+    for text, out in zip(texts, outs):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        with torch.inference_mode():  # (HF stops at an EOS, as the engine does)
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)[0, len(ids):]
+        assert out.token_ids == expected.tolist(), (name, text[:40])
+    assert outs[2].cached_tokens >= 48, "the third prompt extends the second: its 3 leading blocks are cached"
+    assert sum(o.num_draft_tokens for o in outs) > 0
