@@ -5,8 +5,8 @@ Works on any nn.Module tree that keeps HF names: ``...layers.{i}.self_attn.{q,k,
 the (tied) lm_head stay in float, except an lm_head a checkpoint quantizes (GGUF Q8_0: lm_head.qweight).
 Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>`` followed by ``.qweight`` /
 ``.scales`` / ``.zeros`` (``.outlier_idx`` / ``.outlier_weight`` for LLM.int8() layers); a linear a
-mixed-precision checkpoint keeps in float has ``.weight`` instead; every other key is a float tensor copied by
-name.
+mixed-precision checkpoint keeps in float has ``.weight`` instead; a linear's bias is ``.bias`` (float), and
+every other key is a float tensor copied by name.
 """
 from __future__ import annotations
 
@@ -97,6 +97,8 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
     if missing:
         raise ValueError(f"quantized checkpoint lacks {len(missing)} linear layers, e.g. {missing[0]}")
     missing = [key for key in float_tensor_names(model) if key not in state]
+    missing += [f"{name}.bias" for name, linear in linears.items()
+                if getattr(linear, "bias", None) is not None and f"{name}.bias" not in state]
     if missing:
         raise ValueError(f"quantized checkpoint lacks {len(missing)} float tensors, e.g. {missing[0]}")
     bad = first_non_finite(state)

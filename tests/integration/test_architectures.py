@@ -145,3 +145,27 @@ def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, mo
         assert out.token_ids == expected.tolist(), (name, text[:40])
     assert outs[2].cached_tokens >= 48, "the third prompt extends the second: its 3 leading blocks are cached"
     assert sum(o.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("bits", [["--bits", "8"], ["--bits", "4", "--group-size", "64"]], ids=["int8", "int4-g64"])
+def test_quantized_checkpoints_equal_hf_over_the_same_quantized_layers(name, bits, tmp_path):
+    """`tandem quantize` (RTN) of the architecture, served by the engine, gives HF's greedy tokens when HF's own
+    modeling code runs the same quantized linears (apply_quantization swaps them into the HF model by name)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tandem.shared.quant import apply_quantization
+
+    path, out = save_tiny(name, tmp_path / name), tmp_path / "quantized"
+    subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", *bits, "--model", str(path),
+                    "--out", str(out)], check=True, timeout=300)  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    apply_quantization(hf, out)
+    config = ModelConfig.from_dir(out)
+    assert config.weight_format.startswith("int8" if bits[1] == "8" else "int4-g64")
+    prompts = prompts_for(3, config.vocab_size)
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    assert run(engine, prompts) == {k: hf_greedy(hf, ids, NUM_TOKENS) for k, ids in prompts.items()}

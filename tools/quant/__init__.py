@@ -39,8 +39,8 @@ def quantize_model(model: nn.Module, method: str, bits: int, group_size: int | N
             (seq_len, n_grid, max_search_tokens; defaults 512, 20, 256) or llmint8_quantize_model (threshold,
             max_fraction, seq_len).
     Returns:
-        "model.layers.{i}.<proj>.qweight|scales|zeros" for every linear, plus every other float tensor of the
-        model's state dict (embeddings, norms) except a tied lm_head.
+        "model.layers.{i}.<proj>.qweight|scales|zeros" for every linear (and "<proj>.bias" for one with a bias),
+        plus every other float tensor of the model's state dict (embeddings, norms) except a tied lm_head.
     Raises:
         ValueError: unknown method, bad bits/group_size, a layer format or name that does not exist, or
             GPTQ/AWQ/llmint8 without calibration tokens.
@@ -80,4 +80,7 @@ def quantize_model(model: nn.Module, method: str, bits: int, group_size: int | N
             tensors = ({"weight": linear.weight.detach().clone()} if fmt_bits is None
                        else rtn_tensors(linear.weight, fmt_bits, fmt_group))
             state.update({f"{name}.{k}": v for k, v in tensors.items()})
-    return state | float_tensors(model)
+    # a linear's bias (Qwen2's q/k/v) stays float beside its codes, under the linear's name
+    biases = {f"{name}.bias": linear.bias.detach().clone() for name, linear in linears.items()
+              if linear.bias is not None}
+    return state | biases | float_tensors(model)
