@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+
 def inv_freq_and_attention_factor(params: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] fp32, the factor cos and sin are scaled by) for rope_parameters(...)'s output."""
     dim = head_dim
@@ -27,7 +28,8 @@ def inv_freq_and_attention_factor(params: dict, head_dim: int) -> tuple[torch.Te
         return inv_freq / float(params["factor"]), 1.0
     old_len = params["original_max_position_embeddings"]
     if rope_type == "llama3":
-        factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)

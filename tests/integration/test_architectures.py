@@ -89,7 +89,8 @@ def test_architecture_is_part_of_the_model_id(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: ['llama', 'mistral', 'phi3', 'qwen2', 'qwen3']"),
+    ({"model_type": "gpt2"},
+     "model_type 'gpt2' is not supported; supported: ['llama', 'mistral', 'phi3', 'qwen2', 'qwen3']"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "rope_type 'longrope' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
