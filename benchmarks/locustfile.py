@@ -16,17 +16,25 @@ import functools
 import json
 import logging
 import random
+import sys
 import time
+from pathlib import Path
 
-import gevent
-import grpc
-import grpc.experimental.gevent
-import requests
-from locust import HttpUser, User, events, task
-from locust.exception import CatchResponseError
+# locust puts its working directory first on sys.path: run from the checkout as above, the checkout's folders
+# (kernels/, tools/, ...) would shadow installed packages of those names (Hugging Face's `kernels`, which
+# transformers imports). Take the checkout root off before anything imports them.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT]
 
-from tandem.benchmarks.bench.workloads import corpus_token_ids, cut_prompt
-from tandem.services.client import Client
+import gevent  # noqa: E402
+import grpc  # noqa: E402
+import grpc.experimental.gevent  # noqa: E402
+import requests  # noqa: E402
+from locust import HttpUser, User, events, task  # noqa: E402
+from locust.exception import CatchResponseError  # noqa: E402
+
+from tandem.benchmarks.bench.workloads import corpus_token_ids, cut_prompt  # noqa: E402
+from tandem.services.client import Client  # noqa: E402
 
 # Locust runs users as greenlets on gevent's monkey-patched loop. Without this (grpcio 1.85), the first blocking
 # read of a stream holds the loop for good: no request completes, and neither --run-time nor SIGTERM stops locust.
