@@ -3,8 +3,8 @@ test (tests/tiny_models.py), greedy in fp32 against HF transformers' own modelin
 crossing block boundaries, chunked prefill at two chunk sizes, a batch of prompts in flight together, prefix-cache
 hits (a prompt extending another one, at and off a block boundary). What the engine does not do is refused at
 start with the field named. Through a real cluster (gateway, prefill, decode, Redis; every prompt's KV shipped from
-the prefill, speculative decoding on the decode, a prompt extending another): two architectures in make
-test, all of them in the long pass (tests/passes.py)."""
+the prefill, speculative decoding on the decode, a prompt extending another): Qwen3 in make test, the others in
+.ci/run's heavy pass."""
 import json
 import re
 
@@ -15,7 +15,6 @@ from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.shared.engine import LLMEngine
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.request import Request, SamplingParams
-from tests.passes import LONG
 from tests.prompts import LONG_TEXT
 from tests.tiny_models import TINY_MODELS, save_tiny
 
@@ -120,8 +119,8 @@ def test_a_sliding_window_caps_the_context_at_the_window(tmp_path):
     assert len(outs["fits"]) == 96 - 80 and engine.num_free_blocks == 64
 
 
-@pytest.mark.soak
-@pytest.mark.parametrize("name", sorted(TINY_MODELS) if LONG else ["phi3", "qwen3"])
+@pytest.mark.parametrize("name", [n if n == "qwen3" else pytest.param(n, marks=pytest.mark.heavy)
+                                  for n in sorted(TINY_MODELS)])  # fmt: skip
 def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, model_dir, tokenizer, tmp_path):
     from tandem.services.client import generate, make_request
     from tandem.services.launcher import LocalCluster

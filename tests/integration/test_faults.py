@@ -27,6 +27,7 @@ from tests.passes import LONG
 from tests.prompts import LONG_TEXT, PROMPTS
 
 LONG_PROMPT = "\n\n".join(f"Part {i + 1}. {LONG_TEXT}" for i in range(5))  # raw, about 1,500 tokens
+QUEUED_PROMPT = "\n\n".join(f"Part {i + 1}. {LONG_TEXT}" for i in range(4))  # raw, about 1,200 tokens
 PREFILL_CHUNK = 64  # --max-num-batched-tokens of the prefills: a long prompt takes ~24 steps, its KV streams meanwhile
 SHORT = [(name, kind, text) for name, kind, text in PROMPTS if name != "long_summary"]
 
@@ -75,16 +76,17 @@ def test_a_prompt_queued_on_a_busy_prefill_keeps_its_reservation(model_dir, toke
     prefills: 21 reservations lost in 162 s, both prefills marked down, one plain request failed UNAVAILABLE):
     the lease ran from the reservation, and a prefill sent nothing for a queued prompt. Now its keepalives renew
     it. Here: one prefill (chunks of 32 tokens), a 2 s lease, three long prompts at once; the second and third
-    wait behind the first (~48 steps) with no KV sent for them, and must keep their reservations."""
+    wait behind the first (~38 steps, seconds past the lease) with no KV sent for them, and must keep their
+    reservations."""
     from tandem.services.launcher import LocalCluster
 
-    ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
-    expected = hf_greedy(ids, 48)[:8]
+    ids = tokenizer(QUEUED_PROMPT, add_special_tokens=False).input_ids
+    expected = hf_greedy(ids, 8)
     engine = ["--num-blocks", "400", "--threads", "1"]
     with LocalCluster(str(model_dir), drain_timeout_s=5, prefill_args=engine + ["--max-num-batched-tokens", "32"],
                       decode_args=engine + ["--kv-lease-timeout", "2"],
                       gateway_args=["--local-prefill-tokens", "0"]) as c:
-        requests = [make_request(LONG_PROMPT, raw=True, max_tokens=8, temperature=0.0, cache_salt=f"queued-{i}")
+        requests = [make_request(QUEUED_PROMPT, raw=True, max_tokens=8, temperature=0.0, cache_salt=f"queued-{i}")
                     for i in range(3)]  # fmt: skip
 
         def run(request) -> str:

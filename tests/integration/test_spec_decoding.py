@@ -15,7 +15,6 @@ from tests.prompts import PROMPTS, prompt_token_ids
 from tandem.v1 import common_pb2
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
-METHODS = ["ngram", "draft", "early-exit"]
 EARLY_EXIT_LAYERS = 8  # of 30: its drafts are rarely accepted (docs/speculative-decoding.md), but they run
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
         "    return 2 * (width + height)\n\n\ndef diagonal(width, height):\n    return (width ** 2 + height ** 2) ** 0.5\n")
@@ -51,7 +50,9 @@ def int8_draft(int8_dir) -> str:
     return str(int8_dir)
 
 
-@pytest.fixture(params=METHODS)
+# (the draft model in one engine: .ci/run's heavy pass; make test runs it through a cluster, below, and in
+# test_stop_token_and_max_tokens_inside_an_accepted_run)
+@pytest.fixture(params=["ngram", pytest.param("draft", marks=pytest.mark.heavy), "early-exit"])
 def spec(request, int8_draft) -> SpeculativeConfig:
     # (the draft is not adaptive: on CPU an INT8 copy's token costs about a target's, and adaptive speculation
     # then stops proposing, docs/speculative-decoding.md)
@@ -144,7 +145,8 @@ def _starts(chunks):
         start += len(c)
 
 
-@pytest.fixture(scope="module", params=METHODS)
+# (early exit through a cluster: in .ci/run's heavy pass; make test runs it through test_architectures' clusters)
+@pytest.fixture(scope="module", params=["ngram", "draft", pytest.param("early-exit", marks=pytest.mark.heavy)])
 def spec_cluster(request, model_dir, int8_draft):
     from tandem.services.launcher import LocalCluster
 

@@ -158,7 +158,9 @@ def plain_outputs(model_config, references):
     return run_engine(model_config, greedy_seeded_and_sampled(references))
 
 
-@pytest.mark.parametrize("method", ["ngram", "early-exit"])
+# (early exit: .ci/run's heavy pass; make test verifies a draft model's drafts under the mask through a cluster,
+# test_spec_decoding.py test_cluster_structured_output_with_speculation)
+@pytest.mark.parametrize("method", ["ngram", pytest.param("early-exit", marks=pytest.mark.heavy)])
 def test_speculative_decoding_keeps_constrained_outputs(model_config, tokenizer, references, plain_outputs, method):
     """Greedy and seeded outputs with drafts (n-gram: truncated to what the grammar allows; early exit: a draft
     model's sampled drafts, verified under the mask) equal plain decoding; unseeded samples still validate."""
