@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,10 +41,23 @@ from tandem.shared import envs
 from tandem.shared.cluster_state.registry import KEY_PREFIX
 
 
+_handed_out: set[int] = set()  # every port free_port returned in this process
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never returned before by this process. A port is only bound once the
+    service it is for starts, so the kernel could hand it out again meanwhile; gRPC servers bind with
+    SO_REUSEPORT, so two services of one cluster would then share a port and split its connections (seen: a
+    prefill on the gateway's port answering UNIMPLEMENTED)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def redis_server_binary() -> str:
