@@ -62,6 +62,9 @@ def _qwen3(cfg: dict) -> dict:
     return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": True}
 
 
+# the features beyond Llama's fields, as a Llama has them (ModelConfig's defaults)
+LLAMA_FEATURES = {"model_type": "llama", "attention_bias": False, "qk_norm": False}
+
 # model_type -> features read from its config.json beyond the Llama fields ModelConfig.from_dir reads
 ARCHITECTURES = {"llama": _llama, "mistral": _llama, "phi3": _llama, "qwen2": _qwen2, "qwen3": _qwen3}
 
@@ -91,7 +94,7 @@ def architecture_features(cfg: dict) -> dict:
         raise ValueError(f"hidden_act {act!r} is not supported for {model_type}; supported: ['silu']")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias true is not supported (no bias on the MLP projections)")
-    features = {"model_type": model_type, "attention_bias": False, "qk_norm": False} | ARCHITECTURES[model_type](cfg)
+    features = LLAMA_FEATURES | {"model_type": model_type} | ARCHITECTURES[model_type](cfg)
     rope = rope_parameters(cfg)
     features["rope"] = tuple(sorted((k, v) for k, v in rope.items() if v is not None))
     max_len = cfg.get("max_position_embeddings", 2048)

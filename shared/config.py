@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from tandem.shared.architectures import architecture_features
+from tandem.shared.architectures import LLAMA_FEATURES, architecture_features
 from tandem.shared.model_files import fingerprint
 
 if TYPE_CHECKING:
@@ -142,9 +142,6 @@ class ModelConfig:
             weight_format = _SHORT_DTYPE[dtype] if quantization is None else f"{weight_format}-{_SHORT_DTYPE[dtype]}"
         return cls(path=str(path), name=weights.stem if weights.suffix == ".gguf" else weights.name, digest=digest,
                    weight_format=weight_format, quantization=quantization, dtype=dtype, **arch)
-
-
-LLAMA_FEATURES = {"model_type": "llama", "attention_bias": False, "qk_norm": False}
 
 
 def _as_list(value) -> list[int]:
