@@ -1,12 +1,15 @@
-"""What a tester broke once: cancels racing admission, duplicate ids, repeated KV completion, dead instances."""
+"""What a tester broke once: cancels racing admission, duplicate ids, repeated KV completion, dead instances, and
+KV reservations whose lease ran out while their prompt stalled or queued."""
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from tandem.services.client import Completion, generate, make_request, stream
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.integration.helpers import generate_all, greedy_request, kv_transfer, load, wait_all_blocks_free
+from tests.integration.helpers import generate_all, greedy_request, kv_transfer, load, wait_all_blocks_free, wait_idle
+from tests.prompts import LONG_TEXT
 
 
 def decode_request(request_id: str, n: int = 40) -> decode_pb2.DecodeRequest:
@@ -111,3 +114,42 @@ def test_gateway_places_requests_elsewhere_when_a_decode_dies(two_by_two, hf_ref
     del c.processes["decode1"]
     outs = generate_all(c.gateway_address, [greedy_request("chat", "What is the capital of France?", 8)] * 4)
     assert all(o.token_ids == hf_references["capital"][1][:8] for o in outs)
+
+
+QUEUED_PROMPT = "\n\n".join(f"Part {i + 1}. {LONG_TEXT}" for i in range(4))  # raw, about 1,200 tokens
+
+
+def test_a_prompt_queued_on_a_busy_prefill_keeps_its_reservation(model_dir, tokenizer, hf_greedy):
+    """Found by the random-faults test with --kv-lease-timeout 10 on a loaded machine (long prompts queued at both
+    prefills: 21 reservations lost in 162 s, both prefills marked down, one plain request failed UNAVAILABLE):
+    the lease ran from the reservation, and a prefill sent nothing for a queued prompt. Now its keepalives renew
+    it. Here: one prefill (chunks of 32 tokens), a 2 s lease, three long prompts at once; the second and third
+    wait behind the first (~38 steps, seconds past the lease) with no KV sent for them, and must keep their
+    reservations."""
+    from tandem.services.launcher import LocalCluster
+
+    ids = tokenizer(QUEUED_PROMPT, add_special_tokens=False).input_ids
+    expected = hf_greedy(ids, 8)
+    engine = ["--num-blocks", "400", "--threads", "1"]
+    with LocalCluster(str(model_dir), drain_timeout_s=5, prefill_args=engine + ["--max-num-batched-tokens", "32"],
+                      decode_args=engine + ["--kv-lease-timeout", "2"],
+                      gateway_args=["--local-prefill-tokens", "0"]) as c:
+        requests = [make_request(QUEUED_PROMPT, raw=True, max_tokens=8, temperature=0.0, cache_salt=f"queued-{i}")
+                    for i in range(3)]  # fmt: skip
+
+        def run(request) -> str:
+            try:
+                out = generate(c.gateway_address, request, timeout=120)
+                return "OK" if out.token_ids == expected else f"WRONG {out.token_ids}"
+            except grpc.RpcError as e:
+                return f"{e.code().name}: {e.details()}"
+
+        with ThreadPoolExecutor(3) as pool:
+            outcomes = list(pool.map(run, requests, timeout=300))
+        lost = (c.log_dir / "gateway.log").read_text().count("did not deliver the prompt's KV")
+        print(f"\nthree long prompts queued on one prefill, 2 s lease: {outcomes}; reservations lost: {lost}")
+        loads = wait_idle(c, timeout_s=30)
+    assert outcomes == ["OK"] * 3
+    assert lost == 0
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
