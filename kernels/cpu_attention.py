@@ -17,15 +17,18 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """out [S, Hq, D] fp32: each sequence's one query row per head attends to its context_lens[s] cached tokens.
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """out [S, Hq, D] fp32: each sequence's one query row per head attends to its context_lens[s] cached tokens
+    (with window, to the last `window` of them; the block-table entries before are never read).
 
     query fp32 [S, Hq, D]; key_cache, value_cache fp32 [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0, query heads
-    grouped consecutively per KV head); block_tables int32 [S, max_blocks]; context_lens int32 [S]. Exact softmax
-    (two-pass, fp32). RuntimeError on bad shapes or dtypes, or when the kernel is not built (check supports())."""
+    grouped consecutively per KV head); block_tables int32 [S, max_blocks]; context_lens int32 [S]; softcap: scores
+    become softcap * tanh(score / softcap) before the softmax (Gemma 2). Exact softmax (two-pass, fp32).
+    RuntimeError on bad shapes or dtypes, or when the kernel is not built (check supports())."""
     ext = cpu_ext.extension()
     if ext is None:
         raise RuntimeError("the CPU attention kernel is not available on this machine")
     return ext.paged_decode_attention(query.contiguous(), key_cache.contiguous(), value_cache.contiguous(),
                                       block_tables.to(torch.int32).contiguous(),
-                                      context_lens.to(torch.int32).contiguous(), scale)
+                                      context_lens.to(torch.int32).contiguous(), scale, window or 0, softcap or 0.0)

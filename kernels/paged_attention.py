@@ -3,7 +3,8 @@
 Method: PagedAttention (Kwon et al. 2023) reads keys/values through a block table; the online softmax of
 FlashAttention-2 (Dao 2023) streams them in tiles; flash-decoding (Dao et al. 2023) splits long contexts
 across programs and merges the partial results by their log-sum-exp. One program handles all query heads of
-one KV head (GQA), so each key/value tile is read once per KV head.
+one KV head (GQA), so each key/value tile is read once per KV head. A sliding window starts each sequence's
+loop at its window (earlier blocks are never read); soft-capping (Gemma 2) maps scores through cap * tanh(s / cap).
 """
 
 import torch
@@ -13,24 +14,37 @@ import triton.language as tl
 from tandem.kernels.checks import (
     FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision, multiprocessor_count,
 )
+from tandem.kernels.masks import soft_cap
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_N = 64  # context tokens per tile
 MIN_PARTITION = 256  # fewest context tokens one split program handles
 MAX_SPLITS = 256
 
 
 @triton.jit
+def scores_log2(dot, scale, softcap, SOFTCAP: tl.constexpr):
+    """Attention scores in log2 units from the raw q.k dot products: dot * scale, soft-capped when SOFTCAP
+    (softcap * tanh(dot * scale / softcap)), times log2(e) for exp2."""
+    if SOFTCAP:
+        x = dot * (scale / softcap)
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)  # tanh(|x|), without overflow
+        return tl.where(x >= 0, t, -t) * (softcap * LOG2E)
+    return dot * (scale * LOG2E)
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    scale_log2,
+    scale, window, softcap,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ps, stride_ph, stride_pp,
     block_size, queries_per_kv, head_dim, partition_size,
     GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -40,6 +54,8 @@ def _decode_kernel(
     if split > 0 and start >= context_len:
         return
     end = tl.minimum(start + partition_size, context_len)
+    if SLIDING:  # (a split wholly before the window attends to nothing: lse -inf, weight 0 in the merge)
+        start = tl.maximum(start, context_len - window)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -64,11 +80,13 @@ def _decode_kernel(
         v_offs = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
 
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [G, N]
+        s = scores_log2(tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION), scale, softcap,
+                        SOFTCAP)  # [G, N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a tile with no key in the window)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m = m_new
@@ -155,8 +173,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's newest token over its whole cached context.
+    """Attention of each sequence's newest token over its cached context (its last `window` tokens with a
+    sliding window).
 
     Args:
         query: [num_seqs, num_q_heads, head_dim], fp16/bf16/fp32.
@@ -167,6 +188,9 @@ def paged_decode_attention(
         scale: softmax scale, usually head_dim ** -0.5.
         num_splits: context splits per sequence (flash-decoding); None picks from the GPU size and the
             context bound max_blocks_per_seq * block_size, without a host sync.
+        window: attend to the last `window` positions only (block-table entries before them are never read);
+            None: all.
+        softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
     Returns:
         [num_seqs, num_q_heads, head_dim] in query's dtype.
     Raises:
@@ -194,14 +218,15 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, query, key_cache, value_cache, block_tables, context_lens,
-        scale * LOG2E,
+        scale, window or 0, softcap or 1.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         block_size, queries_per_kv, head_dim, partition_size,
         GROUP_PAD=max(16, triton.next_power_of_2(queries_per_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        SPLIT=split, DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        SPLIT=split, SLIDING=window is not None, SOFTCAP=softcap is not None,
+        DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
@@ -221,6 +246,8 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch paged_decode_attention (fp32 math, one sequence at a time)."""
     num_seqs, num_q_heads, head_dim = query.shape
@@ -236,6 +263,8 @@ def paged_decode_attention_ref(
         v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
         k = k.repeat_interleave(queries_per_kv, dim=1)  # [n, q_heads, D]
         v = v.repeat_interleave(queries_per_kv, dim=1)
-        scores = torch.einsum("hd,nhd->hn", query[i].float(), k) * scale  # [q_heads, n]
+        scores = soft_cap(torch.einsum("hd,nhd->hn", query[i].float(), k) * scale, softcap)  # [q_heads, n]
+        if window is not None:
+            scores[:, : max(0, n - window)] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out

@@ -4,7 +4,9 @@ speculative verification).
 Method: FlashAttention-2 (Dao 2023) tiles queries and keys with an online softmax; keys and values are read
 through the block table as in PagedAttention (Kwon et al. 2023). Query tiles pack BLOCK_Q tokens x the query
 heads of one KV head (GQA), so each key/value tile serves the whole group. Programs find their sequence by a
-binary search over query_start_loc, so the launch needs no host sync.
+binary search over query_start_loc, so the launch needs no host sync. With a sliding window a tile's key loop
+starts at its first row's window (earlier blocks are never read) and masks both ends; soft-capping as in
+paged_attention.scores_log2.
 """
 
 import torch
@@ -12,8 +14,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
+from tandem.kernels.masks import causal_mask, soft_cap
+from tandem.kernels.paged_attention import scores_log2
 
-LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows (tokens x heads of one group) per program
 BLOCK_N = 64  # key tokens per tile
 
@@ -34,9 +37,10 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale_log2,
+    acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window, softcap,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
-    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < kv_end
@@ -48,10 +52,15 @@ def _attend_tile(
     v_offs = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
 
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    s = scores_log2(tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION), scale, softcap,
+                    SOFTCAP)  # [M, N]
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
+    if SLIDING:
+        s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
+    if SLIDING:  # a row may have no key of this tile in its window
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
@@ -62,12 +71,12 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
-    scale_log2, num_seqs,
+    scale, window, softcap, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     block_size, queries_per_kv, head_dim,
     BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,21 +106,29 @@ def _prefill_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     tile_first_pos = first_pos + q_tile * BLOCK_Q
     kv_end = tl.minimum(context_len, tile_first_pos + BLOCK_Q)  # keys past the tile's last query are unseen
-    full_end = (tile_first_pos // BLOCK_N) * BLOCK_N  # keys before this are visible to every row
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m, l = _attend_tile(
-            acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale_log2,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
-            False, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-        )
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, m, l = _attend_tile(
-            acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale_log2,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
-            True, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-        )
+    if SLIDING:  # keys from the first row's window on (no earlier one is loaded), masked at both ends
+        for n0 in range(tl.maximum(tile_first_pos - window + 1, 0), kv_end, BLOCK_N):
+            acc, m, l = _attend_tile(
+                acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window,
+                softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d,
+                mask_d, True, True, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            )
+    else:
+        full_end = (tile_first_pos // BLOCK_N) * BLOCK_N  # keys before this are visible to every row
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m, l = _attend_tile(
+                acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window,
+                softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d,
+                mask_d, False, False, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            )
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            acc, m, l = _attend_tile(
+                acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window,
+                softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d,
+                mask_d, True, False, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            )
 
-    acc = acc / l[:, None]
+    acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]  # (l is 0 only on padding rows, never stored)
     o_offs = (q_start + q_tok).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -147,6 +164,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of query chunks whose keys/values are already in the cache.
 
@@ -161,6 +180,8 @@ def paged_prefill_attention(
             absolute position p attends keys 0..p. Caller contract (not checked, it would sync):
             q_len_i <= context_lens[i].
         scale: softmax scale, usually head_dim ** -0.5.
+        window: the query at position p attends keys p - window + 1 .. p only (kernels/masks.causal_mask); None: all.
+        softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype; rows past query_start_loc[-1] (padding) are
         left unwritten.
@@ -180,13 +201,14 @@ def paged_prefill_attention(
     num_tiles = num_tokens // block_q + num_seqs  # upper bound on the query tiles of all sequences
     _prefill_kernel[(num_tiles, num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-        scale * LOG2E, num_seqs,
+        scale, window or 0, softcap or 1.0, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         block_size, queries_per_kv, head_dim,
         BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=BLOCK_N, DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        BLOCK_N=BLOCK_N, SLIDING=window is not None, SOFTCAP=softcap is not None,
+        DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
     )
     return out
 
@@ -199,6 +221,8 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch paged_prefill_attention (fp32 math, one sequence at a time)."""
     num_q_heads, head_dim = query.shape[1:]
@@ -217,9 +241,9 @@ def paged_prefill_attention_ref(
         k = k.repeat_interleave(queries_per_kv, dim=1)  # [n, q_heads, D]
         v = v.repeat_interleave(queries_per_kv, dim=1)
         q = query[q_start:q_end].float()  # [q_len, q_heads, D]
-        scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
+        scores = soft_cap(torch.einsum("qhd,nhd->hqn", q, k) * scale, softcap)
         q_pos = torch.arange(n - (q_end - q_start), n, device=query.device)
-        visible = torch.arange(n, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, n]
+        visible = causal_mask(q_pos, n, window)  # [q_len, n]
         scores = scores.masked_fill(~visible, float("-inf"))
         out[q_start:q_end] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

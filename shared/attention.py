@@ -2,7 +2,9 @@
 
 The batch is flat: request i owns query rows query_start_loc[i]:query_start_loc[i+1], which are the last
 positions of its context of context_lens[i] tokens (cached prefix + this step's tokens). Causal masking is
-therefore offset: query row j of a request with n new tokens sits at position context_len - n + j.
+therefore offset: query row j of a request with n new tokens sits at position context_len - n + j. A layer with a
+sliding window sees only the last `window` positions up to its own (kernels/masks.causal_mask), and reads no block
+before them; soft-capping maps each score s to cap * tanh(s / cap) before the softmax (Gemma 2).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_attention
+from tandem.kernels.masks import causal_mask, soft_cap
 from tandem.shared.device import use_triton
 from tandem.shared.utils import cdiv
 
@@ -53,48 +56,68 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of new query rows over each request's paged context.
 
     query [num_tokens, num_q_heads, head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads,
-    head_dim] (already holding this step's K/V); returns [num_tokens, num_q_heads, head_dim].
+    head_dim] (already holding this step's K/V); window: a sliding window (None: the whole context); softcap: the
+    scores' tanh cap (None: none); returns [num_tokens, num_q_heads, head_dim].
     CUDA: Triton kernels (decode and extend). CPU: decode batches in the C++ kernel (fp32) or one padded
-    scaled_dot_product_attention; mixed batches per-request gather + scaled_dot_product_attention.
+    scaled_dot_product_attention; mixed batches per-request gather + attention.
     """
     if use_triton(query):
-        return _attention_triton(query, key_cache, value_cache, meta, scale)
+        return _attention_triton(query, key_cache, value_cache, meta, scale, window, softcap)
     if meta.is_decode_only:
-        return _decode_attention_cpu(query, key_cache, value_cache, meta, scale)
+        return _decode_attention_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
     if meta.max_query_len <= MAX_ROWS_AS_DECODE and cpu_attention.supports(query, key_cache):
-        return _short_queries_cpu(query, key_cache, value_cache, meta, scale)
+        return _short_queries_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
+    return _per_request_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
+
+
+def _per_request_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                     softcap: float | None) -> torch.Tensor:
+    """Each request in turn: gather its context's blocks (from its first row's window on), attend."""
     block_size = key_cache.shape[1]
     out = torch.empty_like(query)
     for i, ctx in enumerate(meta.context_lens):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         n = end - start
-        num_blocks = cdiv(ctx, block_size)
-        block_ids = meta.block_tables[i, :num_blocks]
-        k = key_cache[block_ids].flatten(0, 1)[:ctx]  # [ctx, num_kv_heads, head_dim]
-        v = value_cache[block_ids].flatten(0, 1)[:ctx]
+        # keys from the first query row's window on (its blocks' start), so no block before is read
+        first = 0 if window is None else max(0, ctx - n - window + 1) // block_size * block_size
+        block_ids = meta.block_tables[i, first // block_size : cdiv(ctx, block_size)]
+        k = key_cache[block_ids].flatten(0, 1)[: ctx - first]  # [ctx - first, num_kv_heads, head_dim]
+        v = value_cache[block_ids].flatten(0, 1)[: ctx - first]
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_q_heads, n, head_dim]
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
-        if n == ctx:
+        if n == ctx and window is None and softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        elif n == 1:
+        elif n == 1 and window is None and softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
         else:
-            rows = torch.arange(ctx - n, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= rows  # [n, ctx]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            mask = causal_mask(torch.arange(ctx - n - first, ctx - first), ctx - first, window)  # [n, ctx - first]
+            o = _attend(q, k, v, mask, scale, softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked) v: q [B, Hq, n, D], k and v [B, Hkv, ctx, D], mask broadcastable to
+    [B, Hq, n, ctx] (True: visible) -> [B, Hq, n, D]. Without a cap, scaled_dot_product_attention."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = soft_cap((q.float() @ k.float().transpose(-1, -2)) * scale, softcap).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
 MAX_ROWS_AS_DECODE = 16  # CPU: requests with at most this many query rows (verified drafts) run as decode rows
 
 
-def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                       softcap: float | None) -> torch.Tensor:
     """Every request has few query rows (a decode token and its drafts): each row becomes a decode row of the
     C++ kernel that attends to its own causal prefix (row j of a request with n rows and context c sees c - n + j
     + 1 tokens), through its request's block table."""
@@ -104,15 +127,19 @@ def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, s
         meta.cpu_rows_layout = (meta.block_tables.repeat_interleave(counts, dim=0),
                                 torch.tensor(lens, dtype=torch.int32))  # fmt: skip
     tables, lens = meta.cpu_rows_layout
-    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
+    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, softcap)
 
 
-def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                          softcap: float | None) -> torch.Tensor:
     """One query token per request. fp32: the C++ kernel, which reads K/V in place through the block table;
-    otherwise gather every context into a padded batch and attend in one call."""
+    otherwise gather every context into a padded batch and attend in one call (with a window, a per-request loop:
+    the blocks before each window may be gone)."""
     if cpu_attention.supports(query, key_cache):
         return cpu_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                                    meta.context_lens_t, scale)
+                                                    meta.context_lens_t, scale, window, softcap)
+    if window is not None:
+        return _per_request_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
     max_ctx = max(meta.context_lens)
     num_seqs, block_size, num_kv_heads, head_dim = query.shape[0], *key_cache.shape[1:]
     if meta.cpu_decode_layout is None:
@@ -128,18 +155,22 @@ def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata
     # NOTE: the query heads sharing a KV head are that head's query rows (GQA as plain attention over
     # [num_seqs, kv_heads, group, dim]; about 25% faster than enable_gqa here). Heads are grouped consecutively.
     q = query.view(num_seqs, num_kv_heads, -1, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        o = _attend(query.view(num_seqs, -1, 1, head_dim), k, v, mask, scale, softcap)
     return o.view(num_seqs, -1, head_dim)
 
 
-def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:
     if meta.is_decode_only:
         from tandem.kernels.paged_attention import paged_decode_attention
 
         return paged_decode_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
-                                      context_lens=meta.context_lens_t, scale=scale)
+                                      context_lens=meta.context_lens_t, scale=scale, window=window, softcap=softcap)
     from tandem.kernels.prefill_attention import paged_prefill_attention
 
     return paged_prefill_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
                                    query_start_loc=meta.query_start_loc_t, context_lens=meta.context_lens_t,
-                                   scale=scale)
+                                   scale=scale, window=window, softcap=softcap)

@@ -1,5 +1,6 @@
 // Decode attention over the paged KV cache on x86-64 CPUs (fp32; AVX2 + FMA or AVX-512): one query token per
-// sequence attends to its whole context, read in place through the block table.
+// sequence attends to its context (or, with a sliding window, its last `window` tokens), read in place through the
+// block table. Optional tanh soft-capping of the scores (Gemma 2: s = cap * tanh(s / cap), before the softmax).
 //
 // Why: the torch path gathers every sequence's K and V blocks into padded copies before attending
 // (shared/attention.py), which at batch 8-32 writes and rereads megabytes per layer; here each K and V row is
@@ -12,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -23,14 +25,17 @@ using namespace tandem_simd;
 
 constexpr int MAX_DV = 256 / LANES;  // head_dim up to 256
 
-// out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h.
+// out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h, over its
+// tokens first..ctx-1 (blocks before first's are never read).
 void attend_one(const float* q, int64_t group, const float* key_cache, const float* value_cache,
-                const int32_t* block_table, int64_t ctx, int64_t block_size, int64_t num_kv_heads, int64_t h,
-                int64_t D, float scale, float* out, std::vector<float>& scores) {
+                const int32_t* block_table, int64_t first, int64_t ctx, int64_t block_size, int64_t num_kv_heads,
+                int64_t h, int64_t D, float scale, float softcap, float* out, std::vector<float>& scores) {
   const int64_t dv = D / LANES;
-  const int64_t padded = (ctx + LANES - 1) / LANES * LANES;
+  const int64_t n = ctx - first;
+  const int64_t padded = (n + LANES - 1) / LANES * LANES;
   scores.resize(group * padded);
-  auto row = [&](const float* cache, int64_t t) {
+  auto row = [&](const float* cache, int64_t i) {
+    const int64_t t = first + i;
     const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
     return cache + (slot * num_kv_heads + h) * D;
   };
@@ -39,22 +44,23 @@ void attend_one(const float* q, int64_t group, const float* key_cache, const flo
     for (int64_t d = 0; d < dv; ++d) qv[d] = vload(q + r * D + d * LANES);
     float* s = scores.data() + r * padded;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       const float* k = row(key_cache, t);
       V acc = vmul(qv[0], vload(k));
       for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], vload(k + d * LANES), acc);
       s[t] = hsum(acc) * scale;
+      if (softcap > 0.0f) s[t] = softcap * std::tanh(s[t] / softcap);
       m = std::max(m, s[t]);
     }
-    std::fill(s + ctx, s + padded, m);  // (their e^0 are computed but never summed or used)
+    std::fill(s + n, s + padded, m);  // (their e^0 are computed but never summed or used)
     const V mv = vbroadcast_value(m);
     for (int64_t t = 0; t < padded; t += LANES) store(s + t, vexp(vsub(vload(s + t), mv)));
     float sum = 0.0f;
-    for (int64_t t = 0; t < ctx; ++t) sum += s[t];
+    for (int64_t t = 0; t < n; ++t) sum += s[t];
     const float inv = 1.0f / sum;
     V acc[MAX_DV];
     for (int64_t d = 0; d < dv; ++d) acc[d] = vzero();
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       const float* v = row(value_cache, t);
       const V p = vbroadcast_value(s[t]);
       for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, vload(v + d * LANES), acc[d]);
@@ -67,9 +73,12 @@ void attend_one(const float* q, int64_t group, const float* key_cache, const flo
 }  // namespace
 
 // query fp32 [S, Hq, D]; key_cache, value_cache fp32 [num_blocks, block_size, Hkv, D]; block_tables int32
-// [S, max_blocks]; context_lens int32 [S] -> out fp32 [S, Hq, D] (zeros for a context of 0 tokens).
+// [S, max_blocks]; context_lens int32 [S]; window: attend to the last `window` tokens only (0: all); softcap: cap
+// the scores (0: none) -> out fp32 [S, Hq, D] (zeros for a context of 0 tokens). Block-table entries before the
+// window are never read (nor checked).
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "query must be [S, Hq, D] and the caches [num_blocks, block_size, Hkv, D]");
   for (const auto* t : {&query, &key_cache, &value_cache})
@@ -84,6 +93,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a positive multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && context_lens.numel() == S,
               "block_tables [S, max_blocks] and context_lens [S] must match query");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
   const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -91,7 +101,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   for (int64_t i = 0; i < S; ++i) {
     TORCH_CHECK(ctx_lens[i] >= 0 && (ctx_lens[i] + block_size - 1) / block_size <= max_blocks,
                 "context_lens exceed the block table");
-    for (int64_t b = 0; b < (ctx_lens[i] + block_size - 1) / block_size; ++b)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, ctx_lens[i] - window) : 0;
+    for (int64_t b = first / block_size; b < (ctx_lens[i] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(bt[i * max_blocks + b] >= 0 && bt[i * max_blocks + b] < num_blocks,
                   "block_tables hold a block id outside the cache");
   }
@@ -107,8 +118,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       const int64_t s = i / Hkv, h = i % Hkv;
       if (ctx_lens[s] == 0) continue;
       const int64_t offset = (s * Hq + h * group) * D;
-      attend_one(qp + offset, group, kp, vp, bt + s * max_blocks, ctx_lens[s], block_size, Hkv, h, D,
-                 static_cast<float>(scale), op + offset, scores);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx_lens[s] - window) : 0;
+      attend_one(qp + offset, group, kp, vp, bt + s * max_blocks, first, ctx_lens[s], block_size, Hkv, h, D,
+                 static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores);
     }
   });
   return out;

@@ -11,7 +11,8 @@ torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
                       int64_t N, int64_t group_size, bool int4);
 bool has_vnni();
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t window, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
