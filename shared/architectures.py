@@ -1,36 +1,38 @@
 """The architectures the engine serves: one entry per HF `model_type`, each reading the features its family uses
 from config.json (the same checkpoint layout and module names as HF's modeling code, so the weights load by
-name into shared/model.py's layers).
+name into shared/model.py's layers). Where config.json leaves a field out, the family's HF default applies.
 
 | model_type | family | what differs from Llama |
 |---|---|---|
-| llama | Llama 2, Llama 3.x, SmolLM | rope scaling (`llama3`, `linear`, `yarn`: shared/rope.py) |
-| mistral | Mistral | a sliding window (see below) |
-| qwen2 | Qwen2, Qwen2.5 | bias on q/k/v (`attention_bias` implied); optional sliding window |
+| llama | Llama 2, Llama 3.x, SmolLM | rope scaling (`llama3`, `linear`, `yarn`: shared/rope.py); optional bias on q/k/v/o |
+| mistral | Mistral | a sliding window on every layer |
+| qwen2 | Qwen2, Qwen2.5 | bias on q/k/v; with use_sliding_window, a window on the layers from max_window_layers on |
 | qwen3 | Qwen3 | RMSNorm over each query and key head before RoPE; head_dim set apart from hidden/heads |
-| phi3 | Phi-3 | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj` (split on load, shared/model.py) |
+| phi3 | Phi-3 | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj` (split on load); optional window |
+| gemma2 | Gemma 2 | see below; windows on alternate layers; attention-logit and final-logit soft-capping |
+| gemma3_text | Gemma 3 (text) | see below; q/k norms; five windowed layers to one global; a second RoPE for windowed layers |
 
-Sliding windows: attention limited to the last `sliding_window` positions is not in the kernels yet. A sequence
-no longer than the window attends to the same tokens either way, so a checkpoint with a window is served with
-max_model_len capped at the window (logged), never with full attention past it. Anything else this module does
-not know (another model_type, `hidden_act` other than SiLU, `mlp_bias`, a rope type shared/rope.py refuses) is
-refused at start with the field named and the supported values.
+Gemma (gemma_norms): RMSNorm scales by (1 + weight), computed in fp32 before the cast; embeddings are multiplied by
+sqrt(hidden_size); each layer norms the attention output, and the MLP input and output (four norms a layer); the
+MLP gate is GELU (tanh approximation); attention scales by query_pre_attn_scalar ** -0.5.
+
+Sliding windows run in every attention kernel (shared/attention.py). Anything this module does not know (another
+model_type, another activation, `mlp_bias`, a rope type shared/rope.py refuses, bidirectional attention, a layer
+type other than full or sliding) is refused at start with the field named and the supported values.
 """
 from __future__ import annotations
-
-import logging
-
-log = logging.getLogger(__name__)
 
 # shared/rope.py computes each. `dynamic` NTK scaling changes the frequencies with each batch's longest sequence, so
 # a request's tokens would depend on its neighbours: refused.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def rope_parameters(cfg: dict) -> dict:
-    """The rope settings of an HF config.json dict: rope_theta, rope_type and that type's numbers. ValueError
-    naming the field when the type is not one of ROPE_TYPES."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+def rope_parameters(cfg: dict, params: dict | None = None) -> dict:
+    """The rope settings of an HF config.json dict (or of params, one layer type's entry in it): rope_theta,
+    rope_type and that type's numbers. ValueError naming the field when the type is not one of ROPE_TYPES."""
+    params = dict(params if params is not None else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:
@@ -50,8 +52,17 @@ def rope_parameters(cfg: dict) -> dict:
     return params
 
 
+def _as_items(params: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in params.items() if v is not None))
+
+
 def _llama(cfg: dict) -> dict:
-    return {"attention_bias": bool(cfg.get("attention_bias", False))}
+    bias = bool(cfg.get("attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias}
+
+
+def _no_bias(cfg: dict) -> dict:
+    return {}
 
 
 def _qwen2(cfg: dict) -> dict:
@@ -59,49 +70,90 @@ def _qwen2(cfg: dict) -> dict:
 
 
 def _qwen3(cfg: dict) -> dict:
-    return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": True}
+    return _llama(cfg) | {"qk_norm": True}
+
+
+def _gemma2(cfg: dict) -> dict:
+    return _llama(cfg) | {
+        "gemma_norms": True, "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0)}
+
+
+def _gemma3(cfg: dict) -> dict:
+    return _gemma2(cfg) | {"qk_norm": True, "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+                           "final_logit_softcapping": cfg.get("final_logit_softcapping")}
 
 
 # the features beyond Llama's fields, as a Llama has them (ModelConfig's defaults)
-LLAMA_FEATURES = {"model_type": "llama", "attention_bias": False, "qk_norm": False}
+LLAMA_FEATURES = {"model_type": "llama", "attention_bias": False, "o_proj_bias": False, "qk_norm": False,
+                  "gemma_norms": False, "hidden_act": "silu", "query_pre_attn_scalar": None,
+                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": None,
+                  "layer_types": (), "rope_local": ()}
 
 # model_type -> features read from its config.json beyond the Llama fields ModelConfig.from_dir reads
-ARCHITECTURES = {"llama": _llama, "mistral": _llama, "phi3": _llama, "qwen2": _qwen2, "qwen3": _qwen3}
+ARCHITECTURES = {"llama": _llama, "mistral": _no_bias, "phi3": _no_bias, "qwen2": _qwen2, "qwen3": _qwen3,
+                 "gemma2": _gemma2, "gemma3_text": _gemma3}
 
 
-def sliding_window(cfg: dict) -> int | None:
-    """The window every layer attends within, or None (full attention). Qwen2/3 use theirs only with
-    use_sliding_window; ValueError when only some layers slide (max_window_layers, layer_types), which needs
-    per-layer windows."""
-    window = cfg.get("sliding_window")
+def _default_layer_types(cfg: dict, num_layers: int) -> list[str]:
+    """Which layers slide when config.json has no layer_types: HF's default for each family."""
+    model_type = cfg.get("model_type")
+    if model_type in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 28)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    pattern = {"gemma2": 2, "gemma3_text": cfg.get("sliding_window_pattern", 6)}.get(model_type)
+    if pattern is not None:
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention"] * num_layers  # (Mistral, Phi-3: the window is on every layer)
+
+
+def sliding_window(cfg: dict) -> tuple[int | None, tuple[str, ...]]:
+    """(the window, each layer's type): (None, ()) without a window; otherwise layer_types lists, per layer,
+    "sliding_attention" (attends within the last `window` positions) or "full_attention". Qwen2/3 use their window
+    only with use_sliding_window; Gemma's defaults to 4096 (HF's). ValueError on another layer type or on
+    bidirectional attention."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention true is not supported (causal attention only)")
+    window = cfg.get("sliding_window", 4096 if cfg.get("model_type", "").startswith("gemma") else None)
     if window is None or (cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
-        return None
-    layer_types = cfg.get("layer_types") or []
-    if any(t != "sliding_attention" for t in layer_types) and layer_types:
-        raise ValueError(f"layer_types {sorted(set(layer_types))}: a window on some layers only is not supported")
-    return int(window)
+        return None, ()
+    layer_types = cfg.get("layer_types") or _default_layer_types(cfg, cfg["num_hidden_layers"])
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown or len(layer_types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"layer_types {unknown or layer_types} is not supported; supported: one of "
+                         f"{list(LAYER_TYPES)} per layer")
+    if "sliding_attention" not in layer_types:
+        return None, ()
+    return int(window), tuple(layer_types)
 
 
 def architecture_features(cfg: dict) -> dict:
-    """The architecture fields of ModelConfig beyond Llama's, from an HF config.json dict: model_type,
-    attention_bias, qk_norm, rope (rope_parameters' items), and max_model_len capped at a sliding window.
-    ValueError naming the field when the checkpoint needs something the engine does not do."""
+    """The architecture fields of ModelConfig beyond Llama's, from an HF config.json dict: model_type, biases,
+    norms, activation, attention scale and soft-capping, rope (rope_parameters' items; rope_local for the sliding
+    layers of Gemma 3), sliding_window and layer_types, max_model_len. ValueError naming the field when the
+    checkpoint needs something the engine does not do."""
     model_type = cfg.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported for {model_type}; supported: ['silu']")
+        hint = " (the multimodal Gemma 3; its text model is model_type gemma3_text)" if model_type == "gemma3" else ""
+        raise ValueError(f"model_type {model_type!r} is not supported{hint}; supported: {sorted(ARCHITECTURES)}")
+    features = LLAMA_FEATURES | {"model_type": model_type} | ARCHITECTURES[model_type](cfg)
+    if features["hidden_act"] == "silu":
+        features["hidden_act"] = cfg.get("hidden_act", "silu")
+    if features["hidden_act"] not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {features['hidden_act']!r} is not supported for {model_type}; supported: "
+                         f"{list(ACTIVATIONS)}")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias true is not supported (no bias on the MLP projections)")
-    features = LLAMA_FEATURES | {"model_type": model_type} | ARCHITECTURES[model_type](cfg)
-    rope = rope_parameters(cfg)
-    features["rope"] = tuple(sorted((k, v) for k, v in rope.items() if v is not None))
-    max_len = cfg.get("max_position_embeddings", 2048)
-    window = sliding_window(cfg)
-    if window is not None and window < max_len:
-        log.warning("%s: sliding_window %d is not implemented in the kernels; serving at most %d tokens per "
-                    "sequence (within the window, attention is the same)", model_type, window, window)
-        max_len = window
-    features["max_model_len"] = max_len
+    per_type = cfg.get("rope_parameters") or {}
+    if "full_attention" in per_type or model_type == "gemma3_text":  # Gemma 3: one RoPE per layer type
+        full = per_type.get("full_attention", cfg.get("rope_scaling") or {})
+        local = per_type.get("sliding_attention", {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
+        features["rope"] = _as_items(rope_parameters({"rope_theta": 1_000_000.0} | cfg, full))
+        features["rope_local"] = _as_items(rope_parameters(cfg, local))
+    else:
+        features["rope"] = _as_items(rope_parameters(cfg))
+    features["sliding_window"], features["layer_types"] = sliding_window(cfg)
+    features["max_model_len"] = cfg.get("max_position_embeddings", 2048)
     return features

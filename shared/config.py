@@ -67,13 +67,31 @@ class ModelConfig:
     # the architecture beyond Llama's fields (shared/architectures.py)
     model_type: str = "llama"
     attention_bias: bool = False  # bias on q/k/v_proj (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    o_proj_bias: bool = False  # bias on o_proj (Llama and Qwen3 with attention_bias, Gemma)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # (1 + weight) norms, four a layer, embeddings times sqrt(hidden_size) (Gemma)
+    hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5 (Gemma); None: head_dim's
+    attn_logit_softcapping: float | None = None  # attention scores s -> cap * tanh(s / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    sliding_window: int | None = None  # the window of the layers layer_types marks "sliding_attention"
+    layer_types: tuple[str, ...] = ()  # per layer, "full_attention" or "sliding_attention"; () all full
     rope: tuple[tuple[str, object], ...] = ()  # rope_parameters' items (shared/rope.py); () is default RoPE
+    rope_local: tuple[tuple[str, object], ...] = ()  # the sliding layers' own RoPE (Gemma 3); () the same as rope
 
     @property
     def rope_parameters(self) -> dict:
         """rope_theta, rope_type and that type's numbers (shared/rope.py)."""
         return dict(self.rope) if self.rope else {"rope_theta": self.rope_theta, "rope_type": "default"}
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (0-based), or None where it attends to the whole context."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k: query_pre_attn_scalar ** -0.5 (Gemma) or head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def model_id(self) -> str:
@@ -128,7 +146,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope["rope_theta"],
             max_model_len=features["max_model_len"],
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", features["gemma_norms"]),  # (HF's defaults)
             eos_token_ids=tuple(sorted(eos)),
         )
         # beyond Llama's fields, only what differs from Llama (so that a Llama's id is what it was before them)

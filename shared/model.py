@@ -1,20 +1,23 @@
-"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3: shared/architectures.py) over a flat batch of
-tokens with a paged KV cache.
+"""The decoder of every architecture shared/architectures.py serves (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3,
+Gemma 2, Gemma 3) over a flat batch of tokens with a paged KV cache: one set of layers, each family's differences
+switched on by ModelConfig's fields.
 
 Our own forward (not transformers' modeling code), with HF module names so an HF safetensors checkpoint loads
-with load_state_dict and quantized linears can replace nn.Linear by name. Numerics follow the HF Llama reference
-(RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP) so greedy tokens match it. The residual stream is carried
-beside each layer's output (vLLM's layout) so that its add fuses into the next RMSNorm. On the CPU in fp32 the
-elementwise ops run as the C++ kernels of kernels/cpu_layer_ops.py (one call each); elsewhere as their torch
-references.
+with load_state_dict and quantized linears can replace nn.Linear by name. Numerics follow the HF references
+(RMSNorm in fp32, rotate-half RoPE, gated MLP; Gemma's (1 + weight) norms multiplied before the cast) so greedy
+tokens match them. The residual stream is carried beside each layer's output (vLLM's layout) so that its add fuses
+into the next RMSNorm. On the CPU in fp32 the elementwise ops run as the C++ kernels of kernels/cpu_layer_ops.py
+(one call each); elsewhere as their torch references.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu_layer_ops
 from tandem.kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
+from tandem.kernels.masks import soft_cap
 from tandem.shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from tandem.shared.config import ModelConfig, torch_dtype
 from tandem.shared.device import use_triton
@@ -30,37 +33,55 @@ def cpu_kernels(x: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """RMSNorm (Zhang & Sennrich 2019). unit_offset (Gemma): scales by (1 + weight), multiplied in fp32 before the
+    cast back (HF Gemma2RMSNorm); otherwise by weight after the cast (HF LlamaRMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x) [T, H]; with residual: (RMSNorm(x + residual), x + residual), on the CPU in place in x and
         residual (both fresh tensors of the layer's own)."""
-        fast = cpu_kernels(x) and self.weight.dtype == torch.float32
+        weight = self.weight.float() + 1.0 if self.unit_offset else self.weight
+        fast = cpu_kernels(x) and weight.dtype == torch.float32
         if residual is None:
-            return cpu_layer_ops.rms_norm(x, self.weight, self.eps) if fast else rms_norm_ref(x, self.weight, self.eps)
+            if fast:
+                return cpu_layer_ops.rms_norm(x, weight, self.eps)
+            return _offset_rms_norm_ref(x, weight, self.eps) if self.unit_offset else rms_norm_ref(x, weight, self.eps)
         if fast and x.is_contiguous() and residual.is_contiguous():
-            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+            return cpu_layer_ops.fused_add_rms_norm(x, residual, weight, self.eps)
+        if self.unit_offset:
+            residual = x + residual
+            return _offset_rms_norm_ref(residual, weight, self.eps), residual
+        return fused_add_rms_norm_ref(x, residual, weight, self.eps)
+
+
+def _offset_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x [T, H] normalized in fp32, times weight (1 + the checkpoint's, fp32), then cast."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_logit_softcapping
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
-        if config.qk_norm:  # (Qwen3: over each head's head_dim, before RoPE)
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:  # (Qwen3, Gemma 3: over each head's head_dim, before RoPE)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.gemma_norms)
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj (the checkpoint's names) by one qkv_proj: one matmul reads all three weights."""
@@ -84,13 +105,15 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.num_heads + self.num_kv_heads :]
             write_kv_cache(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta, self.scale, self.window,
+                            self.softcap)
         return self.o_proj(o.to(x.dtype).flatten(1))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -102,18 +125,28 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:  # (Gemma: GELU, tanh approximation)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if cpu_kernels(gate_up):
             return self.down_proj(cpu_layer_ops.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = config.gemma_norms  # Gemma: post_attention_layernorm norms the attention output
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        # Gemma 3: the sliding layers' RoPE is their own (LlamaModel.rotary_emb_local)
+        self.local_rope = bool(config.rope_local) and config.layer_window(layer) is not None
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """x: the previous layer's output (the embeddings, with residual None, for the first layer); residual:
@@ -124,6 +157,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, kv_cache, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -132,9 +168,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_parameters)
+        if config.rope_local:
+            self.rotary_emb_local = RotaryEmbedding(config.head_dim, dict(config.rope_local))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,17 +193,21 @@ class LlamaForCausalLM(nn.Module):
         head_dim]; logits_indices [num_sampled] int64 rows whose next-token logits are wanted. num_layers: run
         only the first num_layers decoder layers, then the final norm and the LM head (an early-exit draft, as
         LayerSkip, Elhoushi et al. 2024); kv_caches needs only those layers.
-        Returns logits [num_sampled, vocab_size] fp32.
+        Returns logits [num_sampled, vocab_size] fp32 (soft-capped where the config says, Gemma 2).
         """
         x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.model.rotary_emb(positions)
+        if self.config.gemma_norms:  # (the scale rounded to the activations' dtype first, as HF Gemma)
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        ropes = {False: self.model.rotary_emb(positions)}
+        if self.config.rope_local:
+            ropes[True] = self.model.rotary_emb_local(positions)
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta)
         if residual is None:
             x = self.model.norm(x[logits_indices])
         else:
             x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
-        return self.lm_head(x).float()
+        return soft_cap(self.lm_head(x).float(), self.config.final_logit_softcapping)
 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:
@@ -192,6 +234,8 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     # NOTE: built after the cast: RoPE frequencies stay fp32 in every dtype (as in HF), since bf16 ones would
     # shift every position's angle.
     model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_parameters).to(device)
+    if config.rope_local:
+        model.model.rotary_emb_local = RotaryEmbedding(config.head_dim, dict(config.rope_local)).to(device)
     for layer in model.model.layers:  # after loading, which uses the checkpoint's per-projection names
         layer.self_attn.fuse_projections()
         layer.mlp.fuse_projections()

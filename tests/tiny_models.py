@@ -1,6 +1,8 @@
 """Tiny checkpoints of each architecture the engine serves, written by HF transformers itself (random weights,
 `save_pretrained`, no download), with the family's config features switched on: rope scaling, q/k/v bias, q/k
-norms with an explicit head_dim, a sliding window. Shared by the tests that serve them."""
+norms with an explicit head_dim, sliding windows (24 tokens, shorter than the prompts) on every layer or on some,
+Gemma's soft-capping (caps low enough to bite), query_pre_attn_scalar and per-layer-type RoPE. Shared by the tests
+that serve them."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,10 @@ SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-# name -> (transformers config class name, its arguments beyond SMALL)
+WINDOW = 24  # sliding windows: shorter than most test prompts, across 16-token blocks
+
+# name -> (transformers config class name, its arguments beyond SMALL). (Gemma unties its embeddings here: tied,
+# random ones times sqrt(hidden_size) swamp the layers and every output repeats the last token.)
 TINY_MODELS = {
     "llama3": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
     "llama-linear-rope": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0,
@@ -24,8 +29,18 @@ TINY_MODELS = {
                                                        "original_max_position_embeddings": 256}}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 64, "hidden_size": 192, "num_attention_heads": 4}),  # 64 != 192 / 4
-    "mistral": ("MistralConfig", {"sliding_window": 96}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
     "phi3": ("Phi3Config", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}),
+    # layer 0 slides, layer 1 is global (HF's default alternation)
+    "gemma2": ("Gemma2Config", {"sliding_window": WINDOW, "attn_logit_softcapping": 4.0,
+                                "final_logit_softcapping": 8.0, "query_pre_attn_scalar": 48,
+                                "tie_word_embeddings": False}),
+    "gemma3": ("Gemma3TextConfig", {
+        "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": WINDOW, "query_pre_attn_scalar": 48, "tie_word_embeddings": False,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
 }
 
 

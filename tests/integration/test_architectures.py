@@ -1,22 +1,22 @@
 """Each architecture the engine serves (shared/architectures.py), on a tiny checkpoint transformers writes in the
 test (tests/tiny_models.py), greedy in fp32 against HF transformers' own modeling code, token for token: prompts
-crossing block boundaries, chunked prefill at two chunk sizes, a batch of prompts in flight together, prefix-cache
-hits (a prompt extending another one, at and off a block boundary). What the engine does not do is refused at
-start with the field named. Through a real cluster (gateway, prefill, decode, Redis; every prompt's KV shipped from
-the prefill, speculative decoding on the decode, a prompt extending another): Qwen3 in make test, the others in
-.ci/run's heavy pass."""
+crossing block boundaries and sliding windows, chunked prefill at two chunk sizes, a batch of prompts in flight
+together, prefix-cache hits (a prompt extending another one, at and off a block boundary), n-gram speculation;
+every prompt position's log-probability against HF's (which also sees Gemma 2's final soft-capping, invisible to
+greedy tokens). What the engine does not do is refused at start with the field named. Through a real cluster
+(gateway, prefill, decode, Redis; every prompt's KV shipped from the prefill, speculative decoding on the decode, a
+prompt extending another): Gemma 3 in make test, the others in .ci/run's heavy pass."""
 import json
 import re
 
 import pytest
 import torch
 
-from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.shared.engine import LLMEngine
-from tandem.shared.errors import InvalidRequestError
 from tandem.shared.request import Request, SamplingParams
 from tests.prompts import LONG_TEXT
-from tests.tiny_models import TINY_MODELS, save_tiny
+from tests.tiny_models import TINY_MODELS, WINDOW, save_tiny
 
 NUM_TOKENS = 24
 
@@ -63,6 +63,40 @@ def test_greedy_equals_hf_in_a_batch_with_chunked_prefill(tiny, chunk):
     assert engine.num_free_blocks == 64
 
 
+def test_ngram_speculation_equals_hf(tiny):
+    """Prompts holding half the vocabulary, and lookups of a single token, so the n-gram proposer drafts at most
+    steps (random weights seldom repeat longer n-grams): the verification forward (several query rows a request,
+    each with its own window) keeps HF's tokens."""
+    name, path, hf = tiny
+    config = ModelConfig.from_dir(path)
+    g = torch.Generator().manual_seed(4)
+    prompts = {f"x{i}": (torch.randperm(config.vocab_size - 3, generator=g)[:256] + 3).tolist()
+               for i in range(2)}  # (ids 0-2 are special: HF's generate would take a 0 for padding)
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, adaptive=False)
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(64, 8), speculative_config=spec)
+    assert run(engine, prompts) == {k: hf_greedy(hf, ids, NUM_TOKENS) for k, ids in prompts.items()}, name
+    assert engine.stats().spec_num_draft_tokens >= 8
+
+
+def test_prompt_logprobs_equal_hf(tiny):
+    """Each prompt position's distribution, past the window too: the log-probability of the next prompt token
+    and the top 3, against HF's log_softmax of its logits."""
+    name, path, hf = tiny
+    config = ModelConfig.from_dir(path)
+    ids = prompts_for(5, config.vocab_size)["p70"]
+    request = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3))
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)  # [69, vocab]
+    got = torch.tensor([lp.logprob for lp in request.prompt_logprobs])
+    torch.testing.assert_close(got, expected.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], atol=2e-4, rtol=0)
+    top = expected.topk(3)
+    assert [[t for t, _ in lp.top] for lp in request.prompt_logprobs] == top.indices.tolist(), name
+
+
 def test_prefix_cache_hits_equal_hf(tiny):
     name, path, hf = tiny
     config = ModelConfig.from_dir(path)
@@ -88,14 +122,17 @@ def test_architecture_is_part_of_the_model_id(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model_type": "gpt2"},
-     "model_type 'gpt2' is not supported; supported: ['llama', 'mistral', 'phi3', 'qwen2', 'qwen3']"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: ['gemma2', 'gemma3_text', 'llama', "
+                             "'mistral', 'phi3', 'qwen2', 'qwen3']"),
+    ({"model_type": "gemma3"}, "the multimodal Gemma 3; its text model is model_type gemma3_text"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "rope_type 'longrope' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"eos_token_id": 32000}, "eos_token_id [32000] (config.json, generation_config.json) is outside the vocabulary"),
+    ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 2}, "layer_types ['chunked_attention']"),
+    ({"sliding_window": 8, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
 ])  # fmt: skip
 def test_what_the_engine_does_not_do_is_refused_by_name(tmp_path, change, words):
     path = save_tiny("llama3", tmp_path / "m")
@@ -105,21 +142,19 @@ def test_what_the_engine_does_not_do_is_refused_by_name(tmp_path, change, words)
         ModelConfig.from_dir(path)
 
 
-def test_a_sliding_window_caps_the_context_at_the_window(tmp_path):
-    """Mistral's window (96 here) is not in the kernels: the engine serves at most 96 tokens per sequence, where
-    windowed and full attention are the same, and refuses a longer one, instead of answering wrong past it."""
-    path = save_tiny("mistral", tmp_path / "m")
-    config = ModelConfig.from_dir(path)
-    assert config.max_model_len == 96
-    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
-    with pytest.raises(InvalidRequestError, match="the model's context is 96"):
-        engine.add_request(Request("long", list(range(3, 103)), SamplingParams(max_tokens=4, temperature=0.0)))
-    # a prompt and its output within the window: stopped at the window, as every sequence at max_model_len
-    outs = run(engine, {"fits": list(range(3, 83))}, n=40)
-    assert len(outs["fits"]) == 96 - 80 and engine.num_free_blocks == 64
+@pytest.mark.parametrize("name, windows", [
+    ("mistral", [WINDOW, WINDOW]), ("qwen2-window", [None, WINDOW]),  # every layer; from max_window_layers on
+    ("gemma2", [WINDOW, None]), ("gemma3", [WINDOW, WINDOW, None]), ("qwen2", [None, None]),
+])  # fmt: skip
+def test_sliding_windows_are_read_per_layer(tmp_path, name, windows):
+    """Which layers slide, as HF's config sets it; the context is the checkpoint's whole, not capped at the
+    window (the kernels attend within it)."""
+    config = ModelConfig.from_dir(save_tiny(name, tmp_path / name))
+    assert [config.layer_window(i) for i in range(config.num_hidden_layers)] == windows
+    assert config.max_model_len == 1024
 
 
-@pytest.mark.parametrize("name", [n if n == "qwen3" else pytest.param(n, marks=pytest.mark.heavy)
+@pytest.mark.parametrize("name", [n if n == "gemma3" else pytest.param(n, marks=pytest.mark.heavy)
                                   for n in sorted(TINY_MODELS)])  # fmt: skip
 def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, model_dir, tokenizer, tmp_path):
     from tandem.services.client import generate, make_request
@@ -147,7 +182,7 @@ def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, mo
     assert sum(o.num_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("bits", [["--bits", "8"], ["--bits", "4", "--group-size", "64"]], ids=["int8", "int4-g64"])
 def test_quantized_checkpoints_equal_hf_over_the_same_quantized_layers(name, bits, tmp_path):
     """`tandem quantize` (RTN) of the architecture, served by the engine, gives HF's greedy tokens when HF's own
