@@ -89,6 +89,12 @@ class ModelConfig:
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
 
     @property
+    def kv_window(self) -> int | None:
+        """The sliding window when every layer has one (a request's blocks wholly before it are never read again,
+        and are freed early: shared/kv_cache_manager.py); None when some layer attends to the whole context."""
+        return self.sliding_window if self.layer_types and "full_attention" not in self.layer_types else None
+
+    @property
     def attention_scale(self) -> float:
         """The softmax scale of q.k: query_pre_attn_scalar ** -0.5 (Gemma) or head_dim ** -0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5

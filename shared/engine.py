@@ -72,9 +72,10 @@ class LLMEngine:
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
         self.hash_contract = HashContract(self.cache_config.block_size, model_config.model_id,
                                           self.cache_config.kv_dtype)
+        self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                                self.hash_contract if self.cache_config.enable_prefix_caching else None,
-                                               record_events=kv_events)
+                                               record_events=kv_events, sliding_window=self._kv_window())
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step_stats: StepStats | None = None
@@ -83,9 +84,16 @@ class LLMEngine:
                                         is_kv_producer=export_kv)
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
-        self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
         self.structured_output_manager = StructuredOutputManager(model_config.path, model_config.vocab_size,
                                                                  model_config.eos_token_ids)
+
+    def _kv_window(self) -> int | None:
+        """The sliding window past which this pool's blocks are freed early: the model's, when every layer has
+        one, and no separate draft model pages its own KV by the same block tables (it computes a request's whole
+        context on its first draft, blocks before the window included)."""
+        if self.drafter is not None and self.drafter.draft_config is not None:
+            return None
+        return self.model_config.kv_window
 
     # -- admission -----------------------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -289,8 +297,10 @@ class LLMEngine:
             self.kv_cache_manager.cache_full_blocks(request)
             if reason is not None:
                 self._finish(request, reason, out)
-            elif drafts:
-                self.kv_cache_manager.free_excess_blocks(request)  # blocks only rejected drafts needed
+            else:
+                self.kv_cache_manager.free_out_of_window_blocks(request)
+                if drafts:
+                    self.kv_cache_manager.free_excess_blocks(request)  # blocks only rejected drafts needed
             if out.new_token_ids or out.finished or out.kv is not None:
                 outputs.append(out)
         return outputs

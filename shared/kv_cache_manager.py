@@ -19,6 +19,12 @@ tokens of its next block with a continuation gets a new block holding a copy of 
 the step's forward, so the copy is private and the source is never written by it) and computes only what follows.
 A cached full block stays a continuation until evicted; a partial one until its block is allocated again. Used by
 the scheduler only: the decode tier's reserve (KV that comes over the wire) counts in whole blocks.
+
+Sliding windows (Mistral: every layer attends to its last `sliding_window` positions only): once a request's next
+query position is past a block by more than the window, no layer reads that block again. free_out_of_window_blocks
+then returns it to the pool (cached ones keep their hash, so a later prompt with the same prefix can still hit them
+until evicted) and marks its table entry NO_BLOCK; the attention kernels read no entry before the window. A model
+with some full-attention layers (Gemma's alternation) needs every block and frees none early.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ from tandem.shared.block_hash import BlockHash, HashContract, hash_request_block
 from tandem.shared.kv_events import BlockRemoved, BlockStored
 from tandem.shared.request import Request
 from tandem.shared.utils import cdiv
+
+
+NO_BLOCK = -1  # a block-table entry whose block was freed: wholly before the request's sliding window
 
 
 @dataclass(slots=True)
@@ -179,10 +188,14 @@ class KVCacheManager:
     contract) runs the prefix cache: get_computed_blocks on admission, cache_full_blocks after each step."""
 
     def __init__(self, num_blocks: int, block_size: int, hash_contract: HashContract | None = None,
-                 record_events: bool = False):
+                 record_events: bool = False, sliding_window: int | None = None):
+        """sliding_window: the window of every layer of every model reading this pool's blocks (None: some layer
+        attends to the whole context; no block is freed before its request ends)."""
         if hash_contract is not None and hash_contract.block_size != block_size:
             raise ValueError(f"hash contract block size {hash_contract.block_size} != pool block size {block_size}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_freed_blocks: dict[str, int] = {}  # leading blocks of a request freed (NO_BLOCK), by window
         self.hash_contract = hash_contract  # None: prefix caching off
         self.block_pool = BlockPool(num_blocks, record_events)
         self.block_tables: dict[str, list[int]] = {}
@@ -228,6 +241,27 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
+
+    def num_blocks_before_window(self, position: int) -> int:
+        """Leading blocks no layer reads for a query at this position or later: those wholly before its window
+        (positions position - sliding_window + 1 .. position). 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def free_out_of_window_blocks(self, request: Request, position: int | None = None) -> None:
+        """Free the leading blocks wholly before the window of the request's next query position (default: its
+        num_computed_tokens), after cache_full_blocks published them; their entries become NO_BLOCK. A block
+        never filled (a decode's reserve) is freed uncached. No-op without a window."""
+        block_table = self.block_tables.get(request.request_id)
+        position = request.num_computed_tokens if position is None else position
+        end = min(self.num_blocks_before_window(position), len(block_table or ()))
+        start = self.num_freed_blocks.get(request.request_id, 0)
+        if end <= start:
+            return
+        self.block_pool.free(block_table[start:end][::-1])  # (newest first: the earliest is evicted last)
+        block_table[start:end] = [NO_BLOCK] * (end - start)
+        self.num_freed_blocks[request.request_id] = end
 
     def continuation_key(self, request: Request, i: int) -> tuple:
         """What identifies the prefix before logical block i of a request: the hash of its block i - 1, or the
@@ -330,8 +364,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         for i, block_hash in enumerate(self._hashes(request, num_full)[start:], start):
-            self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i),
-                                        self.continuation_key(request, i))
+            if block_table[i] != NO_BLOCK:  # (a decode never received the blocks before its window)
+                self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i),
+                                            self.continuation_key(request, i))
         self.num_cached_blocks[rid] = num_full
 
     def free_excess_blocks(self, request: Request) -> None:
@@ -354,8 +389,9 @@ class KVCacheManager:
                        tuple(request.token_ids(i * self.block_size, request.num_computed_tokens)))
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_hashes.pop(request.request_id, None)
+        num_freed = self.num_freed_blocks.pop(request.request_id, 0)
         if block_table:
-            self.block_pool.free(block_table[::-1])
+            self.block_pool.free(block_table[num_freed:][::-1])
         if partial and self.block_pool.blocks[partial[0]].ref_cnt == 0:  # (a partial block is private)
             self.block_pool.keep_partial(*partial)
 

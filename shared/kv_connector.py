@@ -61,7 +61,10 @@ class KVConnector:
     def reserve(self, request: Request) -> int:
         """Hold blocks for an admitted request's prompt, to be filled by import_kv, reusing the longest cached
         prefix; the request then waits for its KV (RequestStatus.WAITING_FOR_KV). Returns the prompt tokens
-        already cached here (a multiple of block_size): KV for them need not come. Without room, running requests
+        already cached here (a multiple of block_size). request.kv_skip_blocks is set to the leading blocks whose
+        KV need not come: those cached, and with a sliding window on every layer those wholly before the window
+        of the first decoded position (freed at once, KVCacheManager.free_out_of_window_blocks). Without room,
+        running requests
         of lower priority are preempted (newest first) until it fits. NoCapacityError if the pool has no room now
         (nothing held; with room_soon when requests of lower priority still waiting for their KV hold blocks:
         preemptible once they decode)."""
@@ -76,6 +79,9 @@ class KVConnector:
             self.scheduler.preempt(victim)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached
+        self.kv_cache_manager.free_out_of_window_blocks(request, request.num_prompt_tokens)
+        request.kv_skip_blocks = max(num_cached // self.block_size,
+                                     self.kv_cache_manager.num_blocks_before_window(request.num_prompt_tokens))
         num_blocks = len(self.kv_cache_manager.get_block_table(request.request_id))
         self._receiving[request.request_id] = (request, torch.zeros(num_blocks, self.num_layers, dtype=torch.bool))
         return num_cached
@@ -96,8 +102,9 @@ class KVConnector:
             raise InvalidRequestError(f"KV layers from {kv.layer_start} overrun the model's {self.num_layers} layers")
         received = self._receiving[request.request_id][1]
         received[kv.first_block_index : kv.first_block_index + n, kv.layer_start : kv.layer_start + num_layers] = True
-        # NOTE: blocks this pool had cached are shared with other requests: never overwritten
-        skip = max(0, request.num_cached_tokens // self.block_size - kv.first_block_index)
+        # NOTE: blocks this pool had cached are shared with other requests: never overwritten; blocks before the
+        # window were freed
+        skip = max(0, request.kv_skip_blocks - kv.first_block_index)
         if skip >= n:
             return
         device = self.model_runner.device
@@ -126,10 +133,10 @@ class KVConnector:
         self.kv_cache_manager.cache_full_blocks(request)
 
     def _check_kv_complete(self, request: Request) -> None:
-        """InvalidRequestError unless every layer of every block this pool lacked (all but its cached prefix)
+        """InvalidRequestError unless every layer of every block this pool needed (all but request.kv_skip_blocks)
         arrived by import_kv: a truncated transfer must never decode from stale blocks."""
         received = self._receiving[request.request_id][1]  # [num_blocks, num_layers]
-        num_blocks, num_cached = len(received), (request.num_cached_tokens or 0) // self.block_size
+        num_blocks, num_cached = len(received), request.kv_skip_blocks
         missing = (~received[num_cached:].all(dim=1)).nonzero().flatten()
         if len(missing):
             first, count = int(missing[0]) + num_cached, len(missing)

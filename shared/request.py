@@ -172,7 +172,9 @@ class Request:
     priority: int = 0  # lower is scheduled first (vLLM's priority policy); equal priorities: first come first
     arrival_seq: int = 0  # the scheduler's admission counter: the tie-break among equal priorities
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
-    kv_skip_blocks: int = 0  # prefill tier: leading blocks the receiving decode holds already (not sent)
+    # leading blocks whose KV does not travel: the receiving decode holds them, or (every layer sliding) they lie
+    # wholly before its first query's window. Decode tier: set by its reserve; prefill tier: from the request.
+    kv_skip_blocks: int = 0
     # with sampling_params.prompt_logprobs: prompt tokens 1, 2, ... as computed so far (TokenLogprobs)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: Grammar | None = None  # with structured_output: the grammar's state after the output so far

@@ -50,7 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         try:
             # (req.num_cached_tokens was set on the engine thread before reserve returned)
-            yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0)
+            yield decode_pb2.DecodeResponse(reserved=True, num_cached_tokens=req.num_cached_tokens or 0,
+                                            num_skip_blocks=req.kv_skip_blocks)
             out = await (stream.get() if request.compute_prompt else self._first_under_lease(req.request_id, stream,
                                                                                             context))  # fmt: skip
             kv_lost = not request.compute_prompt and out is not None and bool(out.error)  # (its import failed)

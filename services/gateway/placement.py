@@ -155,7 +155,7 @@ class Placer:
             prefill_call = prefill_stub.Prefill(
                 prefill_pb2.PrefillRequest(request_id=placement_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                            decode_address=decode.address, decode_instance_id=decode.instance_id,
-                                           num_skip_blocks=reply.num_cached_tokens // decode.block_size,
+                                           num_skip_blocks=reply.num_skip_blocks,
                                            cache_salt=request.cache_salt, priority=request.priority),
                 timeout=timeout,
             )  # fmt: skip

@@ -38,6 +38,7 @@ class Drafter:
         self.config = config
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # since start
         self.proposer = self.draft_model = None
+        self.draft_config: ModelConfig | None = None  # method "draft": the draft checkpoint's architecture
         self.gate = SpeculationGate()
         self.step_speculates = False  # whether this step's batch was offered drafts
         self.last_gate_log = time.monotonic()
@@ -66,6 +67,7 @@ class Drafter:
             log.info("draft model %s: %d layers, its KV pool %.2f GB", draft.model_id, draft.num_hidden_layers,
                      kv_caches.numel() * kv_caches.element_size() / 1e9)
             self.draft_model = DraftModelProposer(load_model(draft, model_runner.device), kv_caches, block_size)
+            self.draft_config = draft
 
     def propose_drafts(self, running: list[Request], max_model_len: int) -> None:
         """Give each decoding request of the running batch that may speculate its draft tokens for this step: at

@@ -109,6 +109,46 @@ def test_prefix_cache_hits_equal_hf(tiny):
     assert engine.stats().prefix_cache_hits > 0
 
 
+def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_window(tmp_path):
+    """Mistral (every layer slides, window 24): a request holds only its window's blocks once past them, a
+    prompt repeating it still hits the freed (cached) blocks, and a prefill -> decode transfer ships only the
+    blocks the decode's window needs; every output equals HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny("mistral", tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = ModelConfig.from_dir(path)
+    ids = prompts_for(6, config.vocab_size)["p70"] * 3  # 210 tokens: 14 blocks, the window spans at most 3
+    expected = hf_greedy(hf, ids, NUM_TOKENS)
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    request = Request("a", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
+    engine.add_request(request)
+    most_held = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most_held = max(most_held, 64 - engine.num_free_blocks)
+    assert request.output_token_ids == expected and most_held <= 5  # (3 of the window, 2 of the next chunk)
+    assert run(engine, {"b": ids}) == {"b": expected} and engine.stats().prefix_cache_hits > 0
+
+    prefill = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8), export_kv=True)
+    decode = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    prefill.add_request(Request("c", ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    receiving = Request("c", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
+    decode.reserve(receiving)
+    assert receiving.kv_skip_blocks == (210 - 24 + 1) // 16 == 11 and decode.num_free_blocks == 64 - (14 - 11)
+    shipped, first = 0, None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            if out.kv is not None and out.kv.first_block_index + out.kv.data.shape[2] > receiving.kv_skip_blocks:
+                shipped += 1
+                decode.import_kv("c", out.kv)
+            first = out.new_token_ids[0] if out.new_token_ids else first
+    decode.finish_kv_import("c", first)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert [first] + receiving.output_token_ids[1:] == expected and shipped > 0
+
+
 def test_architecture_is_part_of_the_model_id(tmp_path):
     """Two checkpoints with the same weights but another architecture (here: Qwen2's config read as Llama's, which
     would drop the q/k/v biases) never share a model id, so their tiers never exchange KV."""
