@@ -97,6 +97,34 @@ def test_prompt_logprobs_equal_hf(tiny):
     assert [[t for t, _ in lp.top] for lp in request.prompt_logprobs] == top.indices.tolist(), name
 
 
+def test_bf16_is_as_close_to_fp32_as_hf_in_bf16(tiny):
+    """bf16 (weights, activations, KV): bf16 cannot be token-exact against any reference, so each prompt
+    position's log-probability is compared with HF in fp32 over the same bf16-rounded weights; the engine's mean
+    error must stay within twice that of HF's own bf16 run."""
+    from transformers import AutoModelForCausalLM
+
+    name, path, _ = tiny
+    config = ModelConfig.from_dir(path, dtype="bfloat16")
+    ids = prompts_for(5, config.vocab_size)["p70"]
+    request = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    targets = torch.tensor(ids[1:])[:, None]
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1).gather(1, targets)[:, 0]
+
+    hf_in_bf16 = logprobs(hf_bf16)
+    reference = logprobs(hf_bf16.float())  # (the same bf16-rounded weights, computed in fp32)
+    hf_error = (hf_in_bf16 - reference).abs().mean()
+    error = (torch.tensor([lp.logprob for lp in request.prompt_logprobs]) - reference).abs().mean()
+    assert error <= 2 * hf_error, (name, float(error), float(hf_error))
+
+
 def test_prefix_cache_hits_equal_hf(tiny):
     name, path, hf = tiny
     config = ModelConfig.from_dir(path)

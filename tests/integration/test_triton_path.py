@@ -142,3 +142,13 @@ def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_pa
                     "--outlier-threshold", "1.0", "--model", str(cut_model_dir), "--out", str(tmp_path / "llmint8")],
                    check=True, timeout=300)  # fmt: skip
     compare_paths(cut_model_dir, tmp_path / "llmint8")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_triton_path_runs_sliding_windows_and_soft_capping(tmp_path, name):
+    """Gemma 2 (a windowed and a global layer, attention-logit soft-capping) and Mistral (every layer windowed, so
+    blocks before the window are freed mid-request) on the GPU code path: the 40-token prompt is past the 24-token
+    window of tests/tiny_models.py."""
+    from tests.tiny_models import save_tiny
+
+    compare_paths(save_tiny(name, tmp_path / name))

@@ -1,0 +1,140 @@
+"""Real-size check: checkpoints shaped like the models users bring (random weights that transformers writes, bf16,
+nothing downloaded), loaded by one engine as a decode tier loads them, then served through a local cluster.
+
+    python -m tandem.benchmarks.model_shapes --shapes llama-3.2-1b,qwen2.5-1.5b --json shapes.json
+
+Per shape it prints: the load time (ModelConfig + weights, in-process), the process's resident memory after
+loading (with the KV pool allocated), the KV pool --memory-utilization gives (blocks, tokens, GB), decode tokens/s of greedy requests at each
+--batch-sizes (prompts of --prompt-len tokens, --max-tokens each, the rate over the steps after every request has
+its first token), and the time to first token and tokens of one prompt served through a cluster (gateway,
+prefill, decode, Redis; --cluster-memory-utilization per tier). The checkpoint is written once under
+~/.cache/tandem/shapes/<shape> with the default model's tokenizer (ids past its vocabulary detokenize to "").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.shared.model_files import cache_dir, default_model_dir
+
+# the published configs' shapes (config.json of meta-llama/Llama-3.2-1B and Qwen/Qwen2.5-1.5B)
+SHAPES = {
+    "llama-3.2-1b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192})),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+
+
+def write_checkpoint(shape: str) -> Path:
+    """The shape's random bf16 checkpoint (made once), with the default model's tokenizer files."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    out = cache_dir() / "shapes" / shape
+    if (out / "config.json").exists():
+        return out
+    class_name, args = SHAPES[shape]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(getattr(transformers, class_name)(**args), dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir() / file).exists():
+            shutil.copy(default_model_dir() / file, tmp / file)
+    tmp.rename(out)
+    return out
+
+
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS of /proc/self/status, Linux), GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int], prompt_len: int,
+                   max_tokens: int) -> dict:
+    from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
+    from tandem.shared.engine import LLMEngine
+    from tandem.shared.request import Request, SamplingParams
+
+    start = time.perf_counter()
+    config = ModelConfig.from_dir(path, dtype="bfloat16")
+    engine = LLMEngine(config, CacheConfig(16, None, "bfloat16", memory_utilization), SchedulerConfig(512, 64))
+    load_s = time.perf_counter() - start
+    cache = engine.cache_config
+    result = {"model_id": config.model_id, "load_s": round(load_s, 1), "rss_after_load_gb": round(resident_gb(), 2),
+              "kv_blocks": cache.num_blocks, "kv_tokens": cache.num_blocks * cache.block_size,
+              "kv_pool_gb": round(cache.num_blocks * cache.block_bytes(config) / 1e9, 2), "decode_tok_s": {}}
+    g = torch.Generator().manual_seed(0)
+    for batch in batch_sizes:
+        requests = [Request(f"b{batch}-{i}", torch.randint(100, 40000, (prompt_len,), generator=g).tolist(),
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                    for i in range(batch)]  # fmt: skip
+        for r in requests:
+            engine.add_request(r)
+        while any(not r.output_token_ids for r in requests):
+            engine.step()
+        start, before = time.perf_counter(), sum(len(r.output_token_ids) for r in requests)
+        while engine.has_unfinished_requests():
+            engine.step()
+        tokens = sum(len(r.output_token_ids) for r in requests) - before
+        result["decode_tok_s"][batch] = round(tokens / (time.perf_counter() - start), 2)
+    return result
+
+
+def serve_one(path: Path, memory_utilization: float, threads: int) -> dict:
+    from tandem.services.client import generate, make_request
+    from tandem.services.launcher import LocalCluster
+
+    args = ["--dtype", "bfloat16", "--kv-dtype", "bfloat16", "--memory-utilization", str(memory_utilization),
+            "--threads", str(threads)]
+    start = time.perf_counter()
+    with LocalCluster(str(path), prefill_args=args, decode_args=args,
+                      gateway_args=["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
+        up_s = time.perf_counter() - start
+        out = generate(cluster.gateway_address, make_request("The history of the printing press " * 20, raw=True,
+                                                             max_tokens=16, temperature=0.0), timeout=600)
+    return {"cluster_up_s": round(up_s, 1), "ttft_ms": round(out.ttft_ms, 1), "tokens": len(out.token_ids)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama-3.2-1b,qwen2.5-1.5b", help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--memory-utilization", type=float, default=0.3)
+    parser.add_argument("--cluster-memory-utilization", type=float, default=0.1)
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-cluster", action="store_true", help="skip the cluster run")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = {}
+    for shape in args.shapes.split(","):
+        path = write_checkpoint(shape)
+        results[shape] = measure_engine(path, args.memory_utilization, [int(b) for b in args.batch_sizes.split(",")],
+                                        args.prompt_len, args.max_tokens)  # fmt: skip
+        if not args.no_cluster:
+            results[shape] |= serve_one(path, args.cluster_memory_utilization, args.threads)
+        print(shape, json.dumps(results[shape]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
