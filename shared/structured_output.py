@@ -114,6 +114,23 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, raw_logits: torch
         logits[empty] = raw_logits[empty].masked_fill(refused[empty], float("-inf"))
 
 
+def grammar_eos_ids(model_dir: str | Path, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens that end a grammar's text: the model's EOS ids, or, for a checkpoint whose config.json and
+    generation_config.json name none, the tokenizer's eos_token (tokenizer_config.json, its id from tokenizer.json);
+    () when neither has one."""
+    if eos_token_ids:
+        return eos_token_ids
+    import json
+
+    model_dir = Path(model_dir)
+    eos = json.loads((model_dir / "tokenizer_config.json").read_text()).get("eos_token") \
+        if (model_dir / "tokenizer_config.json").exists() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])} | tokenizer["model"].get("vocab", {})
+    return (ids[eos],) if eos in ids else ()
+
+
 class StructuredOutputManager:
     """An engine's grammars: the llguidance tokenizer of the model (built from its tokenizer.json on the first
     constrained request, about a second), a matcher per constrained request, and each step's bitmasks.
@@ -122,7 +139,8 @@ class StructuredOutputManager:
     releases the GIL while it compiles, so a large grammar does not stall the batch); the rest is the engine's."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, eos_token_ids
+        self.model_dir, self.vocab_size = model_dir, vocab_size
+        self.eos_token_ids = eos_token_ids  # (grammar_eos_ids of them once the tokenizer is built)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
 
@@ -130,6 +148,10 @@ class StructuredOutputManager:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._tokenizer is None:
+                self.eos_token_ids = grammar_eos_ids(self.model_dir, self.eos_token_ids)
+                if not self.eos_token_ids:
+                    raise InvalidRequestError("structured_output needs an end-of-sequence token, and this model names "
+                                              "none (config.json, generation_config.json, tokenizer_config.json)")
                 text = (Path(self.model_dir) / "tokenizer.json").read_text()
                 self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                          eos_token=list(self.eos_token_ids))  # fmt: skip

@@ -146,9 +146,12 @@ def hf_constrained(hf_model, model_config, ids: list[int], grammar: str, max_new
     import llguidance
     import torch
 
+    from tandem.shared.structured_output import grammar_eos_ids
+
     vocab = model_config.vocab_size
+    eos = grammar_eos_ids(model_config.path, model_config.eos_token_ids)
     tokenizer = llguidance.LLTokenizer((Path(model_config.path) / "tokenizer.json").read_text(), n_vocab=vocab,
-                                       eos_token=list(model_config.eos_token_ids))  # fmt: skip
+                                       eos_token=list(eos))  # fmt: skip
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     consumed = []
 

@@ -227,20 +227,28 @@ def test_sliding_windows_are_read_per_layer(tmp_path, name, windows):
 def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, model_dir, tokenizer, tmp_path):
     from tandem.services.client import generate, make_request
     from tandem.services.launcher import LocalCluster
+    from tandem.shared.request import StructuredOutputParams
+    from tandem.shared.structured_output import grammar_for
+    from tandem.v1 import common_pb2
+    from tests.integration.helpers import hf_constrained
     from transformers import AutoModelForCausalLM
 
     path = save_tiny(name, tmp_path / name, tokenizer_from=model_dir)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     texts = ["one two three four, " * 6 + "one two", LONG_TEXT[:300], LONG_TEXT[:300] + " And then,"]
+    date = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"  # (and a structured-output request: its first token on the prefill)
+    constrained = make_request(LONG_TEXT[:200] + " The date:", raw=True, max_tokens=NUM_TOKENS, temperature=0.0)
+    constrained.sampling_params.structured_output.CopyFrom(common_pb2.StructuredOutput(regex=date))
     engine = ["--num-blocks", "256", "--threads", "1"]
     # (early exit after 1 of the 2 layers: drafts in every step; random weights seldom repeat, so n-gram drafts
-    # would seldom come)
+    # would seldom come; n-gram speculation is checked in one engine above)
     spec = ["--speculative-method", "early-exit", "--draft-num-layers", "1", "--num-speculative-tokens", "4",
             "--no-speculative-adaptive"]
     with LocalCluster(str(path), prefill_args=engine + ["--max-num-batched-tokens", "32"], decode_args=engine + spec,
                       gateway_args=["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
         outs = [generate(cluster.gateway_address, make_request(text, raw=True, max_tokens=NUM_TOKENS,
                                                                 temperature=0.0), timeout=300) for text in texts]
+        structured = generate(cluster.gateway_address, constrained, timeout=300)
     for text, out in zip(texts, outs):
         ids = tokenizer(text, add_special_tokens=False).input_ids
         with torch.inference_mode():  # (HF stops at an EOS, as the engine does)
@@ -248,6 +256,10 @@ def test_through_a_cluster_with_kv_transfer_prefix_hits_and_speculation(name, mo
         assert out.token_ids == expected.tolist(), (name, text[:40])
     assert outs[2].cached_tokens >= 48, "the third prompt extends the second: its 3 leading blocks are cached"
     assert sum(o.num_draft_tokens for o in outs) > 0
+    ids = tokenizer(LONG_TEXT[:200] + " The date:", add_special_tokens=False).input_ids
+    grammar = grammar_for(StructuredOutputParams(regex=date))
+    assert structured.token_ids == hf_constrained(hf, ModelConfig.from_dir(path), ids, grammar, NUM_TOKENS), name
+    assert re.fullmatch(date, structured.text), structured.text
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
