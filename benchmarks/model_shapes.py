@@ -6,7 +6,9 @@ nothing downloaded), loaded by one engine as a decode tier loads them, then serv
 Per shape it prints: the load time (ModelConfig + weights, in-process), the process's resident memory after
 loading (with the KV pool allocated), the KV pool --memory-utilization gives (blocks, tokens, GB), decode tokens/s of greedy requests at each
 --batch-sizes (prompts of --prompt-len tokens, --max-tokens each, the rate over the steps after every request has
-its first token), and the time to first token and tokens of one prompt served through a cluster (gateway,
+its first token; the baseline: HF transformers' generate on the same checkpoint in bf16, batch 1, its decode
+tokens/s from the time of --max-tokens + 1 tokens less that of 1), and the time to first token and tokens of one
+prompt served through a cluster (gateway,
 prefill, decode, Redis; --cluster-memory-utilization per tier). The checkpoint is written once under
 ~/.cache/tandem/shapes/<shape> with the default model's tokenizer (ids past its vocabulary detokenize to "").
 """
@@ -96,15 +98,32 @@ def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int]
     return result
 
 
+def hf_decode_tok_s(path: Path, prompt_len: int, max_tokens: int) -> float:
+    """HF transformers' greedy decode tokens/s at batch 1 on the checkpoint in bf16 (the baseline)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(100, 40000, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    seconds(1)  # (warm-up)
+    return round(max_tokens / (seconds(max_tokens + 1) - seconds(1)), 2)
+
+
 def serve_one(path: Path, memory_utilization: float, threads: int) -> dict:
     from tandem.services.client import generate, make_request
     from tandem.services.launcher import LocalCluster
 
-    args = ["--dtype", "bfloat16", "--kv-dtype", "bfloat16", "--memory-utilization", str(memory_utilization),
-            "--threads", str(threads)]
+    dtypes = ["--dtype", "bfloat16", "--kv-dtype", "bfloat16"]  # (the gateway's too: the model id names them)
+    args = dtypes + ["--memory-utilization", str(memory_utilization), "--threads", str(threads)]
     start = time.perf_counter()
     with LocalCluster(str(path), prefill_args=args, decode_args=args,
-                      gateway_args=["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
+                      gateway_args=dtypes + ["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
         up_s = time.perf_counter() - start
         out = generate(cluster.gateway_address, make_request("The history of the printing press " * 20, raw=True,
                                                              max_tokens=16, temperature=0.0), timeout=600)
@@ -129,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         path = write_checkpoint(shape)
         results[shape] = measure_engine(path, args.memory_utilization, [int(b) for b in args.batch_sizes.split(",")],
                                         args.prompt_len, args.max_tokens)  # fmt: skip
+        results[shape]["hf_decode_tok_s_batch1"] = hf_decode_tok_s(path, args.prompt_len, args.max_tokens)
         if not args.no_cluster:
             results[shape] |= serve_one(path, args.cluster_memory_utilization, args.threads)
         print(shape, json.dumps(results[shape]), flush=True)

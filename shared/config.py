@@ -291,7 +291,8 @@ class EngineArgs:
     the defaults the README and the protos document equal these.
     """
 
-    model: str | None = _setting(None, "HF Llama-family safetensors dir (default: the converted SmolLM2)", str,
+    model: str | None = _setting(None, "HF safetensors dir of a served architecture (default: the converted "
+                                       "SmolLM2)", str,
                                  group="model")
     quantization: str | None = _setting(
         None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
