@@ -4,8 +4,8 @@ nothing downloaded), loaded by one engine as a decode tier loads them, then serv
     python -m tandem.benchmarks.model_shapes --shapes llama-3.2-1b,qwen2.5-1.5b --json shapes.json
 
 Per shape it prints: the load time (ModelConfig + weights, in-process), the process's resident memory after
-loading (with the KV pool allocated), the KV pool --memory-utilization gives (blocks, tokens, GB), decode tokens/s of greedy requests at each
---batch-sizes (prompts of --prompt-len tokens, --max-tokens each, the rate over the steps after every request has
+loading (with the KV pool allocated), the KV pool --memory-utilization gives (blocks, tokens, GB), decode tokens/s
+of greedy requests at each --batch-sizes (prompts of --prompt-len tokens, --max-tokens each, the rate over the steps after every request has
 its first token; the baseline: HF transformers' generate on the same checkpoint in bf16, batch 1, its decode
 tokens/s from the time of --max-tokens + 1 tokens less that of 1), and the time to first token and tokens of one
 prompt served through a cluster (gateway,

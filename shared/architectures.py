@@ -4,13 +4,13 @@ name into shared/model.py's layers). Where config.json leaves a field out, the f
 
 | model_type | family | what differs from Llama |
 |---|---|---|
-| llama | Llama 2, Llama 3.x, SmolLM | rope scaling (`llama3`, `linear`, `yarn`: shared/rope.py); optional bias on q/k/v/o |
+| llama | Llama 2, Llama 3.x, SmolLM | rope scaling (`llama3`, `linear`, `yarn`: shared/rope.py); q/k/v/o bias |
 | mistral | Mistral | a sliding window on every layer |
-| qwen2 | Qwen2, Qwen2.5 | bias on q/k/v; with use_sliding_window, a window on the layers from max_window_layers on |
+| qwen2 | Qwen2, Qwen2.5 | bias on q/k/v; with use_sliding_window, windows from layer max_window_layers on |
 | qwen3 | Qwen3 | RMSNorm over each query and key head before RoPE; head_dim set apart from hidden/heads |
 | phi3 | Phi-3 | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj` (split on load); optional window |
 | gemma2 | Gemma 2 | see below; windows on alternate layers; attention-logit and final-logit soft-capping |
-| gemma3_text | Gemma 3 (text) | see below; q/k norms; five windowed layers to one global; a second RoPE for windowed layers |
+| gemma3_text | Gemma 3 (text) | see below; q/k norms; five windowed layers to one global; a RoPE of their own |
 
 Gemma (gemma_norms): RMSNorm scales by (1 + weight), computed in fp32 before the cast; embeddings are multiplied by
 sqrt(hidden_size); each layer norms the attention output, and the MLP input and output (four norms a layer); the

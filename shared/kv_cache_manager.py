@@ -23,7 +23,7 @@ the scheduler only: the decode tier's reserve (KV that comes over the wire) coun
 Sliding windows (Mistral: every layer attends to its last `sliding_window` positions only): once a request's next
 query position is past a block by more than the window, no layer reads that block again. free_out_of_window_blocks
 then returns it to the pool (cached ones keep their hash, so a later prompt with the same prefix can still hit them
-until evicted) and marks its table entry NO_BLOCK; the attention kernels read no entry before the window. A model
+until evicted) and sets its table entry to None; the attention kernels read no entry before the window. A model
 with some full-attention layers (Gemma's alternation) needs every block and frees none early.
 """
 from __future__ import annotations
@@ -35,9 +35,6 @@ from tandem.shared.block_hash import BlockHash, HashContract, hash_request_block
 from tandem.shared.kv_events import BlockRemoved, BlockStored
 from tandem.shared.request import Request
 from tandem.shared.utils import cdiv
-
-
-NO_BLOCK = -1  # a block-table entry whose block was freed: wholly before the request's sliding window
 
 
 @dataclass(slots=True)
@@ -195,10 +192,10 @@ class KVCacheManager:
             raise ValueError(f"hash contract block size {hash_contract.block_size} != pool block size {block_size}")
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.num_freed_blocks: dict[str, int] = {}  # leading blocks of a request freed (NO_BLOCK), by window
+        self.num_freed_blocks: dict[str, int] = {}  # leading blocks of a request freed (None), by window
         self.hash_contract = hash_contract  # None: prefix caching off
         self.block_pool = BlockPool(num_blocks, record_events)
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int | None]] = {}  # None: freed, before the request's sliding window
         self.block_hashes: dict[str, list[BlockHash]] = {}  # full blocks' hashes per request, grown as it runs
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already published
         self.num_queries = self.num_hits = 0  # prompt tokens looked up / found, for the hit rate
@@ -251,7 +248,7 @@ class KVCacheManager:
 
     def free_out_of_window_blocks(self, request: Request, position: int | None = None) -> None:
         """Free the leading blocks wholly before the window of the request's next query position (default: its
-        num_computed_tokens), after cache_full_blocks published them; their entries become NO_BLOCK. A block
+        num_computed_tokens), after cache_full_blocks published them; their entries become None. A block
         never filled (a decode's reserve) is freed uncached. No-op without a window."""
         block_table = self.block_tables.get(request.request_id)
         position = request.num_computed_tokens if position is None else position
@@ -260,7 +257,7 @@ class KVCacheManager:
         if end <= start:
             return
         self.block_pool.free(block_table[start:end][::-1])  # (newest first: the earliest is evicted last)
-        block_table[start:end] = [NO_BLOCK] * (end - start)
+        block_table[start:end] = [None] * (end - start)
         self.num_freed_blocks[request.request_id] = end
 
     def continuation_key(self, request: Request, i: int) -> tuple:
@@ -364,7 +361,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         for i, block_hash in enumerate(self._hashes(request, num_full)[start:], start):
-            if block_table[i] != NO_BLOCK:  # (a decode never received the blocks before its window)
+            if block_table[i] is not None:  # (a decode never received the blocks before its window)
                 self.block_pool.cache_block(block_table[i], block_hash, self._block_tokens(request, i),
                                             self.continuation_key(request, i))
         self.num_cached_blocks[rid] = num_full
@@ -395,7 +392,7 @@ class KVCacheManager:
         if partial and self.block_pool.blocks[partial[0]].ref_cnt == 0:  # (a partial block is private)
             self.block_pool.keep_partial(*partial)
 
-    def get_block_table(self, request_id: str) -> list[int]:
+    def get_block_table(self, request_id: str) -> list[int | None]:
         return self.block_tables[request_id]
 
     def cached_block_hashes(self) -> list[BlockHash]:

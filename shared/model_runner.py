@@ -165,8 +165,8 @@ def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled
     return processed
 
 
-def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int], int]], block_size: int,
-              device: torch.device, num_layers: int | None = None) -> torch.Tensor:
+def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int | None], int]],
+              block_size: int, device: torch.device, num_layers: int | None = None) -> torch.Tensor:
     """One forward of model over a batch of sequences, writing their KV into kv_caches (the pool, paged by
     block_size). seqs: per sequence (token_ids, start, block_table, num_logits): the tokens computed from
     position start, whose slots come from block_table, and how many of the last ones want logits. num_layers:
@@ -180,7 +180,8 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
         slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         query_start_loc.append(query_start_loc[-1] + n)
         context_lens.append(start + n)
-        tables.append(block_table)
+        tables.append(block_table if not block_table or block_table[0] is not None else
+                      [0 if b is None else b for b in block_table])  # (freed entries: never read, as padding)
         logits_indices.extend(range(query_start_loc[-1] - num_logits, query_start_loc[-1]))
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(

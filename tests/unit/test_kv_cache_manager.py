@@ -45,7 +45,6 @@ def test_allocate_slots_fails_cleanly_when_full_and_free_returns_everything():
 
 def test_blocks_wholly_before_the_sliding_window_are_freed_once_and_stay_cached():
     from tandem.shared.block_hash import HashContract
-    from tandem.shared.kv_cache_manager import NO_BLOCK
 
     kv = KVCacheManager(num_blocks=8, block_size=4, hash_contract=HashContract(4, "m", "float32"), sliding_window=6)
     req = make_request(num_prompt_tokens=13)
@@ -55,7 +54,7 @@ def test_blocks_wholly_before_the_sliding_window_are_freed_once_and_stay_cached(
     # the next query (position 13) sees positions 8..13: blocks 0 and 1 (positions 0..7) are never read again
     assert kv.num_blocks_before_window(13) == 2 and kv.num_blocks_before_window(5) == 0
     kv.free_out_of_window_blocks(req)
-    assert kv.get_block_table("r0") == [NO_BLOCK, NO_BLOCK, 2, 3] and kv.num_free_blocks == 6
+    assert kv.get_block_table("r0") == [None, None, 2, 3] and kv.num_free_blocks == 6
     kv.free_out_of_window_blocks(req)  # (again: nothing more to free)
     assert kv.num_free_blocks == 6
     kv.free(req)  # frees the rest, not the freed two again
