@@ -126,7 +126,9 @@ def sliding_window(cfg: dict) -> tuple[int | None, tuple[str, ...]]:
                          f"{list(LAYER_TYPES)} per layer")
     if "sliding_attention" not in layer_types:
         return None, ()
-    return int(window), tuple(layer_types)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    return window, tuple(layer_types)
 
 
 def architecture_features(cfg: dict) -> dict:
@@ -154,6 +156,10 @@ def architecture_features(cfg: dict) -> dict:
         features["rope_local"] = _as_items(rope_parameters(cfg, local))
     else:
         features["rope"] = _as_items(rope_parameters(cfg))
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        value = features[name]
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive number or null, got {value!r}")
     features["sliding_window"], features["layer_types"] = sliding_window(cfg)
     features["max_model_len"] = cfg.get("max_position_embeddings", 2048)
     return features

@@ -201,6 +201,9 @@ def test_architecture_is_part_of_the_model_id(tmp_path):
     ({"eos_token_id": 32000}, "eos_token_id [32000] (config.json, generation_config.json) is outside the vocabulary"),
     ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 2}, "layer_types ['chunked_attention']"),
     ({"sliding_window": 8, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer, got 0"),
+    ({"model_type": "gemma2", "attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
 ])  # fmt: skip
 def test_what_the_engine_does_not_do_is_refused_by_name(tmp_path, change, words):
     path = save_tiny("llama3", tmp_path / "m")
