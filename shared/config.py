@@ -78,6 +78,10 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer, "full_attention" or "sliding_attention"; () all full
     rope: tuple[tuple[str, object], ...] = ()  # rope_parameters' items (shared/rope.py); () is default RoPE
     rope_local: tuple[tuple[str, object], ...] = ()  # the sliding layers' own RoPE (Gemma 3); () the same as rope
+    # sampling defaults of generation_config.json (GENERATION_DEFAULTS' names as SamplingParams calls them), for
+    # the fields a request leaves unset (the gateway applies them; vLLM's --generation-config auto); not part of
+    # the model id: they change no KV
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def rope_parameters(self) -> dict:
@@ -129,8 +133,8 @@ class ModelConfig:
         rope = dict(features["rope"])
         eos = set(_as_list(cfg.get("eos_token_id")))
         gen_path = path / "generation_config.json"
-        if gen_path.exists():
-            eos |= set(_as_list(json.loads(gen_path.read_text()).get("eos_token_id")))
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        eos |= set(_as_list(generation.get("eos_token_id")))
         heads = cfg["num_attention_heads"]
         outside = sorted(t for t in eos if not 0 <= t < cfg["vocab_size"])
         if outside:
@@ -164,8 +168,19 @@ class ModelConfig:
         weight_format = detect_quant_config(quantization).weight_format
         if check_dtype(dtype) != "float32":  # fp32 weights keep the format's bare name
             weight_format = _SHORT_DTYPE[dtype] if quantization is None else f"{weight_format}-{_SHORT_DTYPE[dtype]}"
+        defaults = tuple((name, generation[key]) for key, name in GENERATION_DEFAULTS.items()
+                         if generation.get(key) is not None)  # fmt: skip
+        for name, value in defaults:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"generation_config.json: {name} must be a number, got {value!r}")
         return cls(path=str(path), name=weights.stem if weights.suffix == ".gguf" else weights.name, digest=digest,
-                   weight_format=weight_format, quantization=quantization, dtype=dtype, **arch)
+                   weight_format=weight_format, quantization=quantization, dtype=dtype, generation_defaults=defaults,
+                   **arch)
+
+
+# generation_config.json's sampling fields -> the SamplingParams fields they default (vLLM reads the same ones)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def _as_list(value) -> list[int]:

@@ -78,6 +78,15 @@ def tokenize_request(tokenizer, request: gateway_pb2.GenerateRequest, max_model_
     return tokenizer(request.prompt, add_special_tokens=False).input_ids
 
 
+def _merged(p: common_pb2.SamplingParams, values: dict) -> common_pb2.SamplingParams:
+    """A copy of p with values set (fields p leaves unset)."""
+    merged = common_pb2.SamplingParams()
+    merged.CopyFrom(p)
+    for name, value in values.items():
+        setattr(merged, name, value)
+    return merged
+
+
 def _check_chars(num_chars: int, max_model_len: int) -> None:
     # Cheap bound before tokenizing: no real prompt needs more than 64 characters per token of context.
     limit = MAX_CHARS_PER_TOKEN * max_model_len
@@ -87,14 +96,20 @@ def _check_chars(num_chars: int, max_model_len: int) -> None:
 
 def check_sampling_params(p: common_pb2.SamplingParams, num_prompt_tokens: int, model_config: ModelConfig,
                           default_max_tokens: int) -> common_pb2.SamplingParams:
-    """Validate a request's prompt length and sampling parameters; return the parameters the tiers get, with
-    max_tokens resolved: defaulted to default_max_tokens and clamped to the context left after the prompt (the
-    one place the gateway decides it; min_tokens is checked against the max_tokens asked for). Runs once per
-    request (GatewayPipeline.validate). InvalidRequestError naming the field on bad input."""
+    """Validate a request's prompt length and sampling parameters; return the parameters the tiers get: the
+    checkpoint's generation_config.json sampling defaults (model_config.generation_defaults) in the fields the
+    request left unset (not for beam search, which is greedy), and max_tokens resolved: defaulted to
+    default_max_tokens and clamped to the context left after the prompt (the one place the gateway decides it;
+    min_tokens is checked against the max_tokens asked for). Runs once per request (GatewayPipeline.validate).
+    InvalidRequestError naming the field on bad input."""
     if p.beam_width > 1:
         check_beam_params(p)
-    elif not 1 <= (n := p.n if p.HasField("n") else 1) <= MAX_N:
-        raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
+    else:
+        if not 1 <= (n := p.n if p.HasField("n") else 1) <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
+        unset = {name: value for name, value in model_config.generation_defaults if not p.HasField(name)}
+        if unset:
+            p = _merged(p, unset)
     max_len = model_config.max_model_len
     if num_prompt_tokens >= max_len:
         raise InvalidRequestError(f"prompt has {num_prompt_tokens} tokens; the model's context is {max_len} tokens")

@@ -177,6 +177,32 @@ def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_wind
     assert [first] + receiving.output_token_ids[1:] == expected and shipped > 0
 
 
+def test_generation_config_sampling_defaults_fill_what_a_request_leaves_unset(tmp_path):
+    """generation_config.json's temperature, top_p, top_k, repetition_penalty and max_new_tokens become the
+    defaults of a request's unset fields at the gateway (vLLM's --generation-config auto); set fields win, beam
+    search stays greedy, and the model id does not change (no KV does)."""
+    from tandem.services.gateway.validation import check_sampling_params
+    from tandem.v1 import common_pb2
+
+    path = save_tiny("qwen3", tmp_path / "m")
+    before = ModelConfig.from_dir(path).model_id
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1,
+                  "max_new_tokens": 40}
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    config = ModelConfig.from_dir(path)
+    assert config.model_id == before
+    plain = check_sampling_params(common_pb2.SamplingParams(), 10, config, default_max_tokens=16)
+    got = (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty, plain.max_tokens)
+    assert got == pytest.approx((0.6, 0.95, 20, 1.1, 40))  # (float fields are fp32 in the proto)
+    own = check_sampling_params(common_pb2.SamplingParams(temperature=0.0, max_tokens=5), 10, config, 16)
+    assert (own.temperature, own.max_tokens, own.top_k) == (0.0, 5, 20)
+    beam = check_sampling_params(common_pb2.SamplingParams(beam_width=2, max_tokens=4), 10, config, 16)
+    assert not beam.HasField("temperature") and not beam.HasField("top_k")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be a number"):
+        ModelConfig.from_dir(path)
+
+
 def test_architecture_is_part_of_the_model_id(tmp_path):
     """Two checkpoints with the same weights but another architecture (here: Qwen2's config read as Llama's, which
     would drop the q/k/v biases) never share a model id, so their tiers never exchange KV."""
