@@ -177,6 +177,23 @@ def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_wind
     assert [first] + receiving.output_token_ids[1:] == expected and shipped > 0
 
 
+@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+def test_a_sharded_bf16_checkpoint_equals_hf(tmp_path, name):
+    """The form most checkpoints come in: bf16 weights in several safetensors shards with an index (Phi-3's fused
+    projections and Gemma's norms among them), served in fp32 against HF fp32 on the same file."""
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(save_tiny(name, tmp_path / "fp32"), dtype=torch.bfloat16)
+    bf16.save_pretrained(tmp_path / "bf16", max_shard_size="300KB")
+    path = tmp_path / "bf16"
+    assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").exists()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = ModelConfig.from_dir(path)
+    prompts = prompts_for(7, config.vocab_size)
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    assert run(engine, prompts) == {k: hf_greedy(hf, ids, NUM_TOKENS) for k, ids in prompts.items()}
+
+
 def test_generation_config_sampling_defaults_fill_what_a_request_leaves_unset(tmp_path):
     """generation_config.json's temperature, top_p, top_k, repetition_penalty and max_new_tokens become the
     defaults of a request's unset fields at the gateway (vLLM's --generation-config auto); set fields win, beam
