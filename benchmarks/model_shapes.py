@@ -7,7 +7,8 @@ Per shape it prints: the load time (ModelConfig + weights, in-process), the proc
 loading (with the KV pool allocated), the KV pool --memory-utilization gives (blocks, tokens, GB), decode tokens/s
 of greedy requests at each --batch-sizes (prompts of --prompt-len tokens, --max-tokens each, the rate over the steps after every request has
 its first token; the baseline: HF transformers' generate on the same checkpoint in bf16, batch 1, its decode
-tokens/s from the time of --max-tokens + 1 tokens less that of 1), and the time to first token and tokens of one
+tokens/s from the time of --max-tokens + 1 tokens less that of 1; the floor: the measured copy bandwidth over the
+weight bytes, the tokens/s of a batch-1 decode that only reads every weight once), and the time to first token and tokens of one
 prompt served through a cluster (gateway,
 prefill, decode, Redis; --cluster-memory-utilization per tier). The checkpoint is written once under
 ~/.cache/tandem/shapes/<shape> with the default model's tokenizer (ids past its vocabulary detokenize to "").
@@ -78,7 +79,11 @@ def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int]
     engine = LLMEngine(config, CacheConfig(16, None, "bfloat16", memory_utilization), SchedulerConfig(512, 64))
     load_s = time.perf_counter() - start
     cache = engine.cache_config
+    # (tied embeddings once: a decode token reads the matrix as the LM head, and one row of it as its embedding)
+    tensors = {t.data_ptr(): t for t in engine.model_runner.model.state_dict().values()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     result = {"model_id": config.model_id, "load_s": round(load_s, 1), "rss_after_load_gb": round(resident_gb(), 2),
+              "weight_gb": round(weight_bytes / 1e9, 2),
               "kv_blocks": cache.num_blocks, "kv_tokens": cache.num_blocks * cache.block_size,
               "kv_pool_gb": round(cache.num_blocks * cache.block_bytes(config) / 1e9, 2), "decode_tok_s": {}}
     g = torch.Generator().manual_seed(0)
@@ -96,6 +101,20 @@ def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int]
         tokens = sum(len(r.output_token_ids) for r in requests) - before
         result["decode_tok_s"][batch] = round(tokens / (time.perf_counter() - start), 2)
     return result
+
+
+def memory_bandwidth_gb_s(threads: int, gigabytes: float = 1.0, repeats: int = 5) -> float:
+    """Measured copy bandwidth, GB/s (bytes read + written per second; STREAM's copy kernel, the best of
+    `repeats` copies of a `gigabytes` fp32 array, with torch on `threads` threads)."""
+    torch.set_num_threads(threads)
+    src = torch.ones(int(gigabytes * 1e9 / 4))
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return round(2 * src.numel() * 4 / best / 1e9, 1)
 
 
 def hf_decode_tok_s(path: Path, prompt_len: int, max_tokens: int) -> float:
@@ -149,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         results[shape] = measure_engine(path, args.memory_utilization, [int(b) for b in args.batch_sizes.split(",")],
                                         args.prompt_len, args.max_tokens)  # fmt: skip
         results[shape]["hf_decode_tok_s_batch1"] = hf_decode_tok_s(path, args.prompt_len, args.max_tokens)
+        # the batch-1 floor: every weight byte read once per token at the measured bandwidth
+        bandwidth = results[shape]["copy_bandwidth_gb_s"] = memory_bandwidth_gb_s(args.threads)
+        results[shape]["bandwidth_floor_tok_s"] = round(bandwidth / results[shape]["weight_gb"], 2)
         if not args.no_cluster:
             results[shape] |= serve_one(path, args.cluster_memory_utilization, args.threads)
         print(shape, json.dumps(results[shape]), flush=True)
