@@ -22,6 +22,8 @@ type other than full or sliding) is refused at start with the field named and th
 """
 from __future__ import annotations
 
+import math
+
 # shared/rope.py computes each. `dynamic` NTK scaling changes the frequencies with each batch's longest sequence, so
 # a request's tokens would depend on its neighbours: refused.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -52,6 +54,16 @@ def rope_parameters(cfg: dict, params: dict | None = None) -> dict:
     return params
 
 
+def positive_number(cfg: dict, name: str, default: float | None = None, integer: bool = False) -> float:
+    """cfg[name] (default when absent) when it is a finite number > 0 (an int with integer); ValueError naming the
+    field otherwise (null included)."""
+    value = cfg.get(name, default)
+    kinds = (int,) if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+    return value
+
+
 def _as_items(params: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in params.items() if v is not None))
 
@@ -76,7 +88,7 @@ def _qwen3(cfg: dict) -> dict:
 def _gemma2(cfg: dict) -> dict:
     return _llama(cfg) | {
         "gemma_norms": True, "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "query_pre_attn_scalar": positive_number(cfg, "query_pre_attn_scalar", 256),
         "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0),
         "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0)}
 
@@ -103,7 +115,8 @@ def _default_layer_types(cfg: dict, num_layers: int) -> list[str]:
     if model_type in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", 28)
         return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    pattern = {"gemma2": 2, "gemma3_text": cfg.get("sliding_window_pattern", 6)}.get(model_type)
+    pattern = {"gemma2": 2, "gemma3_text": positive_number(cfg, "sliding_window_pattern", 6, integer=True)}.get(
+        model_type)
     if pattern is not None:
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     return ["sliding_attention"] * num_layers  # (Mistral, Phi-3: the window is on every layer)
@@ -126,9 +139,7 @@ def sliding_window(cfg: dict) -> tuple[int | None, tuple[str, ...]]:
                          f"{list(LAYER_TYPES)} per layer")
     if "sliding_attention" not in layer_types:
         return None, ()
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
-    return window, tuple(layer_types)
+    return positive_number(cfg, "sliding_window", integer=True), tuple(layer_types)
 
 
 def architecture_features(cfg: dict) -> dict:
@@ -156,10 +167,20 @@ def architecture_features(cfg: dict) -> dict:
         features["rope_local"] = _as_items(rope_parameters(cfg, local))
     else:
         features["rope"] = _as_items(rope_parameters(cfg))
-    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        value = features[name]
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive number or null, got {value!r}")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):  # (null: no cap)
+        if features[name] is not None:
+            positive_number(features, name)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "max_position_embeddings"):
+        positive_number(cfg, name, 2048 if name == "max_position_embeddings" else None, integer=True)
+    for name in ("num_key_value_heads", "head_dim"):  # (null or absent: derived from the heads)
+        if cfg.get(name) is not None:
+            positive_number(cfg, name, integer=True)
+    if cfg.get("rms_norm_eps") is not None:
+        positive_number(cfg, "rms_norm_eps")
+    if cfg["num_attention_heads"] % (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]):
+        raise ValueError(f"num_attention_heads ({cfg['num_attention_heads']}) must be a multiple of "
+                         f"num_key_value_heads ({cfg['num_key_value_heads']})")
     features["sliding_window"], features["layer_types"] = sliding_window(cfg)
     features["max_model_len"] = cfg.get("max_position_embeddings", 2048)
     return features

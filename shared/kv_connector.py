@@ -63,7 +63,7 @@ class KVConnector:
         prefix; the request then waits for its KV (RequestStatus.WAITING_FOR_KV). Returns the prompt tokens
         already cached here (a multiple of block_size). request.kv_skip_blocks is set to the leading blocks whose
         KV need not come: those cached, and with a sliding window on every layer those wholly before the window
-        of the first decoded position (freed at once, KVCacheManager.free_out_of_window_blocks). Without room,
+        of the last prompt position (freed at once, KVCacheManager.free_out_of_window_blocks). Without room,
         running requests
         of lower priority are preempted (newest first) until it fits. NoCapacityError if the pool has no room now
         (nothing held; with room_soon when requests of lower priority still waiting for their KV hold blocks:
@@ -79,9 +79,11 @@ class KVConnector:
             self.scheduler.preempt(victim)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached
-        self.kv_cache_manager.free_out_of_window_blocks(request, request.num_prompt_tokens)
-        request.kv_skip_blocks = max(num_cached // self.block_size,
-                                     self.kv_cache_manager.num_blocks_before_window(request.num_prompt_tokens))
+        # (the window of the last prompt position: the first decoded one sees one more; this also keeps the prefill's
+        # rule that at least the block of the prompt's last token comes, whatever the window)
+        last = request.num_prompt_tokens - 1
+        self.kv_cache_manager.free_out_of_window_blocks(request, last)
+        request.kv_skip_blocks = max(num_cached // self.block_size, self.kv_cache_manager.num_blocks_before_window(last))
         num_blocks = len(self.kv_cache_manager.get_block_table(request.request_id))
         self._receiving[request.request_id] = (request, torch.zeros(num_blocks, self.num_layers, dtype=torch.bool))
         return num_cached

@@ -163,7 +163,7 @@ def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_wind
     prefill.add_request(Request("c", ids, SamplingParams(max_tokens=1, temperature=0.0)))
     receiving = Request("c", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
     decode.reserve(receiving)
-    assert receiving.kv_skip_blocks == (210 - 24 + 1) // 16 == 11 and decode.num_free_blocks == 64 - (14 - 11)
+    assert receiving.kv_skip_blocks == (209 - 24 + 1) // 16 == 11 and decode.num_free_blocks == 64 - (14 - 11)
     shipped, first = 0, None
     while prefill.has_unfinished_requests():
         for out in prefill.step():
@@ -175,6 +175,33 @@ def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_wind
     while decode.has_unfinished_requests():
         decode.step()
     assert [first] + receiving.output_token_ids[1:] == expected and shipped > 0
+
+
+def test_a_window_of_one_serves_through_the_p_d_transfer(tmp_path):
+    """A window of 1 (each position sees itself alone): a 32-token prompt, two whole blocks, still gets the block
+    of its last token from the prefill (the prefill's rule), and the decode's tokens equal the prefill's own."""
+    path = save_tiny("mistral", tmp_path / "m")
+    (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | {"sliding_window": 1}))
+    config = ModelConfig.from_dir(path)
+    ids = prompts_for(8, config.vocab_size)["p70"][:32]
+    alone = LLMEngine(config, CacheConfig(16, 8), SchedulerConfig(32, 8))
+    expected = run(alone, {"c": ids})["c"]
+    prefill = LLMEngine(config, CacheConfig(16, 8), SchedulerConfig(32, 8), export_kv=True)
+    decode = LLMEngine(config, CacheConfig(16, 8), SchedulerConfig(32, 8))
+    prefill.add_request(Request("c", ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    receiving = Request("c", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
+    decode.reserve(receiving)
+    assert receiving.kv_skip_blocks == 1  # (of 2: at most those before the prompt's last token)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            if out.kv is not None:
+                decode.import_kv("c", out.kv)
+            first = out.new_token_ids[0] if out.new_token_ids else first
+    decode.finish_kv_import("c", first)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert receiving.output_token_ids == expected and decode.num_free_blocks == 8
 
 
 @pytest.mark.parametrize("name", ["phi3", "gemma2"])
@@ -247,6 +274,13 @@ def test_architecture_is_part_of_the_model_id(tmp_path):
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer, got 0"),
     ({"model_type": "gemma2", "attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
     ({"model_type": "gemma2", "query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": None}, "query_pre_attn_scalar must be a positive number"),
+    ({"model_type": "gemma2", "final_logit_softcapping": float("inf")}, "final_logit_softcapping must be a positive"),
+    ({"model_type": "gemma3_text", "sliding_window_pattern": 0, "layer_types": None},
+     "sliding_window_pattern must be a positive integer, got 0"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number"),
+    ({"head_dim": -64}, "head_dim must be a positive integer"),
+    ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
 ])  # fmt: skip
 def test_what_the_engine_does_not_do_is_refused_by_name(tmp_path, change, words):
     path = save_tiny("llama3", tmp_path / "m")
