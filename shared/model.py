@@ -223,7 +223,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
-        state = _read_state(config, device)
+        state = _read_state(config, model, device)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
@@ -242,23 +242,12 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     return model
 
 
-def _read_state(config: ModelConfig, device="cpu") -> dict[str, torch.Tensor]:
+def _read_state(config: ModelConfig, model: nn.Module, device="cpu") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's names: a q/k/v stored as one qkv_proj and gate/up as one
+    gate_up_proj (Phi-3) split into the projections the model loads (which load_model fuses again)."""
+    from tandem.shared.quant.modules import quantizable_linears, split_fused_linears
+
     state = {name: tensor.to(device) for name, tensor in read_safetensors(config.path).items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return split_fused_projections(config, state)
-
-
-def split_fused_projections(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint that stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3, rows in that
-    order, as HF's Phi3Attention and Phi3MLP slice them) gets the per-projection names the model loads (which
-    load_model fuses again). state is changed in place and returned."""
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    for name in [n for n in state if n.endswith("self_attn.qkv_proj.weight")]:
-        prefix = name.removesuffix("qkv_proj.weight")
-        for part, tensor in zip(("q_proj", "k_proj", "v_proj"), state.pop(name).split([q, kv, kv])):
-            state[f"{prefix}{part}.weight"] = tensor
-    for name in [n for n in state if n.endswith("mlp.gate_up_proj.weight")]:
-        prefix = name.removesuffix("gate_up_proj.weight")
-        state[f"{prefix}gate_proj.weight"], state[f"{prefix}up_proj.weight"] = state.pop(name).chunk(2)
-    return state
+    return split_fused_linears(state, quantizable_linears(model))

@@ -2,13 +2,16 @@
 `save_pretrained`, no download), with the family's config features switched on: rope scaling, q/k/v bias, q/k
 norms with an explicit head_dim, sliding windows (24 tokens, shorter than the prompts) on every layer or on some,
 Gemma's soft-capping (caps low enough to bite), query_pre_attn_scalar and per-layer-type RoPE. Shared by the tests
-that serve them."""
+that serve them, with what they compare: greedy runs of the engine and of HF on random prompts."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import torch
+
+from tandem.shared.engine import LLMEngine
+from tandem.shared.request import Request, SamplingParams
 
 # 2 layers, 4 query heads over 2 KV heads of 64 (the head size the CPU kernels are built for), a vocabulary of 512
 SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -73,3 +76,31 @@ def save_tiny(name: str, out: Path, seed: int = 0, tokenizer_from: Path | None =
                 param.normal_(0.0, 0.5)
     model.save_pretrained(out)
     return out
+
+
+NUM_TOKENS = 24  # greedy tokens the tests compare
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """HF transformers' n greedy tokens after ids (EOS held back: random weights)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0)  # (random weights: EOS is held back, n tokens each)
+    return out[0, len(ids):].tolist()
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], n: int = NUM_TOKENS) -> dict[str, list[int]]:
+    """The engine's n greedy tokens per prompt, all in flight together."""
+    requests = [Request(name, ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
+                for name, ids in prompts.items()]  # fmt: skip (min_tokens: EOS held back, as HF's min_new_tokens)
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {r.request_id: r.output_token_ids for r in requests}
+
+
+def prompts_for(seed: int, vocab: int) -> dict[str, list[int]]:
+    """Random prompts of 5, 16, 37 and 70 tokens (ids from 3: 0-2 are special)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{length}": torch.randint(3, vocab, (length,), generator=g).tolist() for length in (5, 16, 37, 70)}

@@ -20,7 +20,8 @@ CALIBRATION_TEXT = DATA_DIR / "quant_calibration.txt"
 
 
 def load_hf_model(model_dir: str | Path) -> nn.Module:
-    """HF transformers causal LM in fp32, eval mode (module names as the engine's model).
+    """HF transformers causal LM in fp32, eval mode (module names as the engine's model: fused projections split,
+    split_fused_modules).
 
     Raises:
         ValueError: model_dir is a quantized checkpoint (transformers would skip the unknown "tandem" format and
@@ -40,7 +41,52 @@ def load_hf_model(model_dir: str | Path) -> nn.Module:
     bad = first_non_finite(model.state_dict())
     if bad is not None:  # quantizing it would silently zero the affected rows
         raise ValueError(f"{model_dir}: weight {bad} holds NaN or inf")
-    return model.eval()
+    return split_fused_modules(model).eval()
+
+
+class _ConcatOutputs:
+    """Stands in for a fused linear: the outputs of the owner's named linears, concatenated. Not an nn.Module, so
+    the parts stay the owner's own children (one name each) and a part swapped for a quantized layer is used."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner, self.names = owner, names
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([getattr(self.owner, name)(x) for name in self.names], dim=-1)
+
+
+def split_fused_modules(model: nn.Module) -> nn.Module:
+    """Give an HF model with fused projections (Phi-3: self_attn.qkv_proj, mlp.gate_up_proj) the per-projection
+    nn.Linear modules the engine's model has (q/k/v_proj, gate/up_proj: rows split as the engine splits the
+    checkpoint, shared/quant/modules.split_fused_linears); HF's own forward still runs, on their outputs
+    concatenated. So quantization, calibration and the reference see the same linears as the engine. Other
+    models are returned unchanged. ValueError for a fused linear with a bias (the engine's split has none)."""
+    from tandem.shared.quant.modules import FUSED_LINEARS, split_fused_linears
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # (as HF's Phi3)
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size}
+    for name, owner in list(model.named_modules()):
+        for fused, parts in FUSED_LINEARS.items():
+            kind, fused_name = fused.split(".")
+            linear = getattr(owner, fused_name, None)
+            if name.rpartition(".")[2] != kind or not isinstance(linear, nn.Linear):
+                continue
+            if linear.bias is not None:
+                raise ValueError(f"{name}.{fused_name} has a bias; fused projections with biases are not supported")
+            names = [part.split(".")[1] for part in parts]
+            modules = {f"model.layers.0.{part}": nn.Linear(linear.in_features, rows[n], bias=False,
+                                                            dtype=linear.weight.dtype)
+                       for part, n in zip(parts, names)}  # fmt: skip
+            split = split_fused_linears({f"model.layers.0.{fused}.weight": linear.weight.detach()}, modules)
+            delattr(owner, fused_name)
+            for (key, module), n in zip(modules.items(), names):
+                module.weight.data.copy_(split[f"{key}.weight"])
+                setattr(owner, n, module)
+            setattr(owner, fused_name, _ConcatOutputs(owner, tuple(names)))
+    return model
 
 
 def text_token_ids(model_dir: str | Path, path: Path) -> torch.Tensor:

@@ -42,9 +42,14 @@ def apply_quantization(model: nn.Module, source: str | Path) -> QuantConfig:
     Returns:
         the checkpoint's QuantConfig.
     Raises:
-        ValueError: unsupported or unquantized checkpoint, one that does not fit the model or is incomplete, or
-            one whose tensors disagree with its quantization_config.
+        ValueError: unsupported or unquantized checkpoint, one that does not fit the model (a GGUF of another
+            architecture or head layout) or is incomplete, or one whose tensors disagree with its
+            quantization_config.
     """
+    if Path(source).suffix == ".gguf" and hasattr(getattr(model, "config", None), "model_type"):
+        from tandem.shared.quant.gguf_loader import check_gguf_fits
+
+        check_gguf_fits(source, model.config)  # (a GGUF names its architecture; the model's comes from its config)
     state, config = load_quantized_state(source)
     apply_quantized_state(model, state)
     # A directory's quantization_config names its format (per linear for a mixed one), so its tensors must

@@ -11,7 +11,8 @@ HF GPTQ, "quant_method": "gptq" (AutoGPTQ / GPTQModel, 4 bits), per linear:
                                 zero - 1, "checkpoint_format": "gptq_v2" stores the zero itself
     scales  fp16  [K // G, N];  g_idx int32 [K] group of each input channel
 Both transpose to [N, K]. A g_idx other than k // G (act-order checkpoints) cannot be expressed in the
-canonical layout and is refused.
+canonical layout and is refused. Float tensors (norms, embeddings, Qwen2's q/k/v biases) pass through by name;
+Phi-3's fused qkv_proj / gate_up_proj keep their names here and are split into rows when applied.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from tandem.kernels.int4_format import INT4_GROUP_SIZES, pack_int4, padded_in_features
 from tandem.shared.quant.config import QuantConfig
-from tandem.shared.quant.modules import canonical_name
+from tandem.shared.quant.modules import canonical_fused_name, canonical_name
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -106,9 +107,10 @@ def _convert_all(state: dict[str, torch.Tensor], convert, quant_names: tuple[str
     prefixes = [key[: -len(".qweight")] for key in state if key.endswith(".qweight")]
     out = {}
     for prefix in prefixes:
-        canon = canonical_name(prefix)
+        canon = canonical_name(prefix) or canonical_fused_name(prefix)  # (fused: split by apply_quantized_state)
         if canon is None:
-            raise ValueError(f"quantized tensor {prefix!r} is not a Llama attention/MLP projection")
+            raise ValueError(f"quantized tensor {prefix!r} is not an attention/MLP projection (q/k/v/o_proj, "
+                             f"gate/up/down_proj, or Phi-3's fused qkv_proj, gate_up_proj)")
         out.update({f"{canon}.{name}": t for name, t in convert(prefix).items()})
     skip = {f"{p}.{name}" for p in prefixes for name in quant_names}
     out.update({key: t for key, t in state.items() if key not in skip})

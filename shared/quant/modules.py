@@ -6,7 +6,9 @@ the (tied) lm_head stay in float, except an lm_head a checkpoint quantizes (GGUF
 Quantized state dicts use the canonical names ``model.layers.{i}.<suffix>`` followed by ``.qweight`` /
 ``.scales`` / ``.zeros`` (``.outlier_idx`` / ``.outlier_weight`` for LLM.int8() layers); a linear a
 mixed-precision checkpoint keeps in float has ``.weight`` instead; a linear's bias is ``.bias`` (float), and
-every other key is a float tensor copied by name.
+every other key is a float tensor copied by name. Checkpoints that store a layer's q/k/v or gate/up as one
+linear (Phi-3's HF AWQ/GPTQ and GGUF files: ``self_attn.qkv_proj``, ``mlp.gate_up_proj``) use those names, and
+apply_quantized_state splits their rows into the model's projections.
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 QUANT_TENSOR_NAMES = ("qweight", "scales", "zeros", "outlier_idx", "outlier_weight")
 _LINEAR_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(s) for s in LINEAR_SUFFIXES) + r")$")
+# a fused linear -> the projections its rows hold, in order (as HF's Phi3Attention and Phi3MLP slice them)
+FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_FUSED_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(s) for s in FUSED_LINEARS) + r")$")
 
 QuantLinear = WeightOnlyInt8Linear | WeightOnlyInt4Linear
 
@@ -29,6 +35,45 @@ def canonical_name(module_name: str) -> str | None:
     """"model.model.layers.3.mlp.up_proj" -> "model.layers.3.mlp.up_proj"; None for a non-quantizable name."""
     match = _LINEAR_RE.search(module_name)
     return None if match is None else f"model.layers.{match.group(1)}.{match.group(2)}"
+
+
+def canonical_fused_name(name: str) -> str | None:
+    """"model.layers.3.self_attn.qkv_proj" -> the same, canonical; None unless name is a FUSED_LINEARS linear."""
+    match = _FUSED_RE.search(name)
+    return None if match is None else f"model.layers.{match.group(1)}.{match.group(2)}"
+
+
+def split_fused_linears(state: dict[str, torch.Tensor], linears: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """A state dict whose fused linears ("model.layers.{i}.self_attn.qkv_proj.<tensor>", "mlp.gate_up_proj")
+    become the model's own projections: each row-wise tensor (qweight, scales, zeros, bias, outlier_weight, a
+    float weight) split into the parts' out_features rows (q, k, v; gate, up), outlier_idx shared. Other keys pass
+    through; a state without fused names is returned as is.
+
+    Args:
+        linears: the model's quantizable linears (canonical name -> module), which give each part's row count.
+    Raises:
+        ValueError: the model lacks a part, or the fused rows are not the parts' rows together.
+    """
+    fused = {key: _FUSED_RE.search(key.rpartition(".")[0]) for key in state}
+    fused = {key: match for key, match in fused.items() if match is not None}
+    if not fused:
+        return state
+    out = {key: tensor for key, tensor in state.items() if key not in fused}
+    for key, match in fused.items():
+        kind = key.rpartition(".")[2]
+        parts = [f"model.layers.{match.group(1)}.{part}" for part in FUSED_LINEARS[match.group(2)]]
+        if any(part not in linears for part in parts):
+            raise ValueError(f"checkpoint tensor {key!r} is fused, but the model has no {parts[0]}")
+        sizes = [linears[part].out_features for part in parts]
+        tensor = state[key]
+        if kind == "outlier_idx":  # the input channels kept in float: one set for all parts
+            out.update({f"{part}.{kind}": tensor for part in parts})
+            continue
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"checkpoint tensor {key!r} has {tensor.shape[0]} rows; the model's "
+                             f"{[p.rpartition('.')[2] for p in parts]} have {sizes}")
+        out.update({f"{part}.{kind}": t.contiguous() for part, t in zip(parts, tensor.split(sizes))})
+    return out
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Module]:
@@ -84,7 +129,8 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
     Args:
         model: module tree with HF names; modified in place and returned.
         state: canonical state dict (see module docstring), as quantize_model or load_quantized_state return;
-            a linear with "<name>.weight" and no "<name>.qweight" stays nn.Linear (mixed precision).
+            a linear with "<name>.weight" and no "<name>.qweight" stays nn.Linear (mixed precision). Fused
+            linears (qkv_proj, gate_up_proj) are split into the model's projections (split_fused_linears).
             NOTE: it must be complete (every float tensor of the model but a tied lm_head), as every supported
             checkpoint format is; a partial one would leave randomly initialised weights behind.
     Raises:
@@ -92,11 +138,14 @@ def apply_quantized_state(model: nn.Module, state: dict[str, torch.Tensor]) -> n
             for, a shape mismatch, or a NaN/inf value.
     """
     linears = quantizable_linears(model)
+    state = split_fused_linears(state, linears)
     float_linears = {name for name in linears if f"{name}.qweight" not in state and f"{name}.weight" in state}
     missing = [name for name in linears if f"{name}.qweight" not in state and name not in float_linears]
     if missing:
         raise ValueError(f"quantized checkpoint lacks {len(missing)} linear layers, e.g. {missing[0]}")
-    missing = [key for key in float_tensor_names(model) if key not in state]
+    quantized_head = "lm_head.qweight" in state  # (then lm_head.weight is not needed)
+    missing = [key for key in float_tensor_names(model) if key not in state
+               and not (quantized_head and key == "lm_head.weight")]
     missing += [f"{name}.bias" for name, linear in linears.items()
                 if getattr(linear, "bias", None) is not None and f"{name}.bias" not in state]
     if missing:

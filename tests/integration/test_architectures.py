@@ -16,10 +16,7 @@ from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, Spec
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
 from tests.prompts import LONG_TEXT
-from tests.tiny_models import TINY_MODELS, WINDOW, save_tiny
-
-NUM_TOKENS = 24
-
+from tests.tiny_models import NUM_TOKENS, TINY_MODELS, WINDOW, hf_greedy, prompts_for, run, save_tiny
 
 @pytest.fixture(scope="module", params=sorted(TINY_MODELS))
 def tiny(request, tmp_path_factory):
@@ -28,28 +25,6 @@ def tiny(request, tmp_path_factory):
 
     path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
     return request.param, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0)  # (random weights: EOS is held back, n tokens each)
-    return out[0, len(ids):].tolist()
-
-
-def run(engine: LLMEngine, prompts: dict[str, list[int]], n: int = NUM_TOKENS) -> dict[str, list[int]]:
-    requests = [Request(name, ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
-                for name, ids in prompts.items()]  # fmt: skip (min_tokens: EOS held back, as HF's min_new_tokens)
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return {r.request_id: r.output_token_ids for r in requests}
-
-
-def prompts_for(seed: int, vocab: int) -> dict[str, list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"p{length}": torch.randint(3, vocab, (length,), generator=g).tolist() for length in (5, 16, 37, 70)}
 
 
 @pytest.mark.parametrize("chunk", [16, 48])
@@ -181,7 +156,8 @@ def test_a_window_of_one_serves_through_the_p_d_transfer(tmp_path):
     """A window of 1 (each position sees itself alone): a 32-token prompt, two whole blocks, still gets the block
     of its last token from the prefill (the prefill's rule), and the decode's tokens equal the prefill's own."""
     path = save_tiny("mistral", tmp_path / "m")
-    (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | {"sliding_window": 1}))
+    config = json.loads((path / "config.json").read_text()) | {"sliding_window": 1}
+    (path / "config.json").write_text(json.dumps(config))
     config = ModelConfig.from_dir(path)
     ids = prompts_for(8, config.vocab_size)["p70"][:32]
     alone = LLMEngine(config, CacheConfig(16, 8), SchedulerConfig(32, 8))

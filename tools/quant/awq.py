@@ -8,8 +8,10 @@ salient channels. s = mean|X|^alpha (normalised), with alpha searched on a grid 
 worse than RTN on the searched calibration tokens). 1 / s is folded into the op that produces X:
 
     q/k/v_proj   <- input_layernorm.weight            gate/up_proj <- post_attention_layernorm.weight
-    o_proj       <- v_proj rows (GQA: one scale per kv-head channel, shared by the query heads using it)
+    o_proj       <- v_proj rows and bias (GQA: one scale per kv-head channel, shared by the query heads using it)
     down_proj    <- up_proj rows
+
+(Gemma: gate/up read pre_feedforward_layernorm, and its norms scale by 1 + weight, so 1 + weight is divided.)
 
 Simplification: the loss is measured on the scaled linears' own outputs, not on the whole attention / MLP
 block as llm-awq does, and there is no weight-clipping search.
@@ -56,30 +58,46 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group
     return best_s
 
 
+def fold_into_norm(norm: torch.nn.Module, s: torch.Tensor, unit_offset: bool = False) -> None:
+    """Divide an RMSNorm's output channels by s [K] in place: its weight / s, or for Gemma's norms, which scale by
+    (1 + weight), weight -> (1 + weight) / s - 1."""
+    if unit_offset:
+        norm.weight.copy_((norm.weight.float() + 1.0).div_(s).sub_(1.0))
+    else:
+        norm.weight.div_(s)
+
+
 @torch.no_grad()
 def apply_layer_scales(layer: torch.nn.Module, x: dict[str, torch.Tensor], bits: int, group_size: int | None,
-                       head_dim: int, n_grid: int = 20) -> None:
-    """Search and fold the four AWQ scale groups of one Llama decoder layer (in place; float function kept).
+                       head_dim: int, n_grid: int = 20, unit_offset: bool = False) -> None:
+    """Search and fold the four AWQ scale groups of one Llama-family decoder layer (in place; float function
+    kept). The MLP's input norm is pre_feedforward_layernorm where the layer has one (Gemma, whose
+    post_attention_layernorm norms the attention output), else post_attention_layernorm; unit_offset: the norms
+    scale by (1 + weight) (Gemma). A v_proj bias (Qwen2) is divided with its rows.
 
     x: recorded inputs [T, K] of "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj".
     """
     lin = layer_linears(layer)
     q, k, v, o = (lin[f"self_attn.{p}_proj"] for p in "qkvo")
     gate, up, down = lin["mlp.gate_proj"], lin["mlp.up_proj"], lin["mlp.down_proj"]
+    mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
 
     s = search_scales(x["self_attn.q_proj"], [q.weight, k.weight, v.weight], bits, group_size, n_grid)
-    layer.input_layernorm.weight.div_(s)
+    fold_into_norm(layer.input_layernorm, s, unit_offset)
     for m in (q, k, v):
         m.weight.mul_(s)
 
     num_kv, num_q = v.out_features // head_dim, o.in_features // head_dim
     tie = (num_kv, num_q // num_kv, head_dim)  # HF repeat_kv: query head h reads kv head h // num_rep
     s = search_scales(x["self_attn.o_proj"], [o.weight], bits, group_size, n_grid, tie=tie)
-    v.weight.div_(s.view(num_kv, -1, head_dim)[:, 0].reshape(-1)[:, None])
+    s_v = s.view(num_kv, -1, head_dim)[:, 0].reshape(-1)  # [num_kv * head_dim]: v's output channels
+    v.weight.div_(s_v[:, None])
+    if v.bias is not None:
+        v.bias.div_(s_v)
     o.weight.mul_(s)
 
     s = search_scales(x["mlp.gate_proj"], [gate.weight, up.weight], bits, group_size, n_grid)
-    layer.post_attention_layernorm.weight.div_(s)
+    fold_into_norm(mlp_norm, s, unit_offset)
     gate.weight.mul_(s)
     up.weight.mul_(s)
 
@@ -110,6 +128,7 @@ def awq_quantize_model(model: torch.nn.Module, calib_token_ids, bits: int, group
         config.hidden_size // config.num_attention_heads if config is not None else None)
     if head_dim is None:
         raise ValueError("AWQ needs model.config (head_dim, or hidden_size and num_attention_heads) for GQA ties")
+    unit_offset = str(getattr(config, "model_type", "")).startswith("gemma")  # (1 + weight) norms
     inputs = capture_first_layer_inputs(model, calibration_batch(calib_token_ids, seq_len))
     state = {}
     for i, layer in enumerate(tqdm(decoder_layers(model), desc=f"awq int{bits}", unit="layer")):
@@ -122,7 +141,7 @@ def awq_quantize_model(model: torch.nn.Module, calib_token_ids, bits: int, group
             if max_search_tokens is not None:
                 xs = xs[:: max(1, xs.shape[0] // max_search_tokens)][:max_search_tokens]
             x[suffix] = xs
-        apply_layer_scales(layer, x, bits, group_size, head_dim, n_grid)
+        apply_layer_scales(layer, x, bits, group_size, head_dim, n_grid, unit_offset)
         for suffix, linear in layer_linears(layer).items():
             tensors = rtn_tensors(linear.weight, bits, group_size)
             state.update({f"model.layers.{i}.{suffix}.{name}": t for name, t in tensors.items()})

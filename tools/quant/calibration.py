@@ -1,10 +1,12 @@
 """Layer-by-layer calibration plumbing shared by GPTQ and AWQ.
 
-Both methods walk the decoder layers in order: capture the hidden states entering layer 0 once, then for each
+Both methods walk the decoder layers in order: capture the hidden states entering layer 0 once (and the mask
+and RoPE arguments the model gives each layer, which differ between sliding and global layers), then for each
 layer record its linears' inputs with forward hooks, quantize (GPTQ) or rescale (AWQ) that layer, and run it to
 get the next layer's inputs. Only one layer's activations live at a time, as in the GPTQ reference code
-(Frantar et al. 2022, section 4 "Step 3") and llm-awq. Works on HF LlamaForCausalLM (and any tree with the
-same names whose decoder layers take the hidden states as their first argument).
+(Frantar et al. 2022, section 4 "Step 3") and llm-awq. Works on HF LlamaForCausalLM and the other served
+families (and any tree with the same names whose decoder layers take the hidden states as their first argument;
+Phi-3's fused projections split first, tools/evaluation.py split_fused_modules).
 """
 from __future__ import annotations
 
@@ -31,11 +33,14 @@ class _StopForward(Exception):
 @dataclass
 class LayerInputs:
     """What enters a decoder layer: hidden [B, T, hidden] plus the other positional/keyword arguments the model
-    passed (attention mask, position embeddings, ...), replayed unchanged for every layer."""
+    passed (attention mask, position embeddings, ...), replayed unchanged. per_layer: each layer's own arguments,
+    by id(layer), where the model passes them per layer (a sliding layer's mask, Gemma 3's local RoPE); args and
+    kwargs are the first layer's."""
 
     hidden: torch.Tensor
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    per_layer: dict = field(default_factory=dict)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -69,28 +74,38 @@ def calibration_batch(token_ids: list[int] | torch.Tensor, seq_len: int) -> torc
 
 @torch.no_grad()
 def capture_first_layer_inputs(model: nn.Module, input_ids: torch.Tensor) -> LayerInputs:
-    """Run the model up to its first decoder layer and return that layer's inputs (the rest is skipped)."""
-    captured = {}
+    """Run the model up to its last decoder layer and return the first layer's inputs, with every layer's own
+    arguments in per_layer (the last layer itself is skipped)."""
+    layers, captured, handles = decoder_layers(model), {}, []
 
-    def hook(_module, args, kwargs):
-        captured["inputs"] = (LayerInputs(args[0], args[1:], dict(kwargs)) if args
-                              else LayerInputs(kwargs.pop("hidden_states"), (), dict(kwargs)))
-        raise _StopForward
+    def hook(module, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.setdefault("hidden", hidden)
+        captured[id(module)] = (args[1:], kwargs)
+        if module is layers[-1]:
+            raise _StopForward
 
-    handle = decoder_layers(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         model(input_ids=input_ids, use_cache=False)
     except _StopForward:
         pass
     finally:
-        handle.remove()
-    return captured["inputs"]
+        for handle in handles:
+            handle.remove()
+    args, kwargs = captured[id(layers[0])]
+    return LayerInputs(captured["hidden"], args, kwargs,
+                       {id(layer): captured[id(layer)] for layer in layers})
 
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs) -> torch.Tensor:
-    """One decoder layer's output hidden states [B, T, hidden] (older HF layers return a tuple)."""
-    out = layer(inputs.hidden, *inputs.args, **inputs.kwargs)
+    """One decoder layer's output hidden states [B, T, hidden] (older HF layers return a tuple), with the
+    arguments the model gives that layer."""
+    args, kwargs = inputs.per_layer.get(id(layer), (inputs.args, inputs.kwargs))
+    out = layer(inputs.hidden, *args, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 

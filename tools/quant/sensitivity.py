@@ -87,12 +87,14 @@ class SensitivityProbe:
         self.linears = {name: m for name, m in quantizable_linears(model).items() if isinstance(m, nn.Linear)}
         if len(self.linears) != len(quantizable_linears(model)):
             raise ValueError("the sensitivity analysis needs a float model")
-        first = capture_first_layer_inputs(model, windows)
-        self.args, self.kwargs = first.args, first.kwargs
-        self.hidden_in = [first.hidden]  # [B, T, hidden] entering each layer, then leaving the last one
+        self.first = capture_first_layer_inputs(model, windows)  # (and each layer's mask and RoPE arguments)
+        self.hidden_in = [self.first.hidden]  # [B, T, hidden] entering each layer, then leaving the last one
         for layer in self.layers:
-            self.hidden_in.append(run_layer(layer, LayerInputs(self.hidden_in[-1], self.args, self.kwargs)))
+            self.hidden_in.append(run_layer(layer, self._inputs(self.hidden_in[-1])))
         self.reference = self._logprobs(self.hidden_in[-1])  # [B, T, vocab]
+
+    def _inputs(self, hidden: torch.Tensor) -> LayerInputs:
+        return LayerInputs(hidden, self.first.args, self.first.kwargs, self.first.per_layer)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.model.lm_head(self.model.model.norm(hidden)).float(), dim=-1)
@@ -111,7 +113,7 @@ class SensitivityProbe:
             for b, ref in enumerate(self.reference):  # one window at a time bounds the [T, vocab] tensors
                 h = self.hidden_in[start][b : b + 1]
                 for layer in self.layers[start:]:
-                    h = run_layer(layer, LayerInputs(h, self.args, self.kwargs))
+                    h = run_layer(layer, self._inputs(h))
                 logq = self._logprobs(h)[0]
                 kl += (ref.exp() * (ref - logq)).sum().item()
                 agree += (ref.argmax(-1) == logq.argmax(-1)).sum().item()
