@@ -144,11 +144,11 @@ def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_pa
     compare_paths(cut_model_dir, tmp_path / "llmint8")
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("mistral", marks=pytest.mark.heavy)])
 def test_triton_path_runs_sliding_windows_and_soft_capping(tmp_path, name):
     """Gemma 2 (a windowed and a global layer, attention-logit soft-capping) and Mistral (every layer windowed, so
     blocks before the window are freed mid-request) on the GPU code path: the 40-token prompt is past the 24-token
-    window of tests/tiny_models.py."""
+    window of tests/tiny_models.py. (Mistral: .ci/run's heavy pass.)"""
     from tests.tiny_models import save_tiny
 
     compare_paths(save_tiny(name, tmp_path / name))
