@@ -8,7 +8,7 @@ name into shared/model.py's layers). Where config.json leaves a field out, the f
 | mistral | Mistral | a sliding window on every layer |
 | qwen2 | Qwen2, Qwen2.5 | bias on q/k/v; with use_sliding_window, windows from layer max_window_layers on |
 | qwen3 | Qwen3 | RMSNorm over each query and key head before RoPE; head_dim set apart from hidden/heads |
-| phi3 | Phi-3 | q/k/v stored as one `qkv_proj`, gate/up as one `gate_up_proj` (split on load); optional window |
+| phi3 | Phi-3, 3.5 | q/k/v as one `qkv_proj`, gate/up as one `gate_up_proj` (split on load); window; `longrope` |
 | gemma2 | Gemma 2 | see below; windows on alternate layers; attention-logit and final-logit soft-capping |
 | gemma3_text | Gemma 3 (text) | see below; q/k norms; five windowed layers to one global; a RoPE of their own |
 
@@ -25,8 +25,10 @@ from __future__ import annotations
 import math
 
 # shared/rope.py computes each. `dynamic` NTK scaling changes the frequencies with each batch's longest sequence, so
-# a request's tokens would depend on its neighbours: refused.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# a request's tokens would depend on its neighbours: refused. `longrope` is decided per request (Request.rope_long):
+# the long factors when its tokens outnumber the original context, and a recompute when it grows past it, as HF's
+# Phi-3 generating one sequence (ModelConfig.longrope_context).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -43,11 +45,17 @@ def rope_parameters(cfg: dict, params: dict | None = None) -> dict:
                             if rope_type == "dynamic" else ""))
     params["rope_type"] = rope_type
     params.pop("type", None)
-    if rope_type in ("llama3", "yarn"):  # (as transformers' standardize_rope_params fills them in)
+    if rope_type in ("llama3", "yarn", "longrope"):  # (as transformers' standardize_rope_params fills them in)
         params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings")
                           or cfg.get("max_position_embeddings", 2048))
-    if rope_type == "yarn" and params.get("factor") is None:
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
         params["factor"] = cfg.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = params.get(name)
+            if not isinstance(factors, (list, tuple)) or len(factors) * 2 != _head_dim(cfg):
+                raise ValueError(f"rope_parameters.{name} must list head_dim / 2 = {_head_dim(cfg) // 2} factors")
+            params[name] = tuple(float(f) for f in factors)
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported; supported: [1.0]")
@@ -62,6 +70,10 @@ def positive_number(cfg: dict, name: str, default: float | None = None, integer:
     if not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
     return value
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def _as_items(params: dict) -> tuple:

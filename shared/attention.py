@@ -35,6 +35,8 @@ class AttentionMetadata:
     # CPU short queries (speculative verification): each query row as a decode row, (block tables [num_tokens,
     # max_blocks] int32, context lens [num_tokens] int32), made by the first layer
     cpu_rows_layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    # longrope: [num_tokens] bool, the tokens whose RoPE takes the long factors (None: none)
+    rope_long: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:

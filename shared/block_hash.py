@@ -75,19 +75,23 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: t
     return _digest(parent + struct.pack("<I", len(token_ids)) + ids + extra)
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
-    """Extra keys of logical block block_index of a request: the cache salt on the first block only."""
-    return (f"salt:{cache_salt}",) if block_index == 0 and cache_salt is not None else ()
+def block_extra_keys(block_index: int, cache_salt: str | None, variant: str | None = None) -> tuple:
+    """Extra keys of logical block block_index of a request, on the first block only: the cache salt, and the
+    request's KV variant (ModelConfig.kv_variant: a longrope model's prompts past its original context compute
+    every position with the long factors, so their KV differs from a shorter prompt's for the same tokens)."""
+    if block_index != 0:
+        return ()
+    return ((f"salt:{cache_salt}",) if cache_salt is not None else ()) + ((f"kv:{variant}",) if variant else ())
 
 
 def hash_request_blocks(token_ids: Sequence[int], contract: HashContract, cache_salt: str | None = None,
-                        parent_hashes: Sequence[BlockHash] = ()) -> list[BlockHash]:
+                        parent_hashes: Sequence[BlockHash] = (), variant: str | None = None) -> list[BlockHash]:
     """Hashes of every full block of token_ids, in order. parent_hashes: hashes already computed for the leading
-    blocks (extended, not recomputed: a decoding request adds one block at a time)."""
+    blocks (extended, not recomputed: a decoding request adds one block at a time). variant: block_extra_keys'."""
     bs = contract.block_size
     hashes = list(parent_hashes)
     parent = hashes[-1] if hashes else contract.root_hash
     for i in range(len(hashes), len(token_ids) // bs):
-        parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], block_extra_keys(i, cache_salt))
+        parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], block_extra_keys(i, cache_salt, variant))
         hashes.append(parent)
     return hashes

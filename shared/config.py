@@ -88,6 +88,21 @@ class ModelConfig:
         """rope_theta, rope_type and that type's numbers (shared/rope.py)."""
         return dict(self.rope) if self.rope else {"rope_theta": self.rope_theta, "rope_type": "default"}
 
+    @property
+    def longrope_context(self) -> int | None:
+        """longrope: the original context (original_max_position_embeddings). A sequence longer than it computes
+        every position with the long factors, a shorter one with the short factors; one that grows past it is
+        recomputed with the long ones (HF's Phi-3 does the same: it drops its cache at that token). None for
+        other RoPE."""
+        params = self.rope_parameters
+        return params["original_max_position_embeddings"] if params["rope_type"] == "longrope" else None
+
+    def kv_variant(self, num_tokens: int) -> str | None:
+        """What besides the tokens makes a sequence's KV differ, for its block hashes (shared/block_hash.py):
+        "rope:long" for a longrope sequence of num_tokens past the original context, else None."""
+        context = self.longrope_context
+        return "rope:long" if context is not None and num_tokens > context else None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (0-based), or None where it attends to the whole context."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None

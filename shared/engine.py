@@ -116,6 +116,8 @@ class LLMEngine:
                 f"{self.cache_config.num_blocks * self.cache_config.block_size}"
             )
         request.eos_token_ids = self.model_config.eos_token_ids
+        if self.model_config.longrope_context is not None:  # (Request.rope_long)
+            request.rope_long = request.num_tokens > self.model_config.longrope_context
         request.max_model_len = max_len
         request.arrival_time = time.monotonic()
         if request.sampling_params.structured_output is not None and request.grammar is None:
@@ -295,6 +297,12 @@ class LLMEngine:
                 request.num_computed_tokens = min(request.num_computed_tokens - len(drafts) + len(token_ids) - 1,
                                                   request.num_tokens - 1)  # fmt: skip
             self.kv_cache_manager.cache_full_blocks(request)
+            if reason is None and request.rope_long is False and \
+                    request.num_tokens > self.model_config.longrope_context:
+                # longrope: past the original context every position takes the long factors: compute it all again
+                # (HF's Phi-3 drops its cache at this token); its short KV stays cached under the short variant
+                request.rope_long = True
+                self.scheduler.preempt(request)
             if reason is not None:
                 self._finish(request, reason, out)
             else:

@@ -37,6 +37,12 @@ from tandem.shared.request import Request
 from tandem.shared.utils import cdiv
 
 
+def kv_variant(request: Request) -> str | None:
+    """What besides its tokens the request's KV depends on, hashed with its blocks (ModelConfig.kv_variant's
+    values): "rope:long" for a longrope request computed with the long factors."""
+    return "rope:long" if request.rope_long else None
+
+
 @dataclass(slots=True)
 class KVCacheBlock:
     block_id: int
@@ -217,7 +223,8 @@ class KVCacheManager:
         hashes = self.block_hashes.get(request.request_id, [])
         if len(hashes) < num_blocks:
             tokens = request.token_ids(0, num_blocks * self.block_size)
-            hashes = hash_request_blocks(tokens, self.hash_contract, request.cache_salt, hashes)
+            hashes = hash_request_blocks(tokens, self.hash_contract, request.cache_salt, hashes,
+                                         kv_variant(request))
             self.block_hashes[request.request_id] = hashes
         return hashes[:num_blocks]
 
@@ -264,7 +271,7 @@ class KVCacheManager:
         """What identifies the prefix before logical block i of a request: the hash of its block i - 1, or the
         contract's root and the cache salt for the first block."""
         if i == 0:
-            return self.hash_contract.root_hash, request.cache_salt
+            return self.hash_contract.root_hash, request.cache_salt, kv_variant(request)
         return self._hashes(request, i)[i - 1], None
 
     def get_partial_block(self, request: Request, num_full_blocks: int) -> tuple[int, int] | None:

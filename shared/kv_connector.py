@@ -83,7 +83,8 @@ class KVConnector:
         # rule that at least the block of the prompt's last token comes, whatever the window)
         last = request.num_prompt_tokens - 1
         self.kv_cache_manager.free_out_of_window_blocks(request, last)
-        request.kv_skip_blocks = max(num_cached // self.block_size, self.kv_cache_manager.num_blocks_before_window(last))
+        request.kv_skip_blocks = max(num_cached // self.block_size,
+                                     self.kv_cache_manager.num_blocks_before_window(last))
         num_blocks = len(self.kv_cache_manager.get_block_table(request.request_id))
         self._receiving[request.request_id] = (request, torch.zeros(num_blocks, self.num_layers, dtype=torch.bool))
         return num_cached

@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         if self.config.gemma_norms:  # (the scale rounded to the activations' dtype first, as HF Gemma)
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        ropes = {False: self.model.rotary_emb(positions)}
+        ropes = {False: self.model.rotary_emb(positions, meta.rope_long)}
         if self.config.rope_local:
             ropes[True] = self.model.rotary_emb_local(positions)
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):

@@ -87,7 +87,7 @@ class ModelRunner:
         # again for the request that took it; the last copy is the one its owner reads)
         for src, dst in out.block_copies:
             self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
-        seqs, sampled_requests, row_requests, row_positions = [], [], [], []
+        seqs, sampled_requests, row_requests, row_positions, rope_long = [], [], [], [], []
         prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows
         num_rows = 0
         for request in out.scheduled_requests:
@@ -111,7 +111,9 @@ class ModelRunner:
                 sample_rows.extend(range(num_rows + num_logits - num_sampled, num_rows + num_logits))
             num_rows += num_logits
             seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
-        logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device)
+            rope_long.append(bool(request.rope_long))
+        logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device,
+                           rope_long=rope_long)
         result = ModelRunnerOutput()
         if prompt_rows:
             for request, row, position, count in prompt_rows:
@@ -166,12 +168,13 @@ def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled
 
 
 def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int | None], int]],
-              block_size: int, device: torch.device, num_layers: int | None = None) -> torch.Tensor:
+              block_size: int, device: torch.device, num_layers: int | None = None,
+              rope_long: list[bool] | None = None) -> torch.Tensor:
     """One forward of model over a batch of sequences, writing their KV into kv_caches (the pool, paged by
     block_size). seqs: per sequence (token_ids, start, block_table, num_logits): the tokens computed from
     position start, whose slots come from block_table, and how many of the last ones want logits. num_layers:
-    only the model's first layers (an early-exit draft). Returns logits [sum of num_logits, vocab] fp32, in
-    order."""
+    only the model's first layers (an early-exit draft). rope_long: longrope, per sequence, whether its tokens take
+    the long factors (Request.rope_long; None: none). Returns logits [sum of num_logits, vocab] fp32, in order."""
     input_ids, positions, slots, query_start_loc, context_lens, tables, logits_indices = [], [], [], [0], [], [], []
     for token_ids, start, block_table, num_logits in seqs:
         n = len(token_ids)
@@ -184,6 +187,10 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
                       [0 if b is None else b for b in block_table])  # (freed entries: never read, as padding)
         logits_indices.extend(range(query_start_loc[-1] - num_logits, query_start_loc[-1]))
     width = max(len(t) for t in tables)
+    if rope_long is not None and any(rope_long):  # -> per token
+        rope_long = torch.tensor([long for (ids, *_), long in zip(seqs, rope_long) for _ in ids], device=device)
+    else:
+        rope_long = None
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=query_start_loc,
@@ -191,6 +198,7 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
         query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        rope_long=rope_long,
     )
     return model(
         torch.tensor(input_ids, dtype=torch.int64, device=device),

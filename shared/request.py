@@ -183,6 +183,9 @@ class Request:
     num_accepted_tokens: int = 0
     spec_window: int | None = None  # its draft length now, with adaptive speculation (None: not started)
     num_draft_computed_tokens: int = 0  # tokens with KV in a draft model's own pool (a prefix of the sequence)
+    # longrope models only (None otherwise): whether its KV takes the long factors, decided when its computation
+    # starts (its tokens outnumber the original context); a False request that grows past it is recomputed
+    rope_long: bool | None = None
     arrival_time: float = 0.0  # time.monotonic() when the engine admitted it (decode: when its KV was complete)
     queue_time_s: float | None = None  # seconds from admission to its first step (None: not scheduled yet)
 

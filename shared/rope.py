@@ -6,7 +6,9 @@ runs unchanged. The formulas follow HF transformers' `modeling_rope_utils` (the 
 `linear` (position interpolation, Chen et al. 2023) divides every frequency by `factor`; `llama3` (Meta's Llama 3.1
 recipe) divides the low frequencies by `factor`, keeps the high ones and interpolates between;
 `yarn` (Peng et al. 2023) blends interpolated and extrapolated frequencies by wavelength and scales attention by
-`attention_factor`. Which types are served, and how config.json is read: shared/architectures.py.
+`attention_factor`; `longrope` (LongRoPE, Ding et al. 2024; Phi-3 128k) divides each frequency by its own factor,
+`short_factor` within the original context and `long_factor` past it, and scales cos and sin. Which types are
+served, and how config.json is read: shared/architectures.py.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ def inv_freq_and_attention_factor(params: dict, head_dim: int) -> tuple[torch.Te
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq, 1.0
+    if rope_type == "longrope":  # (the short factors; long_inv_freq gives the others)
+        return _longrope_inv_freq(params, head_dim, "short_factor"), _longrope_attention_factor(params)
     if rope_type == "linear":
         return inv_freq / float(params["factor"]), 1.0
     old_len = params["original_max_position_embeddings"]
@@ -61,6 +65,22 @@ def inv_freq_and_attention_factor(params: dict, head_dim: int) -> tuple[torch.Te
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(params: dict, head_dim: int, factors: str) -> torch.Tensor:
+    """longrope's inverse frequencies [head_dim // 2] fp32 with params[factors] (short_factor or long_factor), in
+    HF's order of operations."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(params[factors], dtype=torch.float32) * float(params["rope_theta"]) ** shape)
+
+
+def _longrope_attention_factor(params: dict) -> float:
+    """LongRoPE's scale of cos and sin: given, or sqrt(1 + ln(factor) / ln(original context)) (HF's default)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    original = params["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature (Peng et al. 2023, eq. 21)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -73,10 +93,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.attention_factor = inv_freq_and_attention_factor(params, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.longrope = params["rope_type"] == "longrope"
+        if self.longrope:
+            self.register_buffer("inv_freq_long", _longrope_inv_freq(params, head_dim, "long_factor"), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] int64 -> cos, sin [num_tokens, head_dim] fp32."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+    def forward(self, positions: torch.Tensor, long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] int64 -> cos, sin [num_tokens, head_dim] fp32. longrope: long [num_tokens] bool
+        marks the tokens that take the long factors (AttentionMetadata.rope_long; None: none)."""
+        inv_freq = self.inv_freq.unsqueeze(0)
+        if self.longrope and long is not None:
+            inv_freq = torch.where(long.unsqueeze(1), self.inv_freq_long.unsqueeze(0), inv_freq)
+        freqs = positions.float().unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor == 1.0:
             return emb.cos(), emb.sin()

@@ -35,6 +35,12 @@ TINY_MODELS = {
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
     "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
     "phi3": ("Phi3Config", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}),
+    # Phi-3 128k's LongRoPE, its original context cut to 64: prompts past it take the long factors throughout
+    "phi3-longrope": ("Phi3Config", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                                     "original_max_position_embeddings": 64, "rope_parameters": {
+                                         "rope_type": "longrope", "rope_theta": 10000.0,
+                                         "short_factor": [1.0 + i / 32 for i in range(32)],
+                                         "long_factor": [1.0 + i / 4 for i in range(32)]}}),
     # layer 0 slides, layer 1 is global (HF's default alternation)
     "gemma2": ("Gemma2Config", {"sliding_window": WINDOW, "attn_logit_softcapping": 4.0,
                                 "final_logit_softcapping": 8.0, "query_pre_attn_scalar": 48,

@@ -44,7 +44,7 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     contract = HashContract(args.block_size, model_config.model_id, args.kv_dtype)
     index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
-                    args.local_prefill_tokens)
+                    args.local_prefill_tokens, kv_variant=model_config.kv_variant)
     # The engines are called with the same certificate and CA (mutual TLS when they require it); API keys guard
     # the public API, not health or reflection.
     server = Server("gateway", instance_id, args.host, args.port, args.drain_timeout, ("/tandem.v1.Gateway/",),

@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.services.tracing import traced
@@ -73,12 +74,15 @@ def route_attributes(route: Route) -> dict:
 
 class Router:
     def __init__(self, registry: Registry, model_id: str, contract: HashContract, index: PrefixIndex | None,
-                 policy: str = "cache-aware", local_prefill_tokens: int = 64):
+                 policy: str = "cache-aware", local_prefill_tokens: int = 64,
+                 kv_variant: Callable[[int], str | None] | None = None):
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         self.registry, self.model_id, self.contract, self.index = registry, model_id, contract, index
         self.policy = policy
         self.local_prefill_tokens = local_prefill_tokens
+        # (ModelConfig.kv_variant: the engines hash a longrope prompt past the original context apart)
+        self.kv_variant = kv_variant or (lambda num_prompt_tokens: None)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._mismatch_logged: set[str] = set()
         self._index_down = False
@@ -115,7 +119,8 @@ class Router:
             return Route(self._turn("decode", roomy), self._turn("prefill", prefills), explanation=["round-robin"],
                          reason="round_robin")  # fmt: skip
         bs = self.contract.block_size
-        hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt)
+        hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt,
+                                     variant=self.kv_variant(len(prompt_ids)))
         cached, hinted = await self._cached_tokens(hashes, prefills + roomy)
         n = len(prompt_ids)
 

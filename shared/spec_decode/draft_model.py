@@ -53,7 +53,8 @@ class DraftModelProposer:
                     seqs.append((r.token_ids(start, last + 1), start, block_tables[r.request_id], 1))
                 else:
                     seqs.append(([drafts[i][-1]], last + j, block_tables[r.request_id], 1))
-            logits = run_model(self.model, self.kv_caches, seqs, self.block_size, self.device, self.num_layers)
+            logits = run_model(self.model, self.kv_caches, seqs, self.block_size, self.device, self.num_layers,
+                               [bool(requests[i].rope_long) for i in rows])
             argmax = logits.argmax(-1).tolist()
             for row, i in enumerate(rows):
                 r = requests[i]

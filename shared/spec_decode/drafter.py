@@ -43,6 +43,7 @@ class Drafter:
         self.step_speculates = False  # whether this step's batch was offered drafts
         self.last_gate_log = time.monotonic()
         target = model_runner.model_config
+        self.longrope_context = target.longrope_context
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -97,6 +98,8 @@ class Drafter:
                     continue
             room = min(request.spec_window, request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
                        max_model_len - request.num_tokens - 1)  # fmt: skip
+            if request.rope_long is False:  # (longrope: drafts stop short of the original context's end)
+                room = min(room, self.longrope_context - request.num_tokens)
             if room <= 0:
                 continue
             if self.draft_model is not None:

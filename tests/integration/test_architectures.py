@@ -152,6 +152,44 @@ def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_wind
     assert [first] + receiving.output_token_ids[1:] == expected and shipped > 0
 
 
+def test_longrope_takes_the_long_factors_past_the_original_context_as_hf_does(tmp_path):
+    """LongRoPE (original context 64 here): prompts within it use the short factors and, once a sequence grows past
+    it, are computed again with the long ones (HF's Phi-3 drops its cache there); longer prompts use the long ones
+    throughout. Prompts sharing their first 48 tokens across that line never share blocks (the block hashes carry
+    the variant); n-gram drafts stop short of the line. Every output equals HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny("phi3-longrope", tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = ModelConfig.from_dir(path)
+    assert config.longrope_context == 64
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randperm(config.vocab_size - 3, generator=g)[:120] + 3).tolist()
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, adaptive=False)
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8), speculative_config=spec)
+    for n in (50, 100, 64, 65, 63):  # (in turn: each later prompt finds the earlier ones' first blocks cached)
+        assert run(engine, {f"p{n}": base[:n]}) == {f"p{n}": hf_greedy(hf, base[:n], NUM_TOKENS)}, n
+    stats = engine.stats()
+    assert stats.num_preemptions == 3 and stats.spec_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
+    # disaggregated: the prefill computes 60 short tokens; the decode crosses the line and computes it all again
+    prefill = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8), export_kv=True)
+    decode = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    ids = base[60:120]
+    prefill.add_request(Request("d", ids, SamplingParams(max_tokens=1, temperature=0.0)))
+    receiving = Request("d", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
+    decode.reserve(receiving)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            if out.kv is not None:
+                decode.import_kv("d", out.kv)
+            first = out.new_token_ids[0] if out.new_token_ids else first
+    decode.finish_kv_import("d", first)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert receiving.output_token_ids == hf_greedy(hf, ids, NUM_TOKENS) and decode.stats().num_preemptions == 1
+
+
 def test_a_window_of_one_serves_through_the_p_d_transfer(tmp_path):
     """A window of 1 (each position sees itself alone): a 32-token prompt, two whole blocks, still gets the block
     of its last token from the prefill (the prefill's rule), and the decode's tokens equal the prefill's own."""
@@ -240,7 +278,8 @@ def test_architecture_is_part_of_the_model_id(tmp_path):
                              "'mistral', 'phi3', 'qwen2', 'qwen3']"),
     ({"model_type": "gemma3"}, "the multimodal Gemma 3; its text model is model_type gemma3_text"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "rope_type 'longrope' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 3,
+                          "long_factor": [2.0] * 32}}, "rope_parameters.short_factor must list head_dim / 2 = 32"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
