@@ -209,7 +209,7 @@ def write_hf_quantized(out, path, method: str, group_size: int = 64) -> dict[str
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "phi3", "mistral"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3"])
 def test_hf_awq_and_gptq_directories_equal_hf_over_the_same_quantized_layers(name, method, tmp_path):
     """An HF AWQ / GPTQ directory of each family serves on its own (its config.json names the architecture):
     Qwen2's q/k/v biases kept in float beside the codes, Phi-3's fused linears split into the engine's
