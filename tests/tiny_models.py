@@ -110,3 +110,28 @@ def prompts_for(seed: int, vocab: int) -> dict[str, list[int]]:
     """Random prompts of 5, 16, 37 and 70 tokens (ids from 3: 0-2 are special)."""
     g = torch.Generator().manual_seed(seed)
     return {f"p{length}": torch.randint(3, vocab, (length,), generator=g).tolist() for length in (5, 16, 37, 70)}
+
+
+def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, ids: list[int], reserved=None,
+                        n: int = NUM_TOKENS) -> Request:
+    """ids through a prefill engine (export_kv) and a decode engine as the tiers run them: the decode reserves
+    (reserved(its request) runs then), the prefill skips the blocks the decode said it needs not, each step's KV
+    is imported as it comes, the prefill's first token finishes the import, and the decode runs to n greedy
+    tokens (EOS held back). Returns the decode's request (its output starts with the prefill's token)."""
+    receiving = Request("p-d", ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
+    decode.reserve(receiving)
+    if reserved is not None:
+        reserved(receiving)
+    sending = Request("p-d", ids, SamplingParams(max_tokens=1, temperature=0.0))
+    sending.kv_skip_blocks = receiving.kv_skip_blocks
+    prefill.add_request(sending)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            if out.kv is not None:
+                decode.import_kv("p-d", out.kv)
+            first = out.new_token_ids[0] if out.new_token_ids else first
+    decode.finish_kv_import("p-d", first)
+    while decode.has_unfinished_requests():
+        decode.step()
+    return receiving

@@ -119,7 +119,7 @@ def test_calibrated_checkpoints_equal_hf_over_the_same_quantized_layers(name, me
     assert_engine_equals_hf(config, hf)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_awq_scale_folding_keeps_the_float_function(name, tmp_path):
     """AWQ's scales folded into norms and producer rows leave every family's logits unchanged: Qwen2's v_proj
     bias is divided with its rows, Gemma's (1 + weight) norms and its pre_feedforward_layernorm take the MLP's."""

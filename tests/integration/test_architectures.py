@@ -16,7 +16,8 @@ from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, Spec
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
 from tests.prompts import LONG_TEXT
-from tests.tiny_models import NUM_TOKENS, TINY_MODELS, WINDOW, hf_greedy, prompts_for, run, save_tiny
+from tests.tiny_models import (NUM_TOKENS, TINY_MODELS, WINDOW, hf_greedy, prefill_then_decode, prompts_for, run,
+                               save_tiny)
 
 @pytest.fixture(scope="module", params=sorted(TINY_MODELS))
 def tiny(request, tmp_path_factory):
@@ -53,17 +54,23 @@ def test_ngram_speculation_equals_hf(tiny):
     assert engine.stats().spec_num_draft_tokens >= 8
 
 
+def prompt_logprobs(config: ModelConfig, ids: list[int], top: int) -> Request:
+    """The finished request of ids with prompt_logprobs=top, in an engine of its own."""
+    request = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top))
+    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return request
+
+
 def test_prompt_logprobs_equal_hf(tiny):
     """Each prompt position's distribution, past the window too: the log-probability of the next prompt token
     and the top 3, against HF's log_softmax of its logits."""
     name, path, hf = tiny
     config = ModelConfig.from_dir(path)
     ids = prompts_for(5, config.vocab_size)["p70"]
-    request = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3))
-    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
-    engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    request = prompt_logprobs(config, ids, 3)
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)  # [69, vocab]
     got = torch.tensor([lp.logprob for lp in request.prompt_logprobs])
@@ -81,11 +88,7 @@ def test_bf16_is_as_close_to_fp32_as_hf_in_bf16(tiny):
     name, path, _ = tiny
     config = ModelConfig.from_dir(path, dtype="bfloat16")
     ids = prompts_for(5, config.vocab_size)["p70"]
-    request = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
-    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
-    engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    request = prompt_logprobs(config, ids, 0)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     targets = torch.tensor(ids[1:])[:, None]
 
@@ -135,21 +138,12 @@ def test_blocks_before_the_window_are_freed_and_the_decode_is_sent_only_its_wind
 
     prefill = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8), export_kv=True)
     decode = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
-    prefill.add_request(Request("c", ids, SamplingParams(max_tokens=1, temperature=0.0)))
-    receiving = Request("c", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
-    decode.reserve(receiving)
-    assert receiving.kv_skip_blocks == (209 - 24 + 1) // 16 == 11 and decode.num_free_blocks == 64 - (14 - 11)
-    shipped, first = 0, None
-    while prefill.has_unfinished_requests():
-        for out in prefill.step():
-            if out.kv is not None and out.kv.first_block_index + out.kv.data.shape[2] > receiving.kv_skip_blocks:
-                shipped += 1
-                decode.import_kv("c", out.kv)
-            first = out.new_token_ids[0] if out.new_token_ids else first
-    decode.finish_kv_import("c", first)
-    while decode.has_unfinished_requests():
-        decode.step()
-    assert [first] + receiving.output_token_ids[1:] == expected and shipped > 0
+
+    def reserved(receiving: Request) -> None:  # the 3 blocks of the window are held, the 11 before it not
+        assert receiving.kv_skip_blocks == (209 - 24 + 1) // 16 == 11 and decode.num_free_blocks == 64 - (14 - 11)
+
+    assert prefill_then_decode(prefill, decode, ids, reserved).output_token_ids == expected
+    assert prefill.kv_connector.num_blocks_exported == decode.kv_connector.num_blocks_imported == 3
 
 
 def test_longrope_takes_the_long_factors_past_the_original_context_as_hf_does(tmp_path):
@@ -175,19 +169,8 @@ def test_longrope_takes_the_long_factors_past_the_original_context_as_hf_does(tm
     prefill = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8), export_kv=True)
     decode = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
     ids = base[60:120]
-    prefill.add_request(Request("d", ids, SamplingParams(max_tokens=1, temperature=0.0)))
-    receiving = Request("d", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
-    decode.reserve(receiving)
-    first = None
-    while prefill.has_unfinished_requests():
-        for out in prefill.step():
-            if out.kv is not None:
-                decode.import_kv("d", out.kv)
-            first = out.new_token_ids[0] if out.new_token_ids else first
-    decode.finish_kv_import("d", first)
-    while decode.has_unfinished_requests():
-        decode.step()
-    assert receiving.output_token_ids == hf_greedy(hf, ids, NUM_TOKENS) and decode.stats().num_preemptions == 1
+    assert prefill_then_decode(prefill, decode, ids).output_token_ids == hf_greedy(hf, ids, NUM_TOKENS)
+    assert decode.stats().num_preemptions == 1
 
 
 def test_a_window_of_one_serves_through_the_p_d_transfer(tmp_path):
@@ -202,20 +185,12 @@ def test_a_window_of_one_serves_through_the_p_d_transfer(tmp_path):
     expected = run(alone, {"c": ids})["c"]
     prefill = LLMEngine(config, CacheConfig(16, 8), SchedulerConfig(32, 8), export_kv=True)
     decode = LLMEngine(config, CacheConfig(16, 8), SchedulerConfig(32, 8))
-    prefill.add_request(Request("c", ids, SamplingParams(max_tokens=1, temperature=0.0)))
-    receiving = Request("c", ids, SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0))
-    decode.reserve(receiving)
-    assert receiving.kv_skip_blocks == 1  # (of 2: at most those before the prompt's last token)
-    first = None
-    while prefill.has_unfinished_requests():
-        for out in prefill.step():
-            if out.kv is not None:
-                decode.import_kv("c", out.kv)
-            first = out.new_token_ids[0] if out.new_token_ids else first
-    decode.finish_kv_import("c", first)
-    while decode.has_unfinished_requests():
-        decode.step()
-    assert receiving.output_token_ids == expected and decode.num_free_blocks == 8
+
+    def reserved(receiving: Request) -> None:  # (of 2 blocks: at most those before the prompt's last token)
+        assert receiving.kv_skip_blocks == 1
+
+    assert prefill_then_decode(prefill, decode, ids, reserved).output_token_ids == expected
+    assert decode.num_free_blocks == 8
 
 
 @pytest.mark.parametrize("name", ["phi3", "gemma2"])

@@ -5,8 +5,7 @@ import torch
 from tandem.kernels.int4_format import unpack_int4
 from tandem.shared.quant import apply_quantized_state
 from tandem.tools.quant import quantize_model
-from tandem.tools.quant.awq import apply_layer_scales, search_scales
-from tandem.tools.quant.calibration import capture_first_layer_inputs, decoder_layers, record_inputs, run_layer
+from tandem.tools.quant.awq import search_scales
 from tandem.tools.quant.gptq import gptq_quantize_weight
 from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 from tandem.shared.quant.rtn import fake_quantize
@@ -61,21 +60,6 @@ def test_awq_search_never_loses_to_rtn_on_its_loss():
     s = search_scales(x, [w], 4, 32, n_grid=10)
     wq = fake_quantize(w * s, 4, 32) / s
     assert output_error(w, wq, x) <= output_error(w, fake_quantize(w, 4, 32), x) + 1e-9
-
-
-def test_awq_scale_folding_keeps_the_float_function(make_tiny_llama):
-    """Folding into norms, v_proj rows (GQA-tied) and up_proj rows must leave every layer's output unchanged."""
-    model = make_tiny_llama()
-    ids = torch.randint(0, 128, (2, 24))
-    before = model(ids).logits
-    inputs = capture_first_layer_inputs(model, ids)
-    for layer in decoder_layers(model):
-        recorded = {}
-        with record_inputs(layer, lambda suffix, x: recorded.setdefault(suffix, x)):
-            run_layer(layer, inputs)
-        apply_layer_scales(layer, recorded, 4, 32, head_dim=16, n_grid=4)
-        inputs.hidden = run_layer(layer, inputs)
-    assert torch.allclose(model(ids).logits, before, atol=1e-4)
 
 
 @pytest.mark.parametrize("method,bits,group_size", [("rtn", 8, None), ("rtn", 4, 32), ("gptq", 4, 32),
