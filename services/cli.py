@@ -149,7 +149,9 @@ def cmd_up(args) -> int:
         if p:
             _check_port_free(p)
     engine_args = EngineArgs.from_namespace(args)
-    model = engine_args.model or str(prepare_model())
+    if engine_args.model is None:
+        prepare_model()  # (the services find the converted default model; its default weights are the GGUF)
+    model = engine_args.model
     engine_args = dataclasses.replace(engine_args, model=None)  # LocalCluster gives --model to every process
     observability = ["--log-format", args.log_format] + (
         ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else [])

@@ -169,7 +169,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
           f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} torch threads, "
           f"{engine_args.resolved_kernel_threads(tier)} kernel threads, {engine_args.device}, "
           f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}; "
-          f"metrics on {metrics_url(args.advertise_host, metrics_port)}", flush=True)  # fmt: skip
+          f"metrics on {metrics_url(args.advertise_host, metrics_port)}; weights: "
+          f"{engine_args.weights_line(model_config)}", flush=True)  # fmt: skip
     try:
         await server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy)
     finally:

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_DTYPE = "float32"  # weights, activations and KV unless a flag says otherwise
+DEFAULT_DTYPE = "float32"  # what ModelConfig / CacheConfig run in unless told otherwise
+AUTO = "auto"  # --dtype / --kv-dtype default: the checkpoint's own type (the model's, for the KV cache)
+NO_QUANTIZATION = "none"  # --quantization none: the --model dir's own float weights, even for the packaged model
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -40,6 +42,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def checkpoint_dtype(cfg: dict) -> str:
+    """The float type a checkpoint's config.json says its weights are stored in (`torch_dtype`, or `dtype` as
+    transformers 5 writes it); float32 when it names none or a type not in DTYPES."""
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    return stored if stored in DTYPES else "float32"
 
 
 @dataclass(frozen=True)
@@ -135,7 +144,8 @@ class ModelConfig:
         packaged GGUF) with this model's architecture, which supplies every weight; a path that is itself a
         quantized checkpoint needs none.
         dtype: the float type weights and activations run in ("float32", "bfloat16", "float16"); part of the
-        weight format, so tiers running different types never share KV.
+        weight format, so tiers running different types never share KV. "auto": the checkpoint's own type
+        (checkpoint_dtype) for float weights, float32 for quantized ones (the integer kernels' activations).
         """
         from tandem.shared.model_files import packaged_gguf_path
         from tandem.shared.quant import detect_quant_config
@@ -160,6 +170,8 @@ class ModelConfig:
         if quantization is None and detect_quant_config(path).bits is not None:
             quantization = str(path)
         weights = path if quantization is None else Path(quantization)
+        if dtype == AUTO:
+            dtype = checkpoint_dtype(cfg) if quantization is None else "float32"
         arch = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -326,10 +338,12 @@ class EngineArgs:
                                  group="model")
     quantization: str | None = _setting(
         None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
-        "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, or 'gguf' for the packaged Q4_1 GGUF (all tiers "
-        "must agree)", str, group="model")
-    dtype: str = _setting(DEFAULT_DTYPE, "float type of weights and activations (part of the model id)",
-                          choices=DTYPES, group="model")
+        "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, 'gguf' for the packaged Q4_1 GGUF, or 'none' "
+        "for --model's own weights (default: 'gguf' for the packaged model, whose converted fp32 dir is only "
+        "that GGUF dequantized; none otherwise; all tiers must agree)", str, group="model")
+    dtype: str = _setting(AUTO, "float type of weights and activations (part of the model id); auto: the "
+                          "checkpoint's torch_dtype (float32 for quantized weights)", choices=(AUTO, *DTYPES),
+                          group="model")
     device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
     block_size: int = _setting(16, "tokens per KV block (part of the prefix-cache hash contract: the gateway's "
                                "must equal the instances')", group="model")
@@ -339,8 +353,8 @@ class EngineArgs:
         "(GPU memory, or available RAM on CPU), like vLLM's --gpu-memory-utilization; excludes --num-blocks", float)
     max_model_len: int | None = _setting(None, "context length in tokens, prompt + output (default: the model's "
                                          "max_position_embeddings; at most that)", int, group="model")
-    kv_dtype: str = _setting(DEFAULT_DTYPE, "KV cache element type (part of the prefix-cache hash contract)",
-                             choices=DTYPES, group="model")
+    kv_dtype: str = _setting(AUTO, "KV cache element type (part of the prefix-cache hash contract); auto: the "
+                             "model's --dtype", choices=(AUTO, *DTYPES), group="model")
     enable_prefix_caching: bool = _setting(True, "keep computed blocks by their hash and reuse them for prompts "
                                            "that share a prefix (docs/prefix-caching.md)")
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
@@ -378,9 +392,36 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         budget = budget if budget is not None else tier_defaults["max_num_batched_tokens"]
         model_config = self.create_model_config(model_dir)
-        return (model_config, CacheConfig(self.block_size, num_blocks, self.kv_dtype, self.memory_utilization,
-                                               self.enable_prefix_caching),
+        return (model_config, CacheConfig(self.block_size, num_blocks, self.resolved_kv_dtype(model_config),
+                                          self.memory_utilization, self.enable_prefix_caching),
                 SchedulerConfig(budget, self.max_num_seqs))
+
+    def resolved_quantization(self) -> str | None:
+        """The quantized checkpoint to run (ModelConfig.from_dir's argument): quantization as given, 'gguf' for
+        the packaged model (no --model) when none is given, None for 'none' or a --model without one."""
+        if self.quantization == NO_QUANTIZATION:
+            return None
+        if self.quantization is None and self.model is None:
+            return "gguf"
+        return self.quantization
+
+    def resolved_kv_dtype(self, model_config: ModelConfig) -> str:
+        """kv_dtype, or with auto the model's dtype."""
+        return model_config.dtype if self.kv_dtype == AUTO else self.kv_dtype
+
+    def weights_line(self, model_config: ModelConfig) -> str:
+        """What runs and why, for a service's start-up line: 'gguf-q4_1 from .../SmolLM2-135M-Instruct.Q4_1.gguf
+        (the default for the packaged model: its native weights; ...)'."""
+        what = f"{model_config.weight_format} from {model_config.quantization or model_config.path}"
+        why = []
+        if self.quantization is None and self.model is None:
+            why.append("the default for the packaged model: its native weights; --quantization none runs their "
+                       "fp32 dequantization")
+        if self.dtype == AUTO:
+            why.append(f"activations in {model_config.dtype}: "
+                       + ("the checkpoint's torch_dtype" if model_config.quantization is None
+                          else "what the integer kernels take"))
+        return what + (f" ({'; '.join(why)})" if why else "")
 
     def resolved_kernel_threads(self, tier: str) -> int:
         """kernel_threads, or the tier's default. ValueError below 1."""
@@ -400,7 +441,7 @@ class EngineArgs:
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:
         """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the
         same record for the gateway and the engines. ValueError on a bad model or a max_model_len beyond it."""
-        model_config = ModelConfig.from_dir(self.model or model_dir, self.quantization, self.dtype)
+        model_config = ModelConfig.from_dir(self.model or model_dir, self.resolved_quantization(), self.dtype)
         if self.max_model_len is None:
             return model_config
         if self.max_model_len > model_config.max_model_len:

@@ -39,9 +39,10 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     torch.set_num_threads(1)
     await check_redis_auth(args.redis_url)  # (a wrong password stops the start: ValueError naming --redis-url)
     model_dir = args.model or default_model_dir()
-    model_config = EngineArgs.from_namespace(args).create_model_config(model_dir)
+    engine_args = EngineArgs.from_namespace(args)
+    model_config = engine_args.create_model_config(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    contract = HashContract(args.block_size, model_config.model_id, args.kv_dtype)
+    contract = HashContract(args.block_size, model_config.model_id, engine_args.resolved_kv_dtype(model_config))
     index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
                     args.local_prefill_tokens, kv_variant=model_config.kv_variant)

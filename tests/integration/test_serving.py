@@ -98,3 +98,5 @@ def test_tandem_up_passes_engine_flags_to_every_engine(tmp_path):
     decode, prefill = (tmp_path / "decode0.log").read_text(), (tmp_path / "prefill0.log").read_text()
     assert "96 KV blocks of 16 tokens (bfloat16), 256 tokens and 5 requests per step" in decode, decode
     assert "96 KV blocks of 16 tokens (bfloat16), 48 tokens and 5 requests per step" in prefill, prefill
+    for log in (decode, prefill):  # (no --model: the packaged model's native GGUF, and the line says why)
+        assert "weights: gguf-q4_1 from " in log and "the default for the packaged model" in log, log

@@ -2,6 +2,7 @@
 the flags every service parses come from EngineArgs, an engine without a registry refuses to start, and the
 client CLI starts without torch."""
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -166,3 +167,29 @@ def test_tandem_up_passes_the_gateway_policy_flags_it_was_given_to_the_gateway()
     assert gateway_policy_argv(args) == ["--routing", "round-robin", "--max-concurrent-requests", "3",
                                          "--queue-timeout", "2.5"]
     assert gateway_policy_argv(build_parser(["up"]).parse_args(["up"])) == []  # (defaults: the gateway's own)
+
+
+def test_the_default_weights_are_the_packaged_gguf_and_a_checkpoints_own_dtype(model_dir, tmp_path):
+    """No --model: the packaged Q4_1 GGUF with fp32 activations; --model (even the converted default dir) or
+    --quantization none: that dir's own weights, in the type its config.json stores (bf16 stays bf16), and the
+    KV cache in the model's type unless --kv-dtype says otherwise."""
+    from tandem.shared.model_files import packaged_gguf_path
+
+    default = EngineArgs()
+    config = default.create_model_config(model_dir)
+    assert (config.quantization, config.dtype) == (str(packaged_gguf_path()), "float32")
+    assert "the default for the packaged model" in default.weights_line(config)
+    for args in (EngineArgs(model=str(model_dir)), EngineArgs(quantization="none")):
+        config = args.create_model_config(model_dir)
+        assert (config.quantization, config.dtype, config.weight_format) == (None, "float32", "fp32")
+    bf16_dir = tmp_path / "bf16"
+    bf16_dir.mkdir()
+    checkpoint = json.loads((Path(model_dir) / "config.json").read_text())
+    (bf16_dir / "config.json").write_text(json.dumps({**checkpoint, "torch_dtype": "bfloat16"}))
+    args = EngineArgs(model=str(bf16_dir))
+    config, cache, _ = args.create_configs("decode", model_dir)
+    assert (config.dtype, config.weight_format, cache.kv_dtype) == ("bfloat16", "bf16", "bfloat16")
+    assert "the checkpoint's torch_dtype" in args.weights_line(config)
+    config, cache, _ = EngineArgs(model=str(bf16_dir), dtype="float32", kv_dtype="bfloat16").create_configs(
+        "decode", model_dir)
+    assert (config.dtype, cache.kv_dtype) == ("float32", "bfloat16")

@@ -48,7 +48,7 @@ class ClusterBackend:
 
             flags = engine_argv(dataclasses.replace(self.engine_args, model=None))
             extra = self.extra_args
-            self.cluster = LocalCluster(self.model_dir, num_prefill=self.num_prefill,
+            self.cluster = LocalCluster(self.engine_args.model, num_prefill=self.num_prefill,
                                         prefill_args=flags + extra["prefill"], decode_args=flags + extra["decode"],
                                         gateway_args=engine_argv(self.engine_args, groups=("model",)) + extra["gateway"],
                                         log_dir=self.log_dir)  # fmt: skip
@@ -90,6 +90,6 @@ class ClusterBackend:
             "engine_args": dataclasses.asdict(self.engine_args),
             # (a running gateway's engines were started elsewhere: their weights are not known here)
             "weights": ("of the running gateway" if self.gateway
-                        else self.engine_args.quantization or self.engine_args.dtype),
+                        else self.engine_args.weights_line(self.engine_args.create_model_config(self.model_dir))),
             "log_dir": str(self.cluster.log_dir) if self.cluster else None,
         }

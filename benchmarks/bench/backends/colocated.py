@@ -69,5 +69,5 @@ class ColocatedBackend:
         return {
             "engine_args": dataclasses.asdict(self.engine_args),
             "tier_configs": "decode defaults, max_num_batched_tokens as the prefill tier",
-            "weights": self.engine_args.quantization or self.engine_args.dtype,
+            "weights": self.engine_args.weights_line(self.engine_args.create_model_config(self.model_dir)),
         }
