@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_layer_ops
+from tandem.kernels import cpu_dense, cpu_layer_ops
 from tandem.kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
 from tandem.kernels.masks import soft_cap
 from tandem.shared.attention import AttentionMetadata, paged_attention, write_kv_cache
@@ -63,6 +63,17 @@ def _offset_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     """Gemma's RMSNorm: x [T, H] normalized in fp32, times weight (1 + the checkpoint's, fp32), then cast."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+class CpuDenseLinear(nn.Linear):
+    """nn.Linear whose forward runs the dense CPU kernel (kernels/cpu_dense.py: the weight streamed once on the
+    CPU kernels' threads) where it takes the input, torch's F.linear elsewhere. load_model turns a CPU model's float
+    linears into these (same parameters, same names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_dense.supports(x, self.weight):
+            return cpu_dense.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -213,7 +224,8 @@ class LlamaForCausalLM(nn.Module):
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:
     """Build the model in config.dtype from config.path's safetensors files, or with config.quantization from
     that quantized checkpoint alone (quantized layers swapped in, shared/quant). Strict either way: every weight
-    must be present (ValueError otherwise). The loaded model runs fused projections (qkv_proj, gate_up_proj)."""
+    must be present (ValueError otherwise). The loaded model runs fused projections (qkv_proj, gate_up_proj), and
+    on the CPU its float linears as CpuDenseLinear."""
     if config.quantization is not None:
         from tandem.shared.quant import apply_quantization
 
@@ -239,6 +251,10 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     for layer in model.model.layers:  # after loading, which uses the checkpoint's per-projection names
         layer.self_attn.fuse_projections()
         layer.mlp.fuse_projections()
+    if torch.device(device).type == "cpu":
+        for module in model.modules():  # (the float ones: a quantized linear runs its own kernels)
+            if type(module) is nn.Linear:
+                module.__class__ = CpuDenseLinear
     return model
 
 

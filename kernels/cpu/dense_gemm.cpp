@@ -1,0 +1,140 @@
+// Dense (float) GEMM for few activation rows on x86-64 CPUs with AVX2 + FMA or AVX-512: the linears of a decode
+// step, whose cost is reading the weight.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w fp32 or bf16, x fp32 or bf16 (the same type as w), products
+// and sums in fp32, y in x's type (bf16 rounded to nearest even, once, as torch's bf16 matmul rounds).
+//
+// Why: at M <= 16 a decode step is bound by the weight bytes it reads, and torch's matmul on one thread reads a
+// bf16 or fp32 weight at 15-18 GB/s here (about a third of a STREAM copy, docs/performance.md). Here each tile of
+// NT weight rows is streamed once per call and multiplied with MT rows of x held in registers; bf16 weights are
+// widened to fp32 in registers (a 16-bit shift: exact), so the bytes read are the checkpoint's. The outer loop
+// runs on the kernels' own thread pool (thread_pool.h), so a decode engine with one torch thread still reads with
+// every kernel thread.
+//
+// Layouts: x [M, K] and w [N, K] contiguous (nn.Linear's), K % 32 == 0 (checked in Python and here).
+#include <torch/extension.h>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+using namespace tandem_simd;
+
+constexpr int NT = 4;                   // weight rows per tile
+constexpr int MT = LANES == 16 ? 6 : 2; // x rows per register block: NT * MT accumulators + NT + 1 vectors
+constexpr int64_t PREFETCH_TILES = 2;   // tiles ahead of use: each row of a tile is a short stream
+
+// LANES elements at p widened to fp32: a float load, or bf16 (upper 16 bits of a float) shifted into place.
+inline V load_f32(const float* p) { return vload(p); }
+inline V load_f32(const at::BFloat16* p) {
+#ifdef __AVX512F__
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+inline void store_out(float* y, float v) { *y = v; }
+inline void store_out(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // (c10: round to nearest even)
+
+template <typename T>
+inline void prefetch_rows(const T* w, int64_t K, int64_t n, int64_t N) {
+  if (n + NT > N) return;
+  const char* p0 = reinterpret_cast<const char*>(w + n * K);
+  const char* p1 = reinterpret_cast<const char*>(w + (n + NT) * K);
+  for (const char* p = p0; p < p1; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// y[m0 + i, n0 + j] for i < ROWS, j < rows (rows <= NT; absent rows read row n0 again and are not stored).
+template <int ROWS, typename T>
+inline void micro_kernel(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n0, int rows) {
+  V acc[NT][ROWS];
+  const T* wr[NT];
+  for (int j = 0; j < NT; ++j) {
+    wr[j] = w + (n0 + (j < rows ? j : 0)) * K;
+    for (int i = 0; i < ROWS; ++i) acc[j][i] = vzero();
+  }
+  for (int64_t k = 0; k < K; k += LANES) {
+    V wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_f32(wr[j] + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const V xv = load_f32(x + i * K + k);
+      for (int j = 0; j < NT; ++j) acc[j][i] = vfmadd(wv[j], xv, acc[j][i]);
+    }
+  }
+  for (int j = 0; j < rows; ++j) {
+    const float b = bias != nullptr ? to_float(bias[n0 + j]) : 0.0f;
+    for (int i = 0; i < ROWS; ++i) store_out(y + i * N + n0 + j, hsum(acc[j][i]) + b);
+  }
+}
+
+template <int ROWS, typename T>
+inline void rows_left(const T* x, const T* w, const T* bias, T* y, int64_t m_left, int64_t K, int64_t N, int64_t n0,
+                      int rows) {
+  if constexpr (ROWS > 0) {
+    if (m_left == ROWS) return micro_kernel<ROWS>(x, w, bias, y, K, N, n0, rows);
+    rows_left<ROWS - 1>(x, w, bias, y, m_left, K, N, n0, rows);
+  }
+}
+
+template <typename T>
+void dense_gemm_block(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t num_tiles = (N + NT - 1) / NT;
+  // NOTE: tiles are claimed 8 at a time: fine enough to balance 2-8 threads over N >= 576, coarse enough that the
+  // shared counter is not contended.
+  tandem_pool::parallel_for(num_tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = NT * t;
+      const int rows = static_cast<int>(std::min<int64_t>(NT, N - n0));
+      prefetch_rows(w, K, n0 + PREFETCH_TILES * NT, N);
+      int64_t m = 0;
+      for (; m + MT <= M; m += MT) micro_kernel<MT>(x + m * K, w, bias, y + m * N, K, N, n0, rows);
+      rows_left<MT - 1>(x + m * K, w, bias, y + m * N, M - m, K, N, n0, rows);
+    }
+  });
+}
+
+constexpr int64_t MC = 16 * MT;  // x rows per pass over the weight: an L2-resident block of x (96 x K fp32)
+
+template <typename T>
+void dense_gemm_impl(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  // (a prefill chunk: the weight streams once per MC rows of x, so x's block stays in L2 while it does)
+  for (int64_t m0 = 0; m0 < M; m0 += MC) dense_gemm_block(x + m0 * K, w, bias, y + m0 * N, std::min(MC, M - m0), K, N);
+}
+
+}  // namespace
+
+// x [M, K] and weight [N, K] both fp32 or both bf16, contiguous, K % 32 == 0; bias [N] of that type or empty ->
+// y [M, N] of that type.
+torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous(),
+              "x [M, K] and weight [N, K] must be contiguous 2-D tensors");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x and weight must be both float32 or both bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K && K % 32 == 0, "weight must be [N, K] with x's K, a multiple of 32");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(), "bias must be contiguous [N] of x's dtype");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (x.scalar_type() == torch::kFloat) {
+    dense_gemm_impl<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
+                           has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
+  } else {
+    dense_gemm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                                  has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+                                  M, K, N);
+  }
+  return y;
+}

@@ -1,0 +1,52 @@
+"""Dense linears for few rows on x86-64 CPUs: the C++ kernel of kernels/cpu/dense_gemm.cpp, its pure-torch
+reference, and the rule for when it runs.
+
+A decode step's linears multiply a handful of rows by the whole weight, so they are bound by reading the weight
+(fp32 or bf16). The kernel streams each weight once per call on the CPU kernels' own threads (all of them, while
+the engine runs torch on one) and widens bf16 to fp32 in registers, as the reference computes: fp32 products and
+sums, one rounding to the output's type. Where torch's GEMM does better (bf16 past MAX_ROWS rows: bound by
+arithmetic) the caller uses it.
+
+Built and loaded by kernels/cpu_ext.py (with the other CPU kernels).
+Torch only: nothing here imports triton or shared/.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels import cpu_ext
+
+# rows of x up to which the kernel beats torch's matmul on the engine's one torch thread here (python -m
+# tandem.benchmarks.dense_gemm): fp32 at every size (torch's fp32 GEMM, MKL's, runs without AVX-512 on this AMD
+# CPU: about 100 GFLOP/s per thread against the kernel's 170), bf16 while the weight's bytes bound it (past that,
+# oneDNN's AVX512-BF16 dot products do twice the arithmetic per instruction)
+MAX_ROWS = {torch.float32: None, torch.bfloat16: 8}
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when linear(x, weight) runs the kernel: 2-D CPU tensors of one dtype of MAX_ROWS, at most its number
+    of rows of x, in_features a multiple of 32, and the kernels built."""
+    if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in MAX_ROWS or x.dim() != 2:
+        return False
+    max_rows = MAX_ROWS[x.dtype]
+    return (max_rows is None or x.shape[0] <= max_rows) and x.shape[1] % 32 == 0 and cpu_ext.available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ weight [N, K].T (+ bias [N]), all fp32 or all bf16 (y too); fp32 arithmetic.
+    ValueError when supports(x, weight) is False or bias does not fit."""
+    if not supports(x, weight):
+        raise ValueError(f"the dense CPU kernel does not take x {x.dtype} {tuple(x.shape)} on {x.device} with "
+                         f"weight {weight.dtype} {tuple(weight.shape)} (see kernels.cpu_dense.supports)")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(f"bias must be [{weight.shape[0]}] {weight.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    return cpu_ext.extension().dense_gemm(x.contiguous(), weight.contiguous(),
+                                          None if bias is None else bias.contiguous())
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: products and sums in fp32, the bias added in fp32, one rounding to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

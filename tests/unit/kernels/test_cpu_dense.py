@@ -1,0 +1,84 @@
+"""The dense CPU GEMM (kernels/cpu/dense_gemm.cpp) against its pure-torch reference, in fp32 and bf16, on one and
+two kernel threads, and CpuDenseLinear (shared/model.py) against nn.Linear on both sides of the kernel's row
+limit."""
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.kernels import cpu_dense, cpu_ext
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernel needs AVX2 and a C++ compiler")
+# M covers every tail of the 6-row (AVX-512) and 2-row (AVX2) register blocks and more than one 96-row pass over
+# the weight; N a tail of the 4-row tiles; K one and several 32-column chunks.
+SHAPES = [(0, 8, 64), (1, 3, 32), (1, 64, 96), (2, 36, 64), (5, 20, 256), (7, 68, 96), (13, 9, 64), (100, 130, 192)]
+# fp32: sums of K products of size ~1 in another order. bf16: the same fp32 sum rounded once to bf16 can land one
+# bf16 step (2^-8 relative) either side.
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=2**-7)}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def kernel_threads(request):
+    before = cpu_ext.num_threads()
+    cpu_ext.set_num_threads(request.param)
+    yield request.param
+    cpu_ext.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, N, K", SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_dense_gemm_matches_reference(M, N, K, dtype, bias, kernel_threads, monkeypatch):
+    monkeypatch.setitem(cpu_dense.MAX_ROWS, dtype, None)  # (every M through the kernel)
+    x = torch.randn(M, K, generator=_gen(0)).to(dtype)
+    weight = torch.randn(N, K, generator=_gen(1)).to(dtype)
+    b = torch.randn(N, generator=_gen(2)).to(dtype) if bias else None
+    y = cpu_dense.linear(x, weight, b)
+    assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y, cpu_dense.linear_ref(x, weight, b), **TOLERANCE[dtype])
+
+
+def test_bf16_weights_are_widened_exactly():
+    """Weights and inputs that are small integers: every product and sum is exact in fp32, so the kernel must
+    equal the reference bit for bit (a bf16 -> fp32 widening off by one bit would show)."""
+    x = torch.randint(-8, 8, (3, 64), generator=_gen(0)).to(torch.bfloat16)
+    weight = torch.randint(-8, 8, (10, 64), generator=_gen(1)).to(torch.bfloat16)
+    assert torch.equal(cpu_dense.linear(x, weight), cpu_dense.linear_ref(x, weight))
+
+
+def test_large_n_tiles_cover_every_row():
+    N, K = 49152 + 3, 64  # the LM head's N, plus a tail
+    x, weight = torch.randn(2, K, generator=_gen(0)), torch.randn(N, K, generator=_gen(1))
+    torch.testing.assert_close(cpu_dense.linear(x, weight), cpu_dense.linear_ref(x, weight), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("bad", ["mixed-dtypes", "float64", "k-not-multiple-of-32", "bias-shape", "too-many-rows"])
+def test_what_the_kernel_does_not_take_raises_value_error(bad):
+    dtype = torch.float64 if bad == "float64" else torch.bfloat16
+    k = 48 if bad == "k-not-multiple-of-32" else 64
+    m = cpu_dense.MAX_ROWS[torch.bfloat16] + 1 if bad == "too-many-rows" else 2
+    x = torch.randn(m, k).to(torch.float32 if bad == "mixed-dtypes" else dtype)
+    weight = torch.randn(8, k).to(dtype)
+    bias = torch.randn(7).to(dtype) if bad == "bias-shape" else None
+    assert cpu_dense.supports(x, weight) == (bad == "bias-shape")
+    with pytest.raises(ValueError):
+        cpu_dense.linear(x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_dense_linear_equals_nn_linear_on_both_sides_of_the_row_limit(dtype):
+    from tandem.shared.model import CpuDenseLinear
+
+    linear = nn.Linear(64, 40, bias=True).to(dtype)
+    fast = nn.Linear(64, 40, bias=True).to(dtype)
+    fast.load_state_dict(linear.state_dict())
+    fast.__class__ = CpuDenseLinear
+    for m in (1, (cpu_dense.MAX_ROWS[dtype] or 64) + 1):
+        x = torch.randn(m, 64, generator=_gen(m)).to(dtype)
+        torch.testing.assert_close(fast(x), linear(x), **TOLERANCE[dtype])
+    x = torch.randn(2, 3, 64).to(dtype)  # (3-D input: torch's path)
+    torch.testing.assert_close(fast(x), linear(x), **TOLERANCE[dtype])
