@@ -18,9 +18,9 @@ from tandem.kernels import cpu_ext
 
 # rows of x up to which the kernel beats torch's matmul on the engine's one torch thread here (python -m
 # tandem.benchmarks.dense_gemm): fp32 at every size (torch's fp32 GEMM, MKL's, runs without AVX-512 on this AMD
-# CPU: about 100 GFLOP/s per thread against the kernel's 170), bf16 while the weight's bytes bound it (past that,
-# oneDNN's AVX512-BF16 dot products do twice the arithmetic per instruction)
-MAX_ROWS = {torch.float32: None, torch.bfloat16: 8}
+# CPU: about 100 GFLOP/s per thread, the kernel 170), bf16 while the weight's bytes bound it (past that, oneDNN's
+# bf16 GEMM, its weight packed along N, does more per instruction than these per-row dot products)
+MAX_ROWS = {torch.float32: None, torch.bfloat16: 16}
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

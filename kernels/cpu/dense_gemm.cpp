@@ -53,6 +53,35 @@ inline void prefetch_rows(const T* w, int64_t K, int64_t n, int64_t N) {
   for (const char* p = p0; p < p1; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
+// acc[j][i] += the products of x row i and weight row wr[j] over K, per lane (fp32).
+template <int ROWS, typename T>
+inline void accumulate(const T* x, const T* const wr[NT], int64_t K, V acc[NT][ROWS]) {
+  for (int64_t k = 0; k < K; k += LANES) {
+    V wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = load_f32(wr[j] + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const V xv = load_f32(x + i * K + k);
+      for (int j = 0; j < NT; ++j) acc[j][i] = vfmadd(wv[j], xv, acc[j][i]);
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+// bf16 with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 lanes (exact products, fp32 sums, inputs'
+// and outputs' subnormals flushed), twice the arithmetic of widening + FMA, so a prefill chunk runs here too.
+template <int ROWS>
+inline void accumulate(const at::BFloat16* x, const at::BFloat16* const wr[NT], int64_t K, V acc[NT][ROWS]) {
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+      for (int j = 0; j < NT; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv[j], xv);
+    }
+  }
+}
+#endif
+
 // y[m0 + i, n0 + j] for i < ROWS, j < rows (rows <= NT; absent rows read row n0 again and are not stored).
 template <int ROWS, typename T>
 inline void micro_kernel(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n0, int rows) {
@@ -62,14 +91,7 @@ inline void micro_kernel(const T* x, const T* w, const T* bias, T* y, int64_t K,
     wr[j] = w + (n0 + (j < rows ? j : 0)) * K;
     for (int i = 0; i < ROWS; ++i) acc[j][i] = vzero();
   }
-  for (int64_t k = 0; k < K; k += LANES) {
-    V wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = load_f32(wr[j] + k);
-    for (int i = 0; i < ROWS; ++i) {
-      const V xv = load_f32(x + i * K + k);
-      for (int j = 0; j < NT; ++j) acc[j][i] = vfmadd(wv[j], xv, acc[j][i]);
-    }
-  }
+  accumulate<ROWS>(x, wr, K, acc);
   for (int j = 0; j < rows; ++j) {
     const float b = bias != nullptr ? to_float(bias[n0 + j]) : 0.0f;
     for (int i = 0; i < ROWS; ++i) store_out(y + i * N + n0 + j, hsum(acc[j][i]) + b);
