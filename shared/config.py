@@ -6,6 +6,7 @@ Imports neither torch nor the engine (torch only inside torch_dtype), so the cli
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -318,8 +319,8 @@ def _setting(default, help: str, kind: type | None = None, choices=None, group: 
 
 # The settings whose default depends on the tier; everything else has one default for both, in EngineArgs.
 TIER_DEFAULTS = {
-    "prefill": {"num_blocks": 1024, "max_num_batched_tokens": 512, "kernel_threads": 1},
-    "decode": {"num_blocks": 2048, "max_num_batched_tokens": 256, "kernel_threads": 2},
+    "prefill": {"num_blocks": 1024, "max_num_batched_tokens": 512},
+    "decode": {"num_blocks": 2048, "max_num_batched_tokens": 256},
 }
 
 
@@ -329,7 +330,8 @@ class EngineArgs:
 
     services/flags.py makes one command-line flag per field (--block-size for block_size), for the engine
     services and `tandem up`; a field with env reads that variable (shared/envs.py) when the flag is absent.
-    None for num_blocks / max_num_batched_tokens / kernel_threads means the tier's default (TIER_DEFAULTS). A test checks that
+    None for num_blocks / max_num_batched_tokens means the tier's default (TIER_DEFAULTS), for kernel_threads every CPU
+    this process may run on. A test checks that
     the defaults the README and the protos document equal these.
     """
 
@@ -361,8 +363,9 @@ class EngineArgs:
     max_num_seqs: int = _setting(64, "requests in the running batch at most")
     threads: int = _setting(1, "torch intra-op threads for this process")
     kernel_threads: int | None = _setting(
-        None, "threads of the C++ CPU kernels (quantized GEMM, decode attention), the engine's own included; "
-        "helpers claim work from a shared counter, so a busy neighbour process never stalls a step", int)
+        None, "threads of the C++ CPU kernels (dense and quantized GEMMs, layer ops, decode attention), the engine's "
+        "own included (default: every CPU this process may run on); helpers claim work from a shared counter, so a "
+        "busy neighbour process never stalls a step", int)
     speculative_method: str | None = _setting(
         None, "speculative decoding on this engine: 'ngram' (prompt lookup), 'draft' (--draft-model), "
         "'early-exit' (the model's first layers draft); decode tier only (default: off)", str,
@@ -424,8 +427,10 @@ class EngineArgs:
         return what + (f" ({'; '.join(why)})" if why else "")
 
     def resolved_kernel_threads(self, tier: str) -> int:
-        """kernel_threads, or the tier's default. ValueError below 1."""
-        threads = self.kernel_threads if self.kernel_threads is not None else TIER_DEFAULTS[tier]["kernel_threads"]
+        """kernel_threads, or every CPU this process may run on (both tiers: the kernels' helpers claim work from a
+        shared counter, so an engine that shares its CPUs with a busy neighbour loses nothing waiting for them, and
+        one whose neighbour is idle gets its cores). ValueError below 1."""
+        threads = self.kernel_threads if self.kernel_threads is not None else len(os.sched_getaffinity(0))
         if threads < 1:
             raise ValueError(f"--kernel-threads must be at least 1, got {threads}")
         return threads
