@@ -7,7 +7,8 @@ gateway_id (this gateway's instance id; instance_id in router_decisions names th
              tandem:prompt_tokens_total, tandem:generation_tokens_total (tokens sent to clients),
              tandem:prompt_tokens_cached_total (prompt tokens served from a prefix cache),
              tandem:router_decisions_total{target_tier, instance_id, reason} (ours: where each request went and
-             why: cache_aware, round_robin, decode_local (the decode computes the prompt), pinned (n completions
+             why: cache_aware, round_robin, decode_local (the decode computes the prompt: few tokens),
+             decode_local_cost (the decode computes it: cheaper by measured cost), pinned (n completions
              and beams follow their prompt)), tandem:router_expected_cached_tokens_total{target_tier} (ours: the
              prompt tokens the prefix index said the chosen instance held)
   histograms tandem:time_to_first_token_seconds, tandem:inter_token_latency_seconds (per token: a message of k

@@ -6,7 +6,12 @@ and the prefix index (shared/cluster_state/prefix_index.py). docs/prefix-caching
 - Decode: among instances with room for the request, the highest score: prompt tokens it already holds (not
   shipped) minus DECODE_LOAD_TOKENS per request it serves or holds.
 - Local prefill (conditional disaggregation): when the part of the prompt the chosen decode lacks is at most
-  local_prefill_tokens, the decode computes it itself and no prefill is called.
+  local_prefill_tokens, the decode computes it itself and no prefill is called. Past that, by measured cost: each
+  instance publishes the tokens/s its recent steps computed (InstanceInfo.tokens_per_s), and the decode computes
+  the prompt when its queue and the prompt over its rate, times the requests that wait while it does (its running
+  ones and this one), is less than the prefill's queue and the prompt over the prefill's rate: when the prefill
+  tier is the bottleneck, an idle decode takes the prompt; a busy one never does. Prompts a decode was given to
+  compute in the last QUEUE_HINT_S count in its queue, which its record may not show yet.
 The index learns of a prompt's blocks only as they are computed, so for ROUTED_HINT_S after sending a prompt to a
 prefill the router also counts its blocks as held there: the next prompts sharing that prefix follow it instead
 of computing it elsewhere (SGLang's router does the same with its approximate radix tree). Not for decodes: a
@@ -38,6 +43,7 @@ DECODE_LOAD_TOKENS = 256  # one running/waiting request on a decode weighs as mu
 ROUTING_POLICIES = ("cache-aware", "round-robin")
 INDEX_PROBE_S = 1.0  # while the prefix index is down, how often it is asked whether it answers again
 ROUTED_HINT_S = 10.0  # seconds a routed prompt's blocks count as held where it went, before the index shows them
+QUEUE_HINT_S = 1.0  # seconds routed tokens count in an instance's queue (its record is republished every 0.5 s)
 
 
 @dataclass
@@ -89,6 +95,8 @@ class Router:
         # (instance id, incarnation) -> {block hash: when the hint expires}, oldest first
         self._routed: dict[tuple[str, str], OrderedDict[BlockHash, float]] = {}
         self._down: dict[str, float] = {}  # instance id -> until when routing avoids it (mark_down)
+        # (instance id, incarnation) -> [(until when, prompt tokens a decode was given to compute)]
+        self._queued: dict[tuple[str, str], list[tuple[float, int]]] = {}
 
     async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
         """Live instances of tier for this model, leaving out skip, and those marked down unless no other is
@@ -136,16 +144,45 @@ class Router:
         explanation = [f"decode {d.instance_id}: {cached[d.instance_id]} cached{routed(d)}, "
                        f"{d.num_running + d.num_waiting} requests -> {decode_score(d)}" for d in roomy]  # fmt: skip
         decode = self._turn("decode", _best(roomy, decode_score, max))
-        if local and n - cached[decode.instance_id] <= self.local_prefill_tokens:
-            explanation.append(f"-> decode {decode.instance_id} computes the {n - cached[decode.instance_id]} "
-                               f"uncached tokens itself (<= {self.local_prefill_tokens})")
+        uncached = n - cached[decode.instance_id]
+        if local and uncached <= self.local_prefill_tokens:
+            explanation.append(f"-> decode {decode.instance_id} computes the {uncached} uncached tokens itself "
+                               f"(<= {self.local_prefill_tokens})")
+            self._add_queued(decode, uncached)
             return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
         explanation += [f"prefill {p.instance_id}: {p.num_queued_tokens} queued + {n - cached[p.instance_id]} "
                         f"to compute{routed(p)} -> {prefill_cost(p)}" for p in prefills]  # fmt: skip
         prefill = self._turn("prefill", _best(prefills, prefill_cost, min))
+        if local and decode.tokens_per_s and prefill.tokens_per_s:
+            waiting = 1 + decode.num_running  # (the requests a local prefill holds up: this one and the running)
+            local_s = (self._queued_tokens(decode) + uncached) / decode.tokens_per_s * waiting
+            remote_s = prefill_cost(prefill) / prefill.tokens_per_s
+            explanation.append(f"measured: on decode {local_s * 1e3:.0f} ms x request ({uncached} tokens at "
+                               f"{decode.tokens_per_s:.0f}/s, {waiting} waiting), on prefill {remote_s * 1e3:.0f} "
+                               f"ms ({prefill_cost(prefill)} tokens at {prefill.tokens_per_s:.0f}/s)")
+            if local_s < remote_s:
+                explanation.append(f"-> decode {decode.instance_id} computes the {uncached} uncached tokens itself "
+                                   "(cheaper than the prefill tier by measured cost)")
+                self._add_queued(decode, uncached)
+                return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local_cost")
         self._remember(prefill, hashes)
         explanation.append(f"-> prefill {prefill.instance_id}, decode {decode.instance_id}")
         return Route(decode, prefill, cached[prefill.instance_id], cached[decode.instance_id], explanation)
+
+    def _queued_tokens(self, instance: InstanceInfo) -> int:
+        """Its record's queue plus the prompt tokens it was given to compute in the last QUEUE_HINT_S (which the
+        record may not show yet: a burst of prompts must not all see the same empty queue)."""
+        key, now = (instance.instance_id, instance.incarnation), time.monotonic()
+        recent = [(until, tokens) for until, tokens in self._queued.get(key, ()) if until > now]
+        if recent:
+            self._queued[key] = recent
+        else:
+            self._queued.pop(key, None)
+        return instance.num_queued_tokens + sum(tokens for _, tokens in recent)
+
+    def _add_queued(self, instance: InstanceInfo, tokens: int) -> None:
+        key = (instance.instance_id, instance.incarnation)
+        self._queued.setdefault(key, []).append((time.monotonic() + QUEUE_HINT_S, tokens))
 
     async def _cached_tokens(self, hashes: list[BlockHash],
                              candidates: list[InstanceInfo]) -> tuple[dict[str, int], dict[str, int]]:
@@ -236,6 +273,7 @@ class Router:
             del self._routed[key]
         now = time.monotonic()
         self._down = {i: until for i, until in self._down.items() if until > now}
+        self._queued = {key: hints for key, hints in self._queued.items() if live.get(key[0]) == key[1]}
         try:
             await self.index.cleanup(live)
         except IndexUnavailableError:

@@ -250,3 +250,28 @@ def test_a_frozen_redis_does_not_hold_up_routing(redis_server, caplog):
         assert "cache-aware routing resumed" in caplog.text
 
     in_world(redis_server, body)
+
+
+def test_a_decode_computes_a_long_prompt_when_its_measured_cost_is_lower(redis_server):
+    """Past --local-prefill-tokens the measured rates decide: an idle decode takes the prompt while the prefill's
+    queue is deep; a busy one, or one whose rate is not measured yet, does not; prompts it was just given count in
+    its queue before its record shows them."""
+    async def body(world):
+        prefill = instance("prefill-a", "prefill", num_queued_tokens=5000, tokens_per_s=1000.0)  # 5.2 s to go
+        await world.register(instance("decode-a", "decode", tokens_per_s=500.0), prefill)
+        router = world.router(local_prefill_tokens=0)
+        route = await router.route(PROMPT, 300)  # 200 tokens at 500/s: 0.4 s, this request alone waiting
+        assert route.prefill is None and route.reason == "decode_local_cost", route.explain()
+        assert "on decode 400 ms x request (200 tokens at 500/s, 1 waiting), on prefill 5200 ms" in route.explain()
+        route = await router.route(PROMPT, 300)  # (the first prompt's 200 tokens queued there: 0.8 s)
+        assert route.prefill is None and "on decode 800 ms" in route.explain(), route.explain()
+        await world.register(instance("decode-a", "decode", tokens_per_s=500.0, num_running=20))
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)  # 0.4 s x 21 requests held up
+        assert route.prefill.instance_id == "prefill-a", route.explain()
+        await world.register(instance("decode-a", "decode"))  # (no rate measured yet)
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert route.prefill.instance_id == "prefill-a" and "measured" not in route.explain(), route.explain()
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300, local=False)  # (prompt logprobs)
+        assert route.prefill.instance_id == "prefill-a"
+
+    in_world(redis_server, body)
