@@ -1,9 +1,10 @@
-"""Prefill throughput against the fp32 matmul ceiling of this CPU, measured in the same run.
+"""Prefill throughput against the matmul ceiling of this CPU, measured in the same run.
 
-    python -m tandem.benchmarks.prefill [--threads 1] [--chunk 512] [--prompt-len 2048]
+    python -m tandem.benchmarks.prefill [--threads 1] [--kernel-threads 1] [--dtype float32] [--chunk 512]
 
-The ceiling: the model's own linear shapes ([chunk, K] x [K, N] for every projection and the LM head rows that
-are sampled) run as bare F.linear calls, in FLOP/s. The engine: one prompt prefilled in chunks of --chunk tokens
+The ceiling: the model's own linear shapes ([chunk, K] x [K, N] for every projection) run as bare GEMMs in
+--dtype, in FLOP/s: the better of torch's F.linear (on --threads) and the dense CPU kernel (kernels/cpu_dense.py,
+on --kernel-threads), each reported. The engine: one prompt prefilled in chunks of --chunk tokens
 by LLMEngine (the prefill tier's loop), in tokens/s and in FLOP/s of those linears plus causal attention
 (QK^T and PV). The ratio says how much of the ceiling the engine reaches; the rest is norms, RoPE, KV writes,
 attention running below the GEMM rate, and Python.
@@ -33,25 +34,35 @@ def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return per_layer * config.num_hidden_layers
 
 
-def matmul_ceiling(config: ModelConfig, chunk: int, repeats: int = 3) -> float:
-    """FLOP/s of bare fp32 F.linear over the model's shapes at M = chunk (best of repeats)."""
+def matmul_ceiling(config: ModelConfig, chunk: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, float]:
+    """FLOP/s of bare GEMMs over the model's shapes at M = chunk (best of repeats): {"torch": F.linear's,
+    "kernel": the dense CPU kernel's (absent when it is not built)}."""
+    from tandem.kernels import cpu_ext
+
     shapes = linear_shapes(config)
-    weights = {shape: torch.randn(shape) for shape in set(shapes)}
-    x = {k: torch.randn(chunk, k) for _, k in shapes}
+    weights = {shape: torch.randn(shape).to(dtype) for shape in set(shapes)}
+    x = {k: torch.randn(chunk, k).to(dtype) for _, k in shapes}
     flops = sum(2 * chunk * n * k for n, k in shapes)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for n, k in shapes:
-            F.linear(x[k], weights[(n, k)])
-        best = min(best, time.perf_counter() - t)
-    return flops / best
+    gemms = {"torch": F.linear}
+    if cpu_ext.available():
+        gemms["kernel"] = lambda a, w: cpu_ext.extension().dense_gemm(a, w, None)
+    rates = {}
+    for name, gemm in gemms.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for n, k in shapes:
+                gemm(x[k], weights[(n, k)])
+            best = min(best, time.perf_counter() - t)
+        rates[name] = flops / best
+    return rates
 
 
 def engine_prefill(config: ModelConfig, chunk: int, prompt_len: int) -> float:
     """Seconds the engine takes to prefill one prompt of prompt_len tokens in chunks (after a warm-up)."""
     block_size = 16
-    engine = LLMEngine(config, CacheConfig(block_size, prompt_len // block_size + 8, enable_prefix_caching=False), SchedulerConfig(chunk, 4))
+    engine = LLMEngine(config, CacheConfig(block_size, prompt_len // block_size + 8, config.dtype,
+                                           enable_prefix_caching=False), SchedulerConfig(chunk, 4))
     prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for request_id in ("warm-up", "measured"):
@@ -68,20 +79,28 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (the prefill tier's default)")
     parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--kernel-threads", type=int, default=1, help="the C++ kernels' (the prefill tier's "
+                        "default is every CPU; 1 measures one core)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default=None)
     args = parser.parse_args(argv)
+    from tandem.kernels import cpu_ext
+
     torch.set_num_threads(args.threads)
-    config = ModelConfig.from_dir(prepare_model(), args.quantization)
-    ceiling = matmul_ceiling(config, args.chunk)
+    cpu_ext.set_num_threads(args.kernel_threads)
+    config = ModelConfig.from_dir(prepare_model(), args.quantization, args.dtype)
+    rates = matmul_ceiling(config, args.chunk, getattr(torch, args.dtype))
+    ceiling = max(rates.values())
     seconds = engine_prefill(config, args.chunk, args.prompt_len)
     linear_flops = args.prompt_len * sum(2 * n * k for n, k in linear_shapes(config))
     # causal attention: QK^T and PV over about half the context on average, per layer and query head
     attention_flops = (2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
                        * args.prompt_len * args.prompt_len / 2)
     print(json.dumps({
-        "threads": args.threads, "chunk": args.chunk, "prompt_len": args.prompt_len,
-        "weight_format": config.weight_format,
+        "threads": args.threads, "kernel_threads": args.kernel_threads, "chunk": args.chunk,
+        "prompt_len": args.prompt_len, "weight_format": config.weight_format,
         "matmul_ceiling_gflops": round(ceiling / 1e9, 1),
+        **{f"{name}_gemm_gflops": round(rate / 1e9, 1) for name, rate in rates.items()},
         "engine_prefill_tokens_per_s": round(args.prompt_len / seconds, 1),
         "engine_gflops": round((linear_flops + attention_flops) / seconds / 1e9, 1),
         "attention_share_of_flops": round(attention_flops / (linear_flops + attention_flops), 2),
