@@ -21,7 +21,7 @@ from tandem.benchmarks.bench.metrics import DEFAULT_GOODPUT, parse_slo
 from tandem.benchmarks.bench.workloads import FIXED_INPUT_LEN, FIXED_OUTPUT_LEN, WORKLOADS
 
 DEFAULT_CONCURRENCY = [1, 8]
-DEFAULT_THREADS = 2  # the in-process backends and llama-server have the machine to themselves
+DEFAULT_THREADS = 2  # the in-process backends, llama-server and vLLM have the machine to themselves
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -130,7 +130,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         ' e.g. "--quantization gguf --num-blocks 512" (python -m tandem.services.decode --help); the '
                         "cluster's processes take --threads from here (default 1 each)")  # fmt: skip
     p.add_argument("--threads", type=_positive_int, default=DEFAULT_THREADS,
-                   help=f"threads of the one-process backends: colocated, hf-static, llama-server (default "
+                   help=f"threads of the one-process backends: colocated, hf-static, llama-server, vllm (default "
                         f"{DEFAULT_THREADS})")  # fmt: skip
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
@@ -139,6 +139,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "slower on a 2-core machine while another process was busy (-t 1 did not)")
     p.add_argument("--llama-slots", type=_positive_int, default=None,
                    help="llama-server's parallel slots, -np (default: 32, or the largest concurrency if more)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="vllm backend: the python of a venv with vLLM's CPU build (default: $VLLM_PYTHON); it serves "
+                        "the cluster's model directory on cores 0..--threads-1")  # fmt: skip
+    p.add_argument("--vllm-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                   help='vllm backend: its --dtype (default bfloat16; compare with --engine-args "--quantization none '
+                        '--dtype bfloat16")')  # fmt: skip
+    p.add_argument("--openai-url", default=None, metavar="URL",
+                   help="openai backend: a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vLLM, SGLang, "
+                        "TGI, our gateway's HTTP API); requests go to URL/v1/completions")  # fmt: skip
+    p.add_argument("--openai-model", default=None, metavar="NAME",
+                   help="openai backend: the requests' model (default: the first of URL/v1/models)")
     p.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds per request (600)")
     p.add_argument("--log-dir", default=None, help="logs of the processes started (default: a new temp dir)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every result as JSON to FILE ('-': stdout)")
@@ -147,8 +158,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """Check the flags against each other and fill in the defaults that depend on others. ValueError (or
-    FileNotFoundError for a llama-server path that is not an executable) saying what is wrong."""
+    FileNotFoundError for a llama-server or vLLM python path that is not an executable) saying what is wrong."""
     from tandem.benchmarks.bench.backends.llama_server import find_llama_server
+    from tandem.benchmarks.bench.backends.vllm import find_vllm_python
 
     if args.workload != "fixed" and (args.input_len or args.output_len):
         raise ValueError(f"--input-len and --output-len set the fixed workload's lengths; {args.workload} has its own")
@@ -159,6 +171,13 @@ def check_args(args) -> None:
         args.backend = list(DEFAULT_BACKENDS) + (["llama-server"] if llama else [])
     if "llama-server" in args.backend and llama is None:
         raise ValueError("backend llama-server: no binary found; pass --llama-server PATH or set $LLAMA_SERVER")
+    if "vllm" in args.backend and find_vllm_python(args.vllm_python) is None:
+        raise ValueError("backend vllm: no vLLM python found; pass --vllm-python PATH or set $VLLM_PYTHON (the python "
+                         "of a venv with vLLM's CPU build: docs/benchmarks.md)")  # fmt: skip
+    if "openai" in args.backend and not args.openai_url:
+        raise ValueError("backend openai: pass --openai-url URL, the running server it sends its requests to")
+    if args.openai_url and "openai" not in args.backend:
+        raise ValueError("--openai-url is where the openai backend sends its requests; it is not among the backends")
     if args.gateway and "cluster" not in args.backend:
         raise ValueError("--gateway is where the cluster backend sends its requests; it is not among the backends")
     if args.baseline is None:

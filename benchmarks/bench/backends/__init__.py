@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tandem.benchmarks.bench.backends.base import Backend
 
-BACKENDS = ("cluster", "colocated", "hf-static", "llama-server")
+BACKENDS = ("cluster", "colocated", "hf-static", "llama-server", "vllm", "openai")
 DEFAULT_BACKENDS = ("cluster", "colocated", "hf-static")  # + llama-server when its binary is found
 LLAMA_DEFAULT_SLOTS = 32
 LLAMA_MIN_CTX_PER_SLOT = 2048  # tokens
@@ -13,7 +13,8 @@ def create_backend(name: str, args, model_dir: str, max_in_flight: int, max_requ
     """The named backend, configured from the parsed `tandem bench` arguments.
 
     max_in_flight: the most requests in flight at once (the largest concurrency, or every request for a
-    request rate); max_request_len: the longest prompt + output in tokens (sizes llama-server's slots)."""
+    request rate); max_request_len: the longest prompt + output in tokens (sizes llama-server's slots and vLLM's
+    --max-model-len)."""
     if name == "cluster":
         from tandem.benchmarks.bench.backends.cluster import ClusterBackend
 
@@ -35,4 +36,13 @@ def create_backend(name: str, args, model_dir: str, max_in_flight: int, max_requ
         threads = args.llama_threads or args.threads
         return LlamaServerBackend(find_llama_server(args.llama_server), str(packaged_gguf_path()), threads,
                                   slots, ctx_per_slot, max_in_flight, args.log_dir, args.request_timeout)  # fmt: skip
+    if name in ("vllm", "openai"):
+        from tandem.benchmarks.bench.backends.openai_compat import OpenAIBackend
+        from tandem.benchmarks.bench.backends.vllm import VLLMServer, find_vllm_python
+
+        if name == "openai":
+            return OpenAIBackend(name, args.openai_url, max_in_flight, args.request_timeout, args.openai_model)
+        server = VLLMServer(find_vllm_python(args.vllm_python), model_dir, args.vllm_dtype, args.threads,
+                            max_request_len, args.log_dir)  # fmt: skip
+        return OpenAIBackend(name, None, max_in_flight, args.request_timeout, server=server)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

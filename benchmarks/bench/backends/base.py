@@ -1,8 +1,8 @@
 """What every backend gives the runner: one RequestResult per request, timed at the client.
 
-Two kinds of backend: a streaming one (cluster, colocated, llama-server) serves requests one by one as they
-arrive, `async generate(request)`, and any number may be in flight; a static-batching one (hf-static) takes a
-whole batch at once, `async generate_batch(requests, start_times_s)`, and returns when all of it is done.
+Two kinds of backend: a streaming one (cluster, colocated, llama-server, vllm, openai) serves requests one by one
+as they arrive, `async generate(request)`, and any number may be in flight; a static-batching one (hf-static)
+takes a whole batch at once, `async generate_batch(requests, start_times_s)`, and returns when all of it is done.
 Both have `async start()` (launch processes, load weights) and `async stop()`, and `describe()` for the report.
 """
 from __future__ import annotations
@@ -22,8 +22,9 @@ class RequestResult:
     end_s: when the response was complete; prompt_len: prompt tokens (the server's own count where it reports
     one); output_token_ids: the tokens generated, as streamed; reported_output_tokens: the server's count of
     them, where its stream leaves some ids out (None: every one is in output_token_ids); cached_tokens: prompt
-    tokens the server served from a prefix cache, where it reports them. error: the first line of what went
-    wrong; a failed request counts in `failed` and in no other metric.
+    tokens the server served from a prefix cache, where it reports them; output_text: the text generated, from a
+    backend whose stream may carry only text (openai). error: the first line of what went wrong; a failed
+    request counts in `failed` and in no other metric.
     """
 
     index: int
@@ -35,6 +36,7 @@ class RequestResult:
     error: str | None = None
     reported_output_tokens: int | None = None
     cached_tokens: int | None = None
+    output_text: str | None = None
 
     @property
     def ok(self) -> bool:
