@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cluster", action="store_true", help="skip the cluster run")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    from tandem.kernels import cpu_ext
+
     torch.set_num_threads(args.threads)
+    cpu_ext.set_num_threads(args.threads)  # (a decode engine's kernel threads: every CPU by default)
     results = {}
     for shape in args.shapes.split(","):
         path = write_checkpoint(shape)
