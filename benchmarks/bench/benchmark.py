@@ -9,7 +9,8 @@ import sys
 from tandem.benchmarks.bench.backends import create_backend
 from tandem.benchmarks.bench.backends.base import first_line
 from tandem.benchmarks.bench.metrics import DEFAULT_GOODPUT, BenchmarkMetrics, compute_metrics
-from tandem.benchmarks.bench.report import build_document, format_table, ratios_to_baseline, write_json
+from tandem.benchmarks.bench.report import (build_document, format_table, ratios_to_baseline, token_agreement,
+                                            write_json)
 from tandem.benchmarks.bench.runner import Load, RunResult, run_session
 from tandem.benchmarks.bench.workloads import BenchRequest, build_requests
 
@@ -101,6 +102,8 @@ def report(args, request_sets: list[list[BenchRequest]], backends: dict[str, dic
         print(format_table(runs, metrics, ratios, baseline), file=out)
         weights = {name: info["weights"] for name, info in backends.items() if "weights" in info}
         print("weights: " + ", ".join(f"{name} {w}" for name, w in weights.items()), file=out)
+        if agreement := token_agreement(runs, baseline):
+            print(f"requests with {baseline}'s very tokens: " + ", ".join(agreement), file=out)
     for run in runs:
         errors = [r.error for r in run.results if r.error]
         if errors:

@@ -100,13 +100,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--backend", type=_backends, default=None,
-                   help=f"comma list of {', '.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)}, plus "
-                        "llama-server when its binary is found)")  # fmt: skip
+                   help=f"comma list of {', '.join(BACKENDS)} (cluster-METHOD: the cluster with --speculative-method "
+                        f"METHOD; default: {','.join(DEFAULT_BACKENDS)}, plus llama-server when its binary is "
+                        "found)")  # fmt: skip
     p.add_argument("--baseline", choices=BACKENDS, default=None,
                    help="backend the throughput ratio is taken against (default: hf-static when it runs)")
     p.add_argument("--workload", choices=list(WORKLOADS), default="decode-heavy",
                    help="decode-heavy: prompts 20-60 tokens, 128 out; mixed: prompts 65-540, 80%% 16 out and 20%% "
-                        "128; fixed: --input-len / --output-len (default decode-heavy)")  # fmt: skip
+                        "128; fixed: --input-len / --output-len; copy: a passage of 100-300 tokens then its first 16 "
+                        "again, --output-len out (default 40) (default decode-heavy)")  # fmt: skip
     p.add_argument("--num-prompts", type=_positive_int, default=32, help="requests per run (default 32)")
     p.add_argument("--input-len", type=_positive_int, default=None,
                    help=f"fixed workload: prompt tokens (default {FIXED_INPUT_LEN})")

@@ -19,6 +19,25 @@ def ratios_to_baseline(runs: list[RunResult], metrics: list[BenchmarkMetrics],
     return [m.output_throughput / base[run.load] if base.get(run.load) else None for run, m in zip(runs, metrics)]
 
 
+def token_agreement(runs: list[RunResult], baseline: str | None) -> list[str]:
+    """For each other backend's run: how many of its requests generated the very tokens the baseline's run at the
+    same load level did (greedy: speculation, chunking and transfer must not change a token), over the requests
+    both streamed every id of ('cluster-ngram at concurrency 1: 8/8')."""
+    def ids(run: RunResult) -> dict[int, list[int]]:
+        return {r.index: r.output_token_ids for r in run.results if r.ok and r.reported_output_tokens is None}
+
+    base = {run.load: ids(run) for run in runs if run.backend == baseline}
+    lines = []
+    for run in runs:
+        if run.backend == baseline or run.load not in base:
+            continue
+        pairs = [(tokens, base[run.load][i]) for i, tokens in ids(run).items() if i in base[run.load]]
+        if pairs:
+            same = sum(a == b for a, b in pairs)
+            lines.append(f"{run.backend} at {run.load.label}: {same}/{len(pairs)}")
+    return lines
+
+
 def _ms(value: float | None) -> str:
     if value is None:
         return "-"

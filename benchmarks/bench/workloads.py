@@ -53,6 +53,16 @@ def mixed(rng: random.Random, num_prompts: int, input_len: int | None, output_le
     return [(rng.randint(65, 540), out) for out in outputs]
 
 
+COPY_ECHO_TOKENS = 16  # copy: the passage's first tokens, repeated after it
+
+
+def copy(rng: random.Random, num_prompts: int, input_len: int | None, output_len: int | None) -> LengthPairs:
+    """Copy-heavy (code edits, quoting agents): a passage of 100-300 tokens (uniform), then its first
+    COPY_ECHO_TOKENS tokens again, so the likely answer repeats the passage: what speculative decoding gains most
+    on. output_len tokens out (default 40; 128 for long answers). Ignores input_len."""
+    return [(rng.randint(100, 300), output_len or 40) for _ in range(num_prompts)]
+
+
 def fixed(rng: random.Random, num_prompts: int, input_len: int | None, output_len: int | None) -> LengthPairs:
     """Every request input_len prompt tokens (default 1000) and output_len output tokens (default 16)."""
     pair = (input_len or FIXED_INPUT_LEN, output_len or FIXED_OUTPUT_LEN)
@@ -63,6 +73,7 @@ WORKLOADS: dict[str, Callable[..., LengthPairs]] = {
     "decode-heavy": decode_heavy,
     "mixed": mixed,
     "fixed": fixed,
+    "copy": copy,
 }
 
 
@@ -106,5 +117,8 @@ def build_requests(workload: str, tokenizer, num_prompts: int, seed: int, input_
     requests = []
     for index, (prompt_len, out_len) in enumerate(lengths):
         text, ids = cut_prompt(tokenizer, corpus, prompt_len, rng)
+        if workload == "copy":  # (the passage, a blank line, its start again)
+            text += "\n\n" + tokenizer.decode(ids[:COPY_ECHO_TOKENS], clean_up_tokenization_spaces=False)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
         requests.append(BenchRequest(index, text, tuple(ids), out_len))
     return requests

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from tandem.benchmarks.bench.backends.base import RequestResult
 from tandem.benchmarks.bench.metrics import compute_metrics, meets_slos, parse_slo
-from tandem.benchmarks.bench.report import ratios_to_baseline
+from tandem.benchmarks.bench.report import ratios_to_baseline, token_agreement
 from tandem.benchmarks.bench.runner import Load, RunResult, arrival_times_s, run_static, run_streaming
 from tandem.benchmarks.bench.workloads import BenchRequest, build_requests
 
@@ -93,6 +93,17 @@ def test_ratio_to_the_baseline_is_taken_at_the_same_load():
     metrics = [compute_metrics([make_result(gaps=(0.1,) * (n - 1))], 1.0) for n in (2, 4, 6, 20)]
     assert ratios_to_baseline(runs, metrics, "base") == pytest.approx([1, 1, 3, 5])  # 6/2 and 20/4 tokens/s
     assert ratios_to_baseline(runs, metrics, None) == [None] * 4
+
+
+def test_token_agreement_compares_each_request_with_the_baselines_at_the_same_load():
+    loads = [Load(concurrency=1), Load(concurrency=4)]
+    base = [RunResult("base", load, [make_result(i) for i in range(3)], 1.0) for load in loads]
+    other = [make_result(i) for i in range(3)]
+    other[1].output_token_ids = [9, 9, 9, 9]  # one request generated other tokens
+    failed = make_result(2, error="boom")  # (a failed request is not compared)
+    runs = base + [RunResult("spec", loads[0], other, 1.0), RunResult("spec", loads[1], other[:2] + [failed], 1.0)]
+    assert token_agreement(runs, "base") == ["spec at concurrency 1: 2/3", "spec at concurrency 4: 1/2"]
+    assert token_agreement(runs, None) == []
 
 
 def test_arrival_times_are_seeded_gamma_gaps_with_mean_one_over_rate():
@@ -197,6 +208,19 @@ def test_fixed_lengths_are_exact_and_default_to_1000_and_16(tokenizer):
     assert {(r.prompt_len, r.output_len) for r in build_requests("fixed", tokenizer, 3, 0)} == {(1000, 16)}
     long = build_requests("fixed", tokenizer, 1, 0, 9000, 1)  # longer than the corpus: it repeats
     assert long[0].prompt_len == 9000
+
+
+def test_copy_prompts_end_with_their_passages_start(tokenizer):
+    from tandem.benchmarks.bench.workloads import COPY_ECHO_TOKENS
+
+    for r in build_requests("copy", tokenizer, 5, seed=0):
+        assert r.output_len == 40
+        assert list(r.prompt_token_ids) == tokenizer(r.prompt, add_special_tokens=False).input_ids
+        echo = tokenizer.decode(r.prompt_token_ids[:COPY_ECHO_TOKENS], clean_up_tokenization_spaces=False)
+        assert r.prompt.endswith("\n\n" + echo)  # (the passage's first tokens again, after a blank line)
+        passage = r.prompt.removesuffix("\n\n" + echo)
+        assert 100 <= len(tokenizer(passage, add_special_tokens=False).input_ids) <= 300
+    assert {r.output_len for r in build_requests("copy", tokenizer, 3, 0, output_len=128)} == {128}
 
 
 def test_unknown_workload(tokenizer):

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from tandem.benchmarks.bench.backends.base import Backend
+from tandem.shared.config import SPECULATIVE_METHODS
 
-BACKENDS = ("cluster", "colocated", "hf-static", "llama-server", "vllm", "openai")
+# cluster-<method>: the cluster with --speculative-method <method> added to --engine-args (one run compares them)
+SPECULATING_CLUSTERS = tuple(f"cluster-{method}" for method in SPECULATIVE_METHODS if method != "draft")
+BACKENDS = ("cluster", *SPECULATING_CLUSTERS, "colocated", "hf-static", "llama-server", "vllm", "openai")
 DEFAULT_BACKENDS = ("cluster", "colocated", "hf-static")  # + llama-server when its binary is found
 LLAMA_DEFAULT_SLOTS = 32
 LLAMA_MIN_CTX_PER_SLOT = 2048  # tokens
@@ -15,10 +18,19 @@ def create_backend(name: str, args, model_dir: str, max_in_flight: int, max_requ
     max_in_flight: the most requests in flight at once (the largest concurrency, or every request for a
     request rate); max_request_len: the longest prompt + output in tokens (sizes llama-server's slots and vLLM's
     --max-model-len)."""
-    if name == "cluster":
+    if name == "cluster" or name in SPECULATING_CLUSTERS:
+        import dataclasses
+
         from tandem.benchmarks.bench.backends.cluster import ClusterBackend
 
-        return ClusterBackend(model_dir, args.engine_args, args.gateway, args.log_dir, args.request_timeout)
+        engine_args = args.engine_args
+        if name != "cluster":
+            if args.gateway:
+                raise ValueError(f"backend {name} starts its own cluster: it does not go with --gateway")
+            engine_args = dataclasses.replace(engine_args, speculative_method=name.removeprefix("cluster-"))
+        backend = ClusterBackend(model_dir, engine_args, args.gateway, args.log_dir, args.request_timeout)
+        backend.name = name
+        return backend
     if name == "colocated":
         from tandem.benchmarks.bench.backends.colocated import ColocatedBackend
 

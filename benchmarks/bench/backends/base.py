@@ -109,3 +109,8 @@ def first_line(error: BaseException) -> str:
     """'TypeName: first line of the message', for the report."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def weights_description(model_config) -> str:
+    """What an engine of ours runs, for the report's weights line: 'gguf-q4_1 (float32 activations)'."""
+    return f"{model_config.weight_format} ({model_config.dtype} activations)"

@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.backends.base import RequestResult, weights_description
 from tandem.benchmarks.bench.workloads import BenchRequest
 from tandem.services.client import make_request
 from tandem.services.flags import engine_argv
@@ -90,6 +90,6 @@ class ClusterBackend:
             "engine_args": dataclasses.asdict(self.engine_args),
             # (a running gateway's engines were started elsewhere: their weights are not known here)
             "weights": ("of the running gateway" if self.gateway
-                        else self.engine_args.weights_line(self.engine_args.create_model_config(self.model_dir))),
+                        else weights_description(self.engine_args.create_model_config(self.model_dir))),
             "log_dir": str(self.cluster.log_dir) if self.cluster else None,
         }

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import time
 
-from tandem.benchmarks.bench.backends.base import RequestResult
+from tandem.benchmarks.bench.backends.base import RequestResult, weights_description
 from tandem.benchmarks.bench.workloads import BenchRequest
 from tandem.shared.config import TIER_DEFAULTS, EngineArgs
 
@@ -69,5 +69,5 @@ class ColocatedBackend:
         return {
             "engine_args": dataclasses.asdict(self.engine_args),
             "tier_configs": "decode defaults, max_num_batched_tokens as the prefill tier",
-            "weights": self.engine_args.weights_line(self.engine_args.create_model_config(self.model_dir)),
+            "weights": weights_description(self.engine_args.create_model_config(self.model_dir)),
         }
