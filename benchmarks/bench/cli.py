@@ -113,7 +113,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=_positive_int, default=None,
                    help=f"fixed workload: prompt tokens (default {FIXED_INPUT_LEN})")
     p.add_argument("--output-len", type=_positive_int, default=None,
-                   help=f"fixed workload: output tokens (default {FIXED_OUTPUT_LEN})")
+                   help=f"fixed and copy workloads: output tokens (default {FIXED_OUTPUT_LEN}; copy 40)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts, lengths and arrival times (default 0)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_positive_ints, default=None,
@@ -164,8 +164,11 @@ def check_args(args) -> None:
     from tandem.benchmarks.bench.backends.llama_server import find_llama_server
     from tandem.benchmarks.bench.backends.vllm import find_vllm_python
 
-    if args.workload != "fixed" and (args.input_len or args.output_len):
-        raise ValueError(f"--input-len and --output-len set the fixed workload's lengths; {args.workload} has its own")
+    if args.workload != "fixed" and args.input_len:
+        raise ValueError(f"--input-len sets the fixed workload's prompt length; {args.workload} has its own")
+    if args.workload not in ("fixed", "copy") and args.output_len:
+        raise ValueError(f"--output-len sets the fixed and copy workloads' output length; {args.workload} has its "
+                         "own")
     if args.burstiness is not None and args.request_rate is None:
         raise ValueError("--burstiness shapes the gaps between arrivals: it needs --request-rate")
     llama = find_llama_server(args.llama_server)
