@@ -262,7 +262,10 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "early-exit")
+SPECULATIVE_METHODS = ("ngram", "draft", "early-exit", "suffix")
+# num_speculative_tokens when none is given: suffix decoding drafts long runs; 15 drafts + the token verified with
+# them are 16 query rows, the most a CPU request runs in the decode attention kernel (attention.MAX_ROWS_AS_DECODE)
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 4, "early-exit": 4, "suffix": 15}
 
 
 @dataclass(frozen=True)
@@ -283,20 +286,29 @@ class SpeculativeConfig:
     method "draft": draft_model, a checkpoint dir with the target's tokenizer, runs num_speculative_tokens times
     per step over its own paged KV (shared/spec_decode/draft_model.py). method "early-exit": the target's first
     draft_num_layers layers and its LM head draft, over the target's KV (None: a quarter of the model's layers).
-    ValueError on bad values."""
+    method "suffix": suffix decoding (shared/spec_decode/suffix_proposer.py): suffix trees over the request's tokens
+    and over recent requests' outputs (suffix_cache_tokens tokens at most, the oldest evicted first); drafts of at
+    most suffix_max_spec_factor x the matched length, cut where their empirical probability falls below
+    suffix_min_token_prob.
+    num_speculative_tokens None: DEFAULT_NUM_SPECULATIVE_TOKENS. ValueError on bad values."""
 
     method: str
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True
     disable_by_batch_size: int | None = None
     draft_model: str | None = None
     draft_num_layers: int | None = None
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_tokens: int = 65536
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.method])
         if self.num_speculative_tokens <= 0:
             raise ValueError(f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -308,6 +320,18 @@ class SpeculativeConfig:
             raise ValueError("--draft-model goes with --speculative-method draft, and that method needs it")
         if self.draft_num_layers is not None and self.method != "early-exit":
             raise ValueError("--draft-num-layers goes with --speculative-method early-exit")
+        if self.suffix_max_spec_factor <= 0 or not 0 <= self.suffix_min_token_prob <= 1 or self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix decoding needs --suffix-max-spec-factor > 0, --suffix-min-token-prob in [0, 1] "
+                             f"and --suffix-cache-tokens >= 0, got {self.suffix_max_spec_factor}, "
+                             f"{self.suffix_min_token_prob}, {self.suffix_cache_tokens}")
+
+
+def _positive_number(value: str) -> float:
+    """A flag's type: a number above 0 (float flags are otherwise fractions in (0, 1])."""
+    number = float(value)
+    if not number > 0:
+        raise ValueError(value)
+    return number
 
 
 def _setting(default, help: str, kind: type | None = None, choices=None, group: str = "engine"):
@@ -368,9 +392,10 @@ class EngineArgs:
         "busy neighbour process never stalls a step", int)
     speculative_method: str | None = _setting(
         None, "speculative decoding on this engine: 'ngram' (prompt lookup), 'draft' (--draft-model), "
-        "'early-exit' (the model's first layers draft); decode tier only (default: off)", str,
-        choices=SPECULATIVE_METHODS)
-    num_speculative_tokens: int = _setting(4, "tokens proposed per step and request with --speculative-method")
+        "'early-exit' (the model's first layers draft), 'suffix' (suffix decoding: the request's tokens and recent "
+        "outputs); decode tier only (default: off)", str, choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int | None = _setting(
+        None, "tokens proposed per step and request at most with --speculative-method (default: 4; suffix: 15)", int)
     prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
     prompt_lookup_max: int = _setting(4, "ngram: the longest suffix looked up (tried first)")
     speculative_adaptive: bool = _setting(True, "adapt each request's draft length to its acceptance (shrink "
@@ -383,6 +408,12 @@ class EngineArgs:
                                        "`tandem quantize` copy), run over its own KV pool", str)
     draft_num_layers: int | None = _setting(None, "early-exit: the model's layers that draft (default: a quarter "
                                             "of them)", int)
+    suffix_max_spec_factor: float = _setting(1.0, "suffix: drafts of at most this times the matched suffix's "
+                                             "length", kind=_positive_number)
+    suffix_min_token_prob: float = _setting(0.1, "suffix: a draft stops where its empirical probability (the "
+                                            "product of its tokens' counts over their siblings') falls below this")
+    suffix_cache_tokens: int = _setting(65536, "suffix: output tokens of finished requests kept in the global "
+                                        "suffix tree (the oldest requests go first)")
 
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
@@ -441,7 +472,8 @@ class EngineArgs:
             return None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
                                  self.prompt_lookup_max, self.speculative_adaptive,
-                                 self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers)
+                                 self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers,
+                                 self.suffix_max_spec_factor, self.suffix_min_token_prob, self.suffix_cache_tokens)
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:
         """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the

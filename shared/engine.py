@@ -198,6 +198,8 @@ class LLMEngine:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.kv_connector.request_finished(request)
+        if self.drafter is not None:
+            self.drafter.request_finished(request)
         out.finish_reason, out.error = reason, error
         return out
 

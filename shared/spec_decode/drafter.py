@@ -1,7 +1,7 @@
 """Drafter: the engine's speculative-decoding bookkeeping. Before each step it gives every decoding request that
-may speculate its draft tokens (spec_token_ids): the n-gram proposals, or for a draft model as many placeholder
-ids, whose slots the scheduler then allocates and budgets like any others, and which draft() fills in once the
-step is scheduled. After the step, record() counts the verified drafts and (SpeculativeConfig.adaptive) adapts
+may speculate its draft tokens (spec_token_ids): the n-gram or suffix proposals, or for a draft model as many
+placeholder ids, whose slots the scheduler then allocates and budgets like any others, and which draft() fills in
+once the step is scheduled. After the step, record() counts the verified drafts and (SpeculativeConfig.adaptive) adapts
 the request's draft length (HF assisted generation's "heuristic" schedule), and a SpeculationGate keeps drafts
 off at the batch sizes where this engine measured more tokens per second without them."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tandem.shared.request import Request
 from tandem.shared.scheduler import SchedulerOutput
 from tandem.shared.spec_decode.draft_model import DraftModelProposer
 from tandem.shared.spec_decode.ngram_proposer import NgramProposer
+from tandem.shared.spec_decode.suffix_proposer import SuffixProposer
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class Drafter:
         block_size = model_runner.cache_config.block_size
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config.suffix_max_spec_factor, config.suffix_min_token_prob,
+                                           config.suffix_cache_tokens)
         elif config.method == "early-exit":
             num_layers = config.draft_num_layers or max(1, target.num_hidden_layers // 4)
             if not 1 <= num_layers < target.num_hidden_layers:
@@ -82,9 +86,9 @@ class Drafter:
             self.step_speculates = self.gate.speculate(len(running))
         if not self.step_speculates:
             return
-        # NOTE: alone in the batch, a request with n-gram drafts always gets the full draft length: they cost no
-        # model call, and the forward is bound by reading the weights, so verifying k + 1 rows costs about what
-        # one does (measured: 2.15x plain on the copy task vs 1.82x with the adaptive length)
+        # NOTE: alone in the batch, a request with n-gram or suffix drafts always gets the full draft length: they
+        # cost no model call, and the forward is bound by reading the weights, so verifying k + 1 rows costs about
+        # what one does (measured: 2.15x plain on the copy task vs 1.82x with the adaptive length)
         free_drafts = len(running) == 1 and self.draft_model is None
         for request in running:
             params = request.sampling_params
@@ -105,16 +109,19 @@ class Drafter:
             if self.draft_model is not None:
                 request.spec_token_ids = [PLACEHOLDER] * room
             else:
-                drafts = self.proposer.propose(request.token_ids(0, request.num_tokens), room)
+                drafts = (self.proposer.propose(request, room) if isinstance(self.proposer, SuffixProposer)
+                          else self.proposer.propose(request.token_ids(0, request.num_tokens), room))
                 if request.grammar is not None:  # (a draft the grammar refuses could never be accepted)
                     drafts = drafts[: request.grammar.num_valid(drafts)]
                 request.spec_token_ids = drafts
 
     def observe_step(self, out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
-        """Feed the gate a step that only decoded (each request at most 1 + num_speculative_tokens rows): the
-        tokens it emitted and its seconds, drafting included."""
+        """Feed the gate a step that only decoded (each request its next token and its drafts, no prompt chunk):
+        the tokens it emitted and its seconds, drafting included."""
         num_requests = len(out.scheduled_requests)
-        if num_requests and out.total_num_scheduled_tokens <= num_requests * (1 + self.config.num_speculative_tokens):
+        if num_requests and all(out.num_scheduled_tokens[r.request_id]
+                                == 1 + len(out.scheduled_spec_decode_tokens.get(r.request_id, ()))
+                                for r in out.scheduled_requests):  # fmt: skip
             self.gate.observe(num_requests, self.step_speculates, num_tokens, seconds)
             now = time.monotonic()
             if now - self.last_gate_log >= GATE_LOG_INTERVAL_S and (summary := self.gate.summary()):
@@ -134,6 +141,11 @@ class Drafter:
             out.scheduled_spec_decode_tokens[r.request_id] = drafts
             if probs is not None:
                 out.spec_draft_probs[r.request_id] = probs
+
+    def request_finished(self, request: Request) -> None:
+        """A request ended (its tokens final): suffix decoding drops its tree and caches its output."""
+        if isinstance(self.proposer, SuffixProposer):
+            self.proposer.request_finished(request)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count a verified step's drafts, and (adaptive) adapt the request's draft length to them: one shorter
