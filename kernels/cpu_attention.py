@@ -10,21 +10,24 @@ from tandem.kernels import cpu_ext
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """True when the kernel takes these tensors: fp32 on the CPU, head_dim a multiple of 16 up to 256, built."""
+    """True when the kernel takes these tensors: both fp32 or both bf16 on the CPU, head_dim a multiple of 16 up to
+    256, built."""
     head_dim = query.shape[-1]
-    return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+    return (query.device.type == "cpu" and query.dtype == key_cache.dtype
+            and query.dtype in (torch.float32, torch.bfloat16)
             and head_dim % 16 == 0 and head_dim <= 256 and cpu_ext.available())  # fmt: skip
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """out [S, Hq, D] fp32: each sequence's one query row per head attends to its context_lens[s] cached tokens
-    (with window, to the last `window` of them; the block-table entries before are never read).
+    """out [S, Hq, D] of the query's dtype: each sequence's one query row per head attends to its context_lens[s]
+    cached tokens (with window, to the last `window` of them; the block-table entries before are never read).
 
-    query fp32 [S, Hq, D]; key_cache, value_cache fp32 [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0, query heads
-    grouped consecutively per KV head); block_tables int32 [S, max_blocks]; context_lens int32 [S]; softcap: scores
-    become softcap * tanh(score / softcap) before the softmax (Gemma 2). Exact softmax (two-pass, fp32).
+    query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0, query heads grouped
+    consecutively per KV head), all fp32 or all bf16; block_tables int32 [S, max_blocks]; context_lens int32 [S];
+    softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2). Exact softmax (two-pass,
+    fp32); bf16 is widened to fp32 as it is read and the output rounded once (as the reference computes it).
     RuntimeError on bad shapes or dtypes, or when the kernel is not built (check supports())."""
     ext = cpu_ext.extension()
     if ext is None:

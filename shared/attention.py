@@ -65,8 +65,8 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     query [num_tokens, num_q_heads, head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads,
     head_dim] (already holding this step's K/V); window: a sliding window (None: the whole context); softcap: the
     scores' tanh cap (None: none); returns [num_tokens, num_q_heads, head_dim].
-    CUDA: Triton kernels (decode and extend). CPU: decode batches in the C++ kernel (fp32) or one padded
-    scaled_dot_product_attention; mixed batches per-request gather + attention.
+    CUDA: Triton kernels (decode and extend). CPU: decode batches and short queries in the C++ kernel (fp32, bf16)
+    or one padded scaled_dot_product_attention (fp16); mixed batches per-request gather + attention.
     """
     if use_triton(query):
         return _attention_triton(query, key_cache, value_cache, meta, scale, window, softcap)
@@ -134,9 +134,9 @@ def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, s
 
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
                           softcap: float | None) -> torch.Tensor:
-    """One query token per request. fp32: the C++ kernel, which reads K/V in place through the block table;
-    otherwise gather every context into a padded batch and attend in one call (with a window, a per-request loop:
-    the blocks before each window may be gone)."""
+    """One query token per request. fp32 and bf16: the C++ kernel, which reads K/V in place through the block
+    table; otherwise gather every context into a padded batch and attend in one call (with a window, a per-request
+    loop: the blocks before each window may be gone)."""
     if cpu_attention.supports(query, key_cache):
         return cpu_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
                                                     meta.context_lens_t, scale, window, softcap)

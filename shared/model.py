@@ -6,8 +6,9 @@ Our own forward (not transformers' modeling code), with HF module names so an HF
 with load_state_dict and quantized linears can replace nn.Linear by name. Numerics follow the HF references
 (RMSNorm in fp32, rotate-half RoPE, gated MLP; Gemma's (1 + weight) norms multiplied before the cast) so greedy
 tokens match them. The residual stream is carried beside each layer's output (vLLM's layout) so that its add fuses
-into the next RMSNorm. On the CPU in fp32 the elementwise ops run as the C++ kernels of kernels/cpu_layer_ops.py
-(one call each); elsewhere as their torch references.
+into the next RMSNorm. On the CPU in fp32 and bf16 the elementwise ops run as the C++ kernels of
+kernels/cpu_layer_ops.py (one call each, rounding as the torch ops do); elsewhere (fp16, Gemma's norms in bf16) as
+their torch references.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from tandem.shared.quant.layers import concat_linears
 
 
 def cpu_kernels(x: torch.Tensor) -> bool:
-    """True when x's elementwise layer ops run as the C++ CPU kernels (fp32 on the CPU, unless the Triton path is
-    forced there)."""
+    """True when x's elementwise layer ops run as the C++ CPU kernels (fp32 or bf16 on the CPU, unless the Triton
+    path is forced there)."""
     return cpu_layer_ops.supports(x) and not use_triton(x)
 
 
@@ -46,7 +47,7 @@ class RMSNorm(nn.Module):
         """RMSNorm(x) [T, H]; with residual: (RMSNorm(x + residual), x + residual), on the CPU in place in x and
         residual (both fresh tensors of the layer's own)."""
         weight = self.weight.float() + 1.0 if self.unit_offset else self.weight
-        fast = cpu_kernels(x) and weight.dtype == torch.float32
+        fast = cpu_kernels(x) and weight.dtype == x.dtype  # (not Gemma's fp32 1 + weight on bf16 x)
         if residual is None:
             if fast:
                 return cpu_layer_ops.rms_norm(x, weight, self.eps)
@@ -107,7 +108,7 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qkv = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
                              self.k_norm(k.reshape(-1, self.head_dim)).view_as(k), v], dim=1)
-        if cpu_kernels(qkv) and kv_cache.dtype == torch.float32:
+        if cpu_kernels(qkv) and kv_cache.dtype == qkv.dtype:
             q = cpu_layer_ops.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                             self.num_heads)  # fmt: skip
         else:

@@ -1,15 +1,17 @@
-// Decode attention over the paged KV cache on x86-64 CPUs (fp32; AVX2 + FMA or AVX-512): one query token per
-// sequence attends to its context (or, with a sliding window, its last `window` tokens), read in place through the
-// block table. Optional tanh soft-capping of the scores (Gemma 2: s = cap * tanh(s / cap), before the softmax).
+// Decode attention over the paged KV cache on x86-64 CPUs (fp32 or bf16; AVX2 + FMA or AVX-512): one query token
+// per sequence attends to its context (or, with a sliding window, its last `window` tokens), read in place through
+// the block table. Optional tanh soft-capping of the scores (Gemma 2: s = cap * tanh(s / cap), before the softmax).
 //
 // Why: the torch path gathers every sequence's K and V blocks into padded copies before attending
 // (shared/attention.py), which at batch 8-32 writes and rereads megabytes per layer; here each K and V row is
 // read once, where it lies. Softmax is exact two-pass fp32 (scores, max, e^(s - max), sum), as the reference
-// kernels/paged_attention.py paged_decode_attention_ref computes it; e^x is Cephes' polynomial (simd.h).
+// kernels/paged_attention.py paged_decode_attention_ref computes it; e^x is Cephes' polynomial (simd.h). A bf16
+// query and cache are widened to fp32 as they are loaded (exact); scores, softmax and the weighted sum of V are
+// fp32, and the output is rounded to bf16 once (as the reference: fp32 math, then .to(bf16)).
 //
-// Layouts (those of shared/attention.py): query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
-// block_tables int32 [S, max_blocks]; context_lens int32 [S]; Hq % Hkv == 0 (the query heads of KV head h are
-// h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as in HF's repeat_kv); D % LANES == 0.
+// Layouts (those of shared/attention.py): query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
+// (the query's dtype); block_tables int32 [S, max_blocks]; context_lens int32 [S]; Hq % Hkv == 0 (the query heads
+// of KV head h are h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as in HF's repeat_kv); D % LANES == 0.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -26,28 +28,29 @@ using namespace tandem_simd;
 constexpr int MAX_DV = 256 / LANES;  // head_dim up to 256
 
 // out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h, over its
-// tokens first..ctx-1 (blocks before first's are never read).
-void attend_one(const float* q, int64_t group, const float* key_cache, const float* value_cache,
-                const int32_t* block_table, int64_t first, int64_t ctx, int64_t block_size, int64_t num_kv_heads,
-                int64_t h, int64_t D, float scale, float softcap, float* out, std::vector<float>& scores) {
+// tokens first..ctx-1 (blocks before first's are never read). T: float or at::BFloat16.
+template <typename T>
+void attend_one(const T* q, int64_t group, const T* key_cache, const T* value_cache, const int32_t* block_table,
+                int64_t first, int64_t ctx, int64_t block_size, int64_t num_kv_heads, int64_t h, int64_t D,
+                float scale, float softcap, T* out, std::vector<float>& scores) {
   const int64_t dv = D / LANES;
   const int64_t n = ctx - first;
   const int64_t padded = (n + LANES - 1) / LANES * LANES;
   scores.resize(group * padded);
-  auto row = [&](const float* cache, int64_t i) {
+  auto row = [&](const T* cache, int64_t i) {
     const int64_t t = first + i;
     const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
     return cache + (slot * num_kv_heads + h) * D;
   };
   for (int64_t r = 0; r < group; ++r) {
     V qv[MAX_DV];
-    for (int64_t d = 0; d < dv; ++d) qv[d] = vload(q + r * D + d * LANES);
+    for (int64_t d = 0; d < dv; ++d) qv[d] = load_f32(q + r * D + d * LANES);
     float* s = scores.data() + r * padded;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) {
-      const float* k = row(key_cache, t);
-      V acc = vmul(qv[0], vload(k));
-      for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], vload(k + d * LANES), acc);
+      const T* k = row(key_cache, t);
+      V acc = vmul(qv[0], load_f32(k));
+      for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], load_f32(k + d * LANES), acc);
       s[t] = hsum(acc) * scale;
       if (softcap > 0.0f) s[t] = softcap * std::tanh(s[t] / softcap);
       m = std::max(m, s[t]);
@@ -61,28 +64,31 @@ void attend_one(const float* q, int64_t group, const float* key_cache, const flo
     V acc[MAX_DV];
     for (int64_t d = 0; d < dv; ++d) acc[d] = vzero();
     for (int64_t t = 0; t < n; ++t) {
-      const float* v = row(value_cache, t);
+      const T* v = row(value_cache, t);
       const V p = vbroadcast_value(s[t]);
-      for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, vload(v + d * LANES), acc[d]);
+      for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, load_f32(v + d * LANES), acc[d]);
     }
     const V iv = vbroadcast_value(inv);
-    for (int64_t d = 0; d < dv; ++d) store(out + r * D + d * LANES, vmul(acc[d], iv));
+    for (int64_t d = 0; d < dv; ++d) store_f32(out + r * D + d * LANES, vmul(acc[d], iv));
   }
 }
 
 }  // namespace
 
-// query fp32 [S, Hq, D]; key_cache, value_cache fp32 [num_blocks, block_size, Hkv, D]; block_tables int32
-// [S, max_blocks]; context_lens int32 [S]; window: attend to the last `window` tokens only (0: all); softcap: cap
-// the scores (0: none) -> out fp32 [S, Hq, D] (zeros for a context of 0 tokens). Block-table entries before the
-// window are never read (nor checked).
+// query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (all fp32 or all bf16); block_tables
+// int32 [S, max_blocks]; context_lens int32 [S]; window: attend to the last `window` tokens only (0: all); softcap:
+// cap the scores (0: none) -> out [S, Hq, D] of the query's dtype (zeros for a context of 0 tokens). Block-table
+// entries before the window are never read (nor checked).
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "query must be [S, Hq, D] and the caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat || query.scalar_type() == torch::kBFloat16,
+              "query must be fp32 or bf16");
   for (const auto* t : {&query, &key_cache, &value_cache})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "query and caches must be contiguous fp32");
+    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->is_contiguous(),
+                "query and caches must be contiguous and of one dtype (fp32 or bf16)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && context_lens.scalar_type() == torch::kInt &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "block_tables and context_lens must be contiguous int32");
@@ -108,20 +114,25 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   auto out = torch::zeros_like(query);
   const int64_t group = Hq / Hkv;
-  const float* qp = query.data_ptr<float>();
-  const float* kp = key_cache.data_ptr<float>();
-  const float* vp = value_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  tandem_pool::parallel_for(S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / Hkv, h = i % Hkv;
-      if (ctx_lens[s] == 0) continue;
-      const int64_t offset = (s * Hq + h * group) * D;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx_lens[s] - window) : 0;
-      attend_one(qp + offset, group, kp, vp, bt + s * max_blocks, first, ctx_lens[s], block_size, Hkv, h, D,
-                 static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores);
-    }
-  });
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const T* qp = query.data_ptr<T>();
+    const T* kp = key_cache.data_ptr<T>();
+    const T* vp = value_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    tandem_pool::parallel_for(S * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / Hkv, h = i % Hkv;
+        if (ctx_lens[s] == 0) continue;
+        const int64_t offset = (s * Hq + h * group) * D;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, ctx_lens[s] - window) : 0;
+        attend_one(qp + offset, group, kp, vp, bt + s * max_blocks, first, ctx_lens[s], block_size, Hkv, h, D,
+                   static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores);
+      }
+    });
+  };
+  if (query.scalar_type() == torch::kFloat) run(float{});
+  else run(at::BFloat16{});
   return out;
 }

@@ -27,18 +27,6 @@ constexpr int NT = 4;                   // weight rows per tile
 constexpr int MT = LANES == 16 ? 6 : 2; // x rows per register block: NT * MT accumulators + NT + 1 vectors
 constexpr int64_t PREFETCH_TILES = 2;   // tiles ahead of use: each row of a tile is a short stream
 
-// LANES elements at p widened to fp32: a float load, or bf16 (upper 16 bits of a float) shifted into place.
-inline V load_f32(const float* p) { return vload(p); }
-inline V load_f32(const at::BFloat16* p) {
-#ifdef __AVX512F__
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#endif
-}
-
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 

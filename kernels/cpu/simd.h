@@ -1,7 +1,12 @@
 // The SIMD vector of floats the CPU kernels are written in: 16 lanes with AVX-512 (when the compiler targets it,
-// e.g. -march=native on an AVX-512 CPU), else 8 lanes of AVX2 + FMA.
+// e.g. -march=native on an AVX-512 CPU), else 8 lanes of AVX2 + FMA; and the element types they read and write:
+// fp32, or bf16 widened to fp32 in registers and rounded back to nearest even (as c10::BFloat16(float) and torch's
+// vectorized casts round).
 #pragma once
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+#include <type_traits>
 
 namespace tandem_simd {
 
@@ -71,5 +76,63 @@ inline V vexp(V x) {
   const V y = vadd(vfmadd(vmul(p, r), r, r), vbroadcast_value(1.0f));
   return vmul(y, vexp2i(n));
 }
+
+// bf16 <-> fp32. A bf16 is the upper 16 bits of a float: widening is a shift (exact); narrowing rounds to nearest
+// even with the bias trick of c10's round_to_nearest_even (u + 0x7fff + the kept part's lowest bit), NaN -> 0x7fc0.
+// (Not vcvtneps2bf16, which flushes subnormal inputs to zero where torch keeps them.)
+#ifdef __AVX512F__
+inline __m512i round_bits(V v) {  // v rounded to bf16, as the upper 16 bits of each lane (lower 16: zero)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc00000));
+}
+inline V load_f32(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_f32(at::BFloat16* p, V v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(v), 16)));
+}
+inline V vround_bf16(V v) { return _mm512_castsi512_ps(round_bits(v)); }
+#else
+inline V load_f32(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i round_bits(V v) {  // v rounded to bf16, as the upper 16 bits of each lane (lower 16: zero)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+inline void store_f32(at::BFloat16* p, V v) {
+  const __m256i h = _mm256_srli_epi32(round_bits(v), 16);  // 8 values < 2^16 in 32-bit lanes
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline V vround_bf16(V v) { return _mm256_castsi256_ps(round_bits(v)); }
+#endif
+
+// LANES elements of T at p as fp32, and back (rounded to T); round_to<T>(v): v rounded to T, kept in fp32 (a
+// rounding torch does between two ops in bf16, e.g. silu(gate) before * up).
+inline V load_f32(const float* p) { return vload(p); }
+inline void store_f32(float* p, V v) { store(p, v); }
+template <typename T>
+inline V round_to(V v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return vround_bf16(v);
+}
+
+// The scalar forms (the loops' tails): c10's conversions, the same roundings.
+inline float to_f32(float v) { return v; }
+inline float to_f32(at::BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T from_f32(float v) { return static_cast<T>(v); }
+template <typename T>
+inline float round_to(float v) { return to_f32(from_f32<T>(v)); }
 
 }  // namespace tandem_simd

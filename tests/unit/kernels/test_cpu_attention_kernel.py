@@ -1,6 +1,7 @@
 """The C++ paged decode attention (kernels/cpu/attention.cpp) against the pure-torch reference
 paged_decode_attention_ref: shuffled block tables, contexts across block boundaries, empty contexts, GQA groups,
-head sizes, long contexts (the exp over scores far below the max), and the AVX2 build."""
+head sizes, long contexts (the exp over scores far below the max), bf16 query and cache (fp32 math inside, within
+one bf16 ulp of the reference's fp32 math rounded once), and the AVX2 build."""
 import pytest
 import torch
 
@@ -30,6 +31,34 @@ def test_matches_reference(context_lens, q_heads, kv_heads, head_dim):
     expected = paged_decode_attention_ref(*args, head_dim**-0.5)
     torch.testing.assert_close(cpu_attention.paged_decode_attention(*args, head_dim**-0.5), expected,
                                atol=2e-6, rtol=2e-5)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between a and b, elementwise (0: equal; +0 and -0 count as equal)."""
+    def ordered(t):  # the bit patterns as integers in the order of the values they encode
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize("context_lens", [[1], [15, 16, 17], [0, 5, 0], [33, 1, 64, 8, 100, 2]])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (6, 2, 32)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 5.0)])
+def test_bf16_within_one_ulp_of_reference(context_lens, q_heads, kv_heads, head_dim, window, softcap):
+    """bf16 query and cache, fp32 scores, softmax and sums, the output rounded once: within one bf16 ulp of the
+    reference (fp32 math, then bf16), or within fp32 rounding of it where a sum nearly cancels."""
+    query, *rest = make(context_lens, q_heads, kv_heads, head_dim, spread=3.0)
+    args = (query.bfloat16(), rest[0].bfloat16(), rest[1].bfloat16(), *rest[2:])
+    expected = paged_decode_attention_ref(*args, head_dim**-0.5, window, softcap)
+    out = cpu_attention.paged_decode_attention(*args, head_dim**-0.5, window, softcap)
+    assert out.dtype == torch.bfloat16
+    far = (bf16_ulps(out, expected) > 1) & ((out.float() - expected.float()).abs() > 2e-6)
+    assert not far.any(), (out[far], expected[far])
+    assert cpu_attention.supports(args[0], args[1]) and not cpu_attention.supports(args[0], args[1].float())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_attention.paged_decode_attention(args[0], args[1].float(), args[2].float(), *rest[2:], 1.0)
 
 
 def attention_float64(query, key_cache, value_cache, block_tables, context_lens, scale):
@@ -84,5 +113,6 @@ def test_avx2_build_matches_reference_too():
 
     env = dict(os.environ, TANDEM_CPU_ARCH="x86-64-v3")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "test_matches_reference or long_context"], env=env, capture_output=True, text=True, timeout=600)
+                          "test_matches_reference or long_context or bf16"], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
