@@ -1,17 +1,22 @@
 """Speculative decoding benchmark: decode tokens/s of one engine (the decode tier's) with and without speculation,
-on a copy-heavy task (rewrite a piece of code with one change) and on free chat, at several batch sizes; greedy,
-each answer to its end (EOS) or --max-tokens.
+at several batch sizes, greedy, each answer to its end (EOS) or --max-tokens, on three tasks: copy (a code edit:
+rewrite a piece of code given in the prompt with one change), chat (free answers) and agent (answers that repeat
+across requests: the batch's tool-call requests, from a pool of a few, run in two waves, one after the other, as
+an agent loop issues its calls again; the second wave's answers repeat the first's).
 
     python -m tandem.benchmarks.spec_decode --concurrency 1,8,32 --json spec.json
+    python -m tandem.benchmarks.spec_decode --methods plain,ngram,suffix --tasks copy,chat,agent
 
 For each task and batch size, the same requests run once per method (--methods), all in flight at once: plain
 (the baseline), ngram (the default: each request gets the drafts that pay), ngram-k (always up to
---num-speculative-tokens drafts), draft (a draft model, --draft-model: by default an INT8 RTN copy of the
-model, made once under ~/.cache/tandem/drafts) and early-exit (the model's first --draft-num-layers layers).
-Decode tokens/s counts the tokens after each request's first, over the time from the step where every request
-has its first token to the end (the median over --repeats alternating runs). Reported per method: that rate
-and its ratio to plain, the acceptance rate (accepted / proposed drafts), the mean acceptance length (tokens a
-request gains per verified step), and whether every request's tokens equal plain decoding's.
+--num-speculative-tokens drafts), suffix (suffix decoding, adaptive like ngram), draft (a draft model,
+--draft-model: by default an INT8 RTN copy of the model, made once under ~/.cache/tandem/drafts) and early-exit
+(the model's first --draft-num-layers layers). Suffix decoding's cache of outputs starts empty in each run, so a
+run gains only from the repetition inside its own workload. Decode tokens/s counts the tokens after each
+request's first, over the time from the step where every request (of a wave) has its first token to the end
+(the median over --repeats alternating runs). Reported per method: that rate and its ratio to plain (and to
+ngram), the acceptance rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per
+verified step), and whether every request's tokens equal plain decoding's.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 from tandem.shared.config import EngineArgs, SpeculativeConfig
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
+from tandem.shared.spec_decode.suffix_proposer import SuffixProposer
 
 FUNCTIONS = ["area", "volume", "scale", "clamp", "mean", "norm", "lerp", "count"]
 ARGS = ["width", "height", "depth", "factor", "value", "items", "start", "limit"]
@@ -32,6 +38,8 @@ TOPICS = ["the sea", "a lost key", "autumn in a small town", "learning to cook",
           "the first day at school", "a storm at night", "an old library", "a friendly dragon", "city traffic",
           "a garden in spring", "a long train journey"]  # fmt: skip
 CHAT_ASKS = ["Write a short story about {}.", "Describe {} in a few sentences.", "Write a poem about {}."]
+TOOLS = [("get_weather", "city", "Paris"), ("search_web", "query", "cheap flights to Rome"),
+         ("read_file", "path", "src/main.py"), ("send_email", "to", "alice@example.com")]  # fmt: skip
 
 
 def copy_prompt(i: int) -> str:
@@ -49,28 +57,46 @@ def chat_prompt(i: int) -> str:
     return CHAT_ASKS[i % len(CHAT_ASKS)].format(TOPICS[i % len(TOPICS)])
 
 
-TASKS = {"copy": copy_prompt, "chat": chat_prompt}
+def agent_prompt(i: int) -> str:
+    """A tool call in an agent's loop, from a pool of len(TOOLS): requests i and i + len(TOOLS) are the same."""
+    tool, arg, value = TOOLS[i % len(TOOLS)]
+    return (f"You are an agent with the tools get_weather(city), search_web(query), read_file(path) and "
+            f"send_email(to). Call {tool} with {arg} = {value!r}. Reply with the call as one JSON object "
+            f"{{\"tool\": ..., \"arguments\": {{...}}}}, then explain in one sentence why you call it.")
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, dict]:
-    """All prompts at once, greedy, to the end: (tokens per request, decode seconds, spec stats delta)."""
+TASKS = {"copy": copy_prompt, "chat": chat_prompt, "agent": agent_prompt}
+WAVES = {"agent": 2}  # the batch's requests run this many times, one wave after the other (default 1)
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, waves: int = 1
+              ) -> tuple[list[list[int]], float, dict]:
+    """All prompts at once, greedy, to the end, waves times over: (tokens per request and wave, decode seconds,
+    spec stats delta). Suffix decoding's cache of outputs starts empty."""
     before = engine.stats()
-    requests = [Request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-                for i, ids in enumerate(prompts)]  # fmt: skip
-    for r in requests:
-        engine.add_request(r)
-    outputs = {r.request_id: [] for r in requests}
-    decode_start = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
-        if decode_start is None and all(outputs.values()):
-            decode_start = time.perf_counter()
-    seconds = time.perf_counter() - decode_start
+    drafter = engine.drafter
+    if drafter is not None and isinstance(drafter.proposer, SuffixProposer):
+        c = drafter.config
+        drafter.proposer = SuffixProposer(c.suffix_max_spec_factor, c.suffix_min_token_prob, c.suffix_cache_tokens)
+    tokens, seconds = [], 0.0
+    for wave in range(waves):
+        requests = [Request(f"w{wave}-r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                    for i, ids in enumerate(prompts)]  # fmt: skip
+        for r in requests:
+            engine.add_request(r)
+        outputs = {r.request_id: [] for r in requests}
+        decode_start = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] += out.new_token_ids
+            if decode_start is None and all(outputs.values()):
+                decode_start = time.perf_counter()
+        seconds += time.perf_counter() - decode_start
+        tokens += [outputs[r.request_id] for r in requests]
     after = engine.stats()
     spec = {k: getattr(after, k) - getattr(before, k)
             for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}  # fmt: skip
-    return [outputs[r.request_id] for r in requests], seconds, spec
+    return tokens, seconds, spec
 
 
 def draft_prompt_cost(engine: LLMEngine, num_tokens: int = 1000) -> str:
@@ -110,13 +136,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tandem.benchmarks.spec_decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--concurrency", default="1,8,32", help="batch sizes, comma-separated (default 1,8,32)")
-    p.add_argument("--tasks", default="copy,chat", help=f"of {', '.join(TASKS)} (default both)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--tasks", default="copy,chat,agent", help=f"of {', '.join(TASKS)} (default all)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per step at most (default: the method's, 4; suffix 15)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1, help="runs per method, alternating; the median is reported")
-    p.add_argument("--methods", default="plain,ngram,ngram-k,draft,early-exit",
-                   help="of plain, ngram, ngram-k, draft, early-exit (plain is always run: the baseline)")
+    p.add_argument("--methods", default="plain,ngram,ngram-k,suffix,draft,early-exit",
+                   help="of plain, ngram, ngram-k, suffix, draft, early-exit (plain is always run: the baseline)")
     p.add_argument("--draft-model", default=None, help="draft checkpoint dir (default: an INT8 RTN copy)")
     p.add_argument("--draft-num-layers", type=int, default=None, help="early-exit depth (default: the engine's)")
     p.add_argument("--json", default=None, metavar="FILE")
@@ -134,12 +161,13 @@ def main(argv=None) -> None:
     draft_model = args.draft_model or (int8_copy(model_dir) if "draft" in names else None)
     configs = {"plain": lambda: None, "ngram": lambda: SpeculativeConfig("ngram", k),  # the default: adaptive
                "ngram-k": lambda: SpeculativeConfig("ngram", k, adaptive=False),  # always up to k drafts
+               "suffix": lambda: SpeculativeConfig("suffix", k),  # adaptive, like ngram
                "draft": lambda: SpeculativeConfig("draft", k, draft_model=draft_model),
                "early-exit": lambda: SpeculativeConfig("early-exit", k, draft_num_layers=args.draft_num_layers)}
     methods = {name: configs[name]() for name in names}
     engines = {}  # one engine (and one copy of the weights) per method, reused
     rows = []
-    print(f"{'task':<6}{'batch':>6}  {'method':<11}{'decode tok/s':>13}{'vs plain':>9}{'accept':>8}"
+    print(f"{'task':<6}{'batch':>6}  {'method':<11}{'decode tok/s':>13}{'vs plain':>9}{'vs ngram':>9}{'accept':>8}"
           f"{'mean len':>9}{'tokens':>8}  identical")  # fmt: skip
     for task in args.tasks.split(","):
         for batch in [int(c) for c in args.concurrency.split(",")]:
@@ -156,14 +184,16 @@ def main(argv=None) -> None:
                         # NOTE: touch the whole pool first: its pages are mapped lazily, and the first run paid
                         # for that (measured: 1.1 tok/s instead of 16 when memory was short)
                         engines[name].model_runner.kv_caches.fill_(0)
-                    tokens, seconds, s = run_batch(engines[name], prompts, args.max_tokens)
+                    tokens, seconds, s = run_batch(engines[name], prompts, args.max_tokens, WAVES.get(task, 1))
                     rates[name].append(sum(len(t) - 1 for t in tokens) / seconds)
                     results[name] = tokens, s
             plain_rate = float(np.median(rates["plain"]))
+            ngram_rate = float(np.median(rates["ngram"])) if "ngram" in rates else None
             for name, (tokens, s) in results.items():
                 rate = float(np.median(rates[name]))
                 row = {"task": task, "batch": batch, "method": name, "decode_tokens_per_s": rate,
                        "all_rates": rates[name], "vs_plain": rate / plain_rate,
+                       "vs_ngram": rate / ngram_rate if ngram_rate else None,
                        "num_output_tokens": sum(map(len, tokens)),
                        "identical_to_plain": tokens == results["plain"][0], **s,
                        "acceptance_rate": s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
@@ -173,8 +203,10 @@ def main(argv=None) -> None:
                 rows.append(row)
                 accept = "-" if row["acceptance_rate"] is None else f"{100 * row['acceptance_rate']:.0f}%"
                 length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
-                print(f"{task:<6}{batch:>6}  {name:<11}{rate:>13.1f}{row['vs_plain']:>8.2f}x{accept:>8}{length:>9}"
-                      f"{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}", flush=True)
+                vs_ngram = "-" if row["vs_ngram"] is None else f"{row['vs_ngram']:.2f}x"
+                print(f"{task:<6}{batch:>6}  {name:<11}{rate:>13.1f}{row['vs_plain']:>8.2f}x{vs_ngram:>9}{accept:>8}"
+                      f"{length:>9}{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}",
+                      flush=True)  # fmt: skip
     if "draft" in engines:
         print(draft_prompt_cost(engines["draft"]))
     if args.json:

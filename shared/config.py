@@ -326,7 +326,7 @@ class SpeculativeConfig:
                              f"{self.suffix_min_token_prob}, {self.suffix_cache_tokens}")
 
 
-def _positive_number(value: str) -> float:
+def positive_number(value: str) -> float:
     """A flag's type: a number above 0 (float flags are otherwise fractions in (0, 1])."""
     number = float(value)
     if not number > 0:
@@ -409,7 +409,7 @@ class EngineArgs:
     draft_num_layers: int | None = _setting(None, "early-exit: the model's layers that draft (default: a quarter "
                                             "of them)", int)
     suffix_max_spec_factor: float = _setting(1.0, "suffix: drafts of at most this times the matched suffix's "
-                                             "length", kind=_positive_number)
+                                             "length", kind=positive_number)
     suffix_min_token_prob: float = _setting(0.1, "suffix: a draft stops where its empirical probability (the "
                                             "product of its tokens' counts over their siblings') falls below this")
     suffix_cache_tokens: int = _setting(65536, "suffix: output tokens of finished requests kept in the global "

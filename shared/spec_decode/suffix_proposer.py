@@ -39,7 +39,10 @@ class SuffixProposer:
         it has not seen yet first (its tree grows with the accepted tokens)."""
         rid = request.request_id
         tree = self.request_trees.get(rid)
-        if tree is None or len(tree.tokens(rid)) > request.num_tokens:  # (a new request under a finished one's id)
+        if tree is not None and len(tree.tokens(rid)) > request.num_tokens:  # (not its tokens: index them anew)
+            tree.close(rid)
+            tree = None
+        if tree is None:
             tree = self.request_trees[rid] = SuffixTree(self.max_depth)
             tree.extend(rid, [])
         context = tree.tokens(rid)

@@ -213,6 +213,13 @@ class SuffixTree:
             node, pos = child, pos + 1
         return node, 0
 
+    def count(self, pattern: list[int]) -> int:
+        """Occurrences of pattern (1 to max_depth tokens) in the indexed text."""
+        if not 1 <= len(pattern) <= self.max_depth:
+            raise ValueError(f"count takes 1 to {self.max_depth} tokens, got {len(pattern)}")
+        at = self._walk(pattern, 0)
+        return 0 if at is None else at[0].count
+
     @staticmethod
     def _has_next(node: _Node, extra: int) -> bool:
         owner = node.owner

@@ -1,5 +1,5 @@
 """Speculative decoding with the real model and each proposer (n-gram; a draft model, an INT8 copy made here;
-early exit), fp32 greedy against HF transformers: in one engine (chunked prefill of a long prompt and
+early exit; suffix decoding), fp32 greedy against HF transformers: in one engine (chunked prefill of a long prompt and
 non-speculative requests in the same steps, preemption, aborts, stops inside an accepted run) and through a
 whole cluster (stop strings, usage counts)."""
 import grpc
@@ -52,12 +52,13 @@ def int8_draft(int8_dir) -> str:
 
 # (the draft model in one engine: .ci/run's heavy pass; make test runs it through a cluster, below, and in
 # test_stop_token_and_max_tokens_inside_an_accepted_run)
-@pytest.fixture(params=["ngram", pytest.param("draft", marks=pytest.mark.heavy), "early-exit"])
+@pytest.fixture(params=["ngram", pytest.param("draft", marks=pytest.mark.heavy), "early-exit", "suffix"])
 def spec(request, int8_draft) -> SpeculativeConfig:
     # (the draft is not adaptive: on CPU an INT8 copy's token costs about a target's, and adaptive speculation
     # then stops proposing, docs/speculative-decoding.md)
     return {"ngram": NGRAM, "draft": SpeculativeConfig("draft", 4, adaptive=False, draft_model=int8_draft),
-            "early-exit": SpeculativeConfig("early-exit", 4, draft_num_layers=EARLY_EXIT_LAYERS)}[request.param]
+            "early-exit": SpeculativeConfig("early-exit", 4, draft_num_layers=EARLY_EXIT_LAYERS),
+            "suffix": SpeculativeConfig("suffix")}[request.param]  # (up to 15 drafts: its default)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_preemption_and_abort_while_speculating(model_config, references, spec):
     assert engine.abort_request("abort-me") and engine.num_free_blocks == 24
 
 
-@pytest.mark.parametrize("spec", ["ngram", "draft"], indirect=True)  # (early exit: too few accepted runs)
+@pytest.mark.parametrize("spec", ["ngram", "draft", "suffix"], indirect=True)  # (early exit: too few accepted runs)
 def test_stop_token_and_max_tokens_inside_an_accepted_run(model_config, references, spec):
     ids, expected = references["code_edit"]
     engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8), speculative_config=spec)
@@ -135,6 +136,27 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(model_config, referenc
     req = Request("length", ids, greedy(max_tokens))
     out = run(engine, [req])["length"]
     assert flat(out) == expected[:max_tokens] and req.finish_reason == FinishReason.LENGTH
+    assert engine.num_free_blocks == 64
+
+
+def test_suffix_decoding_drafts_a_repeated_request_from_its_cache_of_outputs(model_config, references):
+    """A request asked again: the first answer is in the engine's cache of outputs, so suffix decoding drafts the
+    second from it, nearly every draft accepted; both equal plain decoding and HF's. Not adaptive: the counts do
+    not depend on the gate's timings."""
+    ids, expected = references["raw_story"]
+    engine = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8),
+                       speculative_config=SpeculativeConfig("suffix", adaptive=False))  # fmt: skip
+    first, again = Request("first", ids, greedy()), Request("again", ids, greedy())
+    assert flat(run(engine, [first])["first"]) == expected
+    chunks = run(engine, [again])["again"]
+    plain = LLMEngine(model_config, CacheConfig(16, 64), SchedulerConfig(256, 8))
+    assert flat(chunks) == flat(run(plain, [Request("plain", ids, greedy())])["plain"]) == expected
+    # the match and the draft length double each step (max_spec_factor 1) up to 15 drafts: 1, 3, 7, 15, 15
+    assert again.num_accepted_tokens >= 0.8 * len(expected) and again.num_accepted_tokens > first.num_accepted_tokens
+    assert again.num_accepted_tokens >= 0.95 * again.num_draft_tokens
+    assert len(chunks) <= 8 and max(map(len, chunks)) == 16
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens == first.num_accepted_tokens + again.num_accepted_tokens
     assert engine.num_free_blocks == 64
 
 
