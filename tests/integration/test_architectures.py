@@ -57,7 +57,7 @@ def test_ngram_speculation_equals_hf(tiny):
 def prompt_logprobs(config: ModelConfig, ids: list[int], top: int) -> Request:
     """The finished request of ids with prompt_logprobs=top, in an engine of its own."""
     request = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top))
-    engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(32, 8))
+    engine = LLMEngine(config, CacheConfig(16, 64, config.dtype), SchedulerConfig(32, 8))
     engine.add_request(request)
     while engine.has_unfinished_requests():
         engine.step()
