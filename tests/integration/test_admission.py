@@ -24,7 +24,9 @@ def small_cluster(model_dir):
 
     engine = ["--threads", "1", "--block-size", "16"]
     with LocalCluster(str(model_dir), prefill_args=engine + ["--num-blocks", "256"],
-                      decode_args=engine + ["--num-blocks", str(DECODE_BLOCKS)],
+                      # (a lease longer than a test: the Filler's reservation, which no KV ever reaches, must hold
+                      # the pool until the test closes it, not for the default 10 s)
+                      decode_args=engine + ["--num-blocks", str(DECODE_BLOCKS), "--kv-lease-timeout", "60"],
                       gateway_args=["--max-concurrent-requests", "2", "--max-waiting-requests", "1", "--queue-timeout",
                                     str(QUEUE_TIMEOUT_S), "--local-prefill-tokens", "0"]) as c:  # fmt: skip
         yield c

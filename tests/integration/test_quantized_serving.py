@@ -88,7 +88,8 @@ def test_mixed_checkpoint_serves_token_exact_within_its_budget(model_dir, mixed_
     engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(256, 8))
     kinds = {type(m) for m in engine.model_runner.model.modules()}
     print(f"{len(layer_formats)} linears in float: {sorted(layer_formats)}")
-    assert ConcatLinear in kinds and torch.nn.Linear in kinds  # a float v_proj beside INT4 q/k: unfused
+    # a float v_proj beside INT4 q/k: unfused (the float one an nn.Linear, CpuDenseLinear on the CPU)
+    assert ConcatLinear in kinds and any(issubclass(kind, torch.nn.Linear) for kind in kinds)
     del engine
     cases = [p for p in PROMPTS if p[0] in ("capital", "raw_story", "long_summary")]
     expected = in_process_greedy(config, [prompt_token_ids(tokenizer, kind, text) for _, kind, text in cases])
