@@ -7,6 +7,7 @@ import torch
 
 from tandem.kernels import cpu_attention, cpu_ext
 from tandem.kernels.paged_attention import paged_decode_attention_ref
+from tests.unit.kernels.bf16 import bf16_ulps
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernels need AVX2 and a C++ compiler")
 
@@ -31,16 +32,6 @@ def test_matches_reference(context_lens, q_heads, kv_heads, head_dim):
     expected = paged_decode_attention_ref(*args, head_dim**-0.5)
     torch.testing.assert_close(cpu_attention.paged_decode_attention(*args, head_dim**-0.5), expected,
                                atol=2e-6, rtol=2e-5)
-
-
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many bf16 values lie between a and b, elementwise (0: equal; +0 and -0 count as equal)."""
-    def ordered(t):  # the bit patterns as integers in the order of the values they encode
-        bits = t.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
-    return (ordered(a) - ordered(b)).abs()
 
 
 @pytest.mark.parametrize("context_lens", [[1], [15, 16, 17], [0, 5, 0], [33, 1, 64, 8, 100, 2]])

@@ -7,23 +7,15 @@ of the SIMD width (the scalar tails); bad arguments; and the AVX2 build."""
 import pytest
 import torch
 
-from tandem.kernels import cpu_ext, cpu_layer_ops as ops
+from tandem.kernels import cpu_ext
+from tandem.kernels import cpu_layer_ops as ops
+from tests.unit.kernels.bf16 import bf16_ulps
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernels need AVX2 and a C++ compiler")
 
 
 def randn(*shape, seed=0, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
-
-
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many bf16 values lie between a and b, elementwise (0: equal; +0 and -0 count as equal)."""
-    def ordered(t):  # the bit patterns as integers in the order of the values they encode
-        bits = t.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
-    return (ordered(a) - ordered(b)).abs()
 
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 64), (33, 2048), (2, 37)])
