@@ -42,7 +42,8 @@ class Compose:
         self.project = f"tandem-test-{os.getpid()}"
         self.env = dict(os.environ, COMPOSE_PROJECT_NAME=self.project, TANDEM_IMAGE=IMAGE, REDIS_IMAGE=IMAGE,
                         REDIS_PORT=str(self.redis_port), GATEWAY_PORT=str(self.gateway_port),
-                        HTTP_PORT=str(self.http_port), TANDEM_THREADS="1")  # fmt: skip
+                        HTTP_PORT=str(self.http_port), TANDEM_THREADS="1",
+                        TANDEM_QUANTIZATION="none")  # (the fp32 weights HF's references are computed on)  # fmt: skip
         self.base = compose_command() + ["-f", "docker-compose.yml", "-f", "deploy/docker/compose.host-network.yml"]
         self.gateway = f"127.0.0.1:{self.gateway_port}"
 
