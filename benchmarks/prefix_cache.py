@@ -35,7 +35,7 @@ from tandem.benchmarks.bench.metrics import BenchmarkMetrics, compute_metrics
 from tandem.benchmarks.bench.report import write_json
 from tandem.benchmarks.bench.runner import Load, run_streaming
 from tandem.benchmarks.bench.workloads import BenchRequest, corpus_token_ids, cut_prompt
-from tandem.shared.config import EngineArgs
+from tandem.shared.engine_args import EngineArgs
 from tandem.v1 import common_pb2, common_pb2_grpc
 
 QUESTION_LENS = (12, 40)  # tokens, uniform

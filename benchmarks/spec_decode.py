@@ -27,7 +27,8 @@ import time
 import numpy as np
 import torch
 
-from tandem.shared.config import EngineArgs, SpeculativeConfig
+from tandem.shared.config import SpeculativeConfig
+from tandem.shared.engine_args import EngineArgs
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
 from tandem.shared.spec_decode.suffix_proposer import SuffixProposer

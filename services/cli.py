@@ -22,7 +22,7 @@ from tandem.services.flags import (HelpFormatter, add_drain_arg, add_engine_args
 from tandem.services.security import (add_api_key_args, add_client_tls_args, add_tls_args, api_keys_from_args,
                                client_tls_from_args, tls_from_args)
 from tandem.shared import envs
-from tandem.shared.config import EngineArgs
+from tandem.shared.engine_args import EngineArgs
 
 # Offline tools (they need torch): command -> (help, module with add_args(parser) and run(args))
 TOOLS = {

@@ -17,7 +17,7 @@ from tandem.services.security import check_redis_auth, tls_from_args
 from tandem.services.server import Server, exit_on_signal_while_starting, new_instance_id
 from tandem.services.tracing import setup_tracing
 from tandem.shared.async_engine import AsyncEngine, build_engine
-from tandem.shared.config import EngineArgs
+from tandem.shared.engine_args import EngineArgs
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc

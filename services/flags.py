@@ -1,4 +1,4 @@
-"""Command-line flags, built from one source: EngineArgs' fields for engine settings (shared/config.py), and
+"""Command-line flags, built from one source: EngineArgs' fields for engine settings (shared/engine_args.py), and
 the table below for where a service listens. Environment defaults come from shared/envs.py.
 
 Imports neither torch nor the engine, so the `tandem` CLI can build its parser quickly.
@@ -15,7 +15,7 @@ from dataclasses import fields
 from tandem.services.logs import LOG_FORMATS
 from tandem.services.security import add_api_key_args, add_tls_args, redacted_url
 from tandem.shared import envs
-from tandem.shared.config import TIER_DEFAULTS, EngineArgs
+from tandem.shared.engine_args import TIER_DEFAULTS, EngineArgs
 from tandem.shared.request import SamplingParams
 
 

@@ -87,7 +87,7 @@ class _EngineFlagParser(argparse.ArgumentParser):
 
 def _engine_args(text: str):
     from tandem.services.flags import add_engine_args, apply_env
-    from tandem.shared.config import EngineArgs
+    from tandem.shared.engine_args import EngineArgs
 
     parser = _EngineFlagParser(prog="--engine-args", add_help=False)
     add_engine_args(parser)  # no tier: num_blocks and max_num_batched_tokens stay None unless given

@@ -21,7 +21,7 @@ from tandem.services.logs import setup_logging
 from tandem.services.security import APIKeyInterceptor, api_keys_from_args, check_redis_auth, tls_from_args
 from tandem.services.server import Server, exit_on_signal_while_starting, new_instance_id
 from tandem.services.tracing import setup_tracing
-from tandem.shared.config import EngineArgs
+from tandem.shared.engine_args import EngineArgs
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from tandem.benchmarks.bench.backends.cluster import ClusterBackend
 from tandem.benchmarks.bench.backends.openai_compat import OpenAIBackend
 from tandem.benchmarks.bench.backends.vllm import VLLMServer, find_vllm_python
 from tandem.benchmarks.bench.workloads import build_requests
-from tandem.shared.config import EngineArgs
+from tandem.shared.engine_args import EngineArgs
 
 INPUT_LEN, OUTPUT_LEN = 24, 12
 

@@ -6,7 +6,8 @@ import psutil
 import pytest
 import torch
 
-from tandem.shared.config import CacheConfig, EngineArgs
+from tandem.shared.config import CacheConfig
+from tandem.shared.engine_args import EngineArgs
 from tandem.shared.model import LlamaForCausalLM
 from tandem.shared.model_files import default_model_dir
 from tandem.shared.model_runner import ModelRunner

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem.services.flags import add_engine_service_args, add_gateway_args, apply_env, settings_table
-from tandem.shared.config import TIER_DEFAULTS, EngineArgs
+from tandem.shared.engine_args import TIER_DEFAULTS, EngineArgs
 from tandem.shared.request import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from tandem.benchmarks.bench.backends.base import RequestResult, weights_descrip
 from tandem.benchmarks.bench.workloads import BenchRequest
 from tandem.services.client import make_request
 from tandem.services.flags import engine_argv
-from tandem.shared.config import EngineArgs
+from tandem.shared.engine_args import EngineArgs
 from tandem.v1 import gateway_pb2_grpc
 
 

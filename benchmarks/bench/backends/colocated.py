@@ -14,7 +14,7 @@ import time
 
 from tandem.benchmarks.bench.backends.base import RequestResult, weights_description
 from tandem.benchmarks.bench.workloads import BenchRequest
-from tandem.shared.config import TIER_DEFAULTS, EngineArgs
+from tandem.shared.engine_args import TIER_DEFAULTS, EngineArgs
 
 
 class ColocatedBackend:

@@ -1,0 +1,181 @@
+"""EngineArgs: every engine setting a user gives (flags, environment, `tandem up`), its default, and how it
+resolves into the records an LLMEngine takes (shared/config.py: ModelConfig, CacheConfig, SchedulerConfig,
+SpeculativeConfig), as vLLM's EngineArgs builds its configs. services/flags.py makes the command-line flags from
+its fields.
+
+Imports neither torch nor the engine, so the `tandem` CLI can build its parser quickly.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from tandem.shared.config import (AUTO, DTYPES, NO_QUANTIZATION, SPECULATIVE_METHODS, CacheConfig, ModelConfig,
+                                  SchedulerConfig, SpeculativeConfig)
+
+
+def positive_number(value: str) -> float:
+    """A flag's type: a number above 0 (float flags are otherwise fractions in (0, 1])."""
+    number = float(value)
+    if not number > 0:
+        raise ValueError(value)
+    return number
+
+
+def _setting(default, help: str, kind: type | None = None, choices=None, group: str = "engine"):
+    """A field of EngineArgs: its default and what the flag built from it says (services/flags.py). kind: the
+    flag's type when the default is None; group: "model" for the settings the gateway needs too."""
+    metadata = {"help": help, "type": kind or type(default), "choices": choices, "group": group}
+    return field(default=default, metadata=metadata)
+
+
+# The settings whose default depends on the tier; everything else has one default for both, in EngineArgs.
+TIER_DEFAULTS = {
+    "prefill": {"num_blocks": 1024, "max_num_batched_tokens": 512},
+    "decode": {"num_blocks": 2048, "max_num_batched_tokens": 256},
+}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine setting and its default, in one place (as vLLM's EngineArgs, nano-vllm's Config).
+
+    services/flags.py makes one command-line flag per field (--block-size for block_size), for the engine
+    services and `tandem up`; a field with env reads that variable (shared/envs.py) when the flag is absent.
+    None for num_blocks / max_num_batched_tokens means the tier's default (TIER_DEFAULTS), for kernel_threads every CPU
+    this process may run on. A test checks that
+    the defaults the README and the protos document equal these.
+    """
+
+    model: str | None = _setting(None, "HF safetensors dir of a served architecture (default: the converted "
+                                       "SmolLM2)", str,
+                                 group="model")
+    quantization: str | None = _setting(
+        None, "quantized checkpoint holding every weight, run with --model's architecture and tokenizer: a "
+        "`tandem quantize` / HF AWQ / HF GPTQ dir, a .gguf file, 'gguf' for the packaged Q4_1 GGUF, or 'none' "
+        "for --model's own weights (default: 'gguf' for the packaged model, whose converted fp32 dir is only "
+        "that GGUF dequantized; none otherwise; all tiers must agree)", str, group="model")
+    dtype: str = _setting(AUTO, "float type of weights and activations (part of the model id); auto: the "
+                          "checkpoint's torch_dtype (float32 for quantized weights)", choices=(AUTO, *DTYPES),
+                          group="model")
+    device: str = _setting("cpu", "cpu or cuda (CUDA runs the Triton kernels)", choices=("cpu", "cuda"))
+    block_size: int = _setting(16, "tokens per KV block (part of the prefix-cache hash contract: the gateway's "
+                               "must equal the instances')", group="model")
+    num_blocks: int | None = _setting(None, "KV blocks in the pool", int)
+    memory_utilization: float | None = _setting(
+        None, "size the KV pool instead as this fraction (0-1] of the memory free once the weights are loaded "
+        "(GPU memory, or available RAM on CPU), like vLLM's --gpu-memory-utilization; excludes --num-blocks", float)
+    max_model_len: int | None = _setting(None, "context length in tokens, prompt + output (default: the model's "
+                                         "max_position_embeddings; at most that)", int, group="model")
+    kv_dtype: str = _setting(AUTO, "KV cache element type (part of the prefix-cache hash contract); auto: the "
+                             "model's --dtype", choices=(AUTO, *DTYPES), group="model")
+    enable_prefix_caching: bool = _setting(True, "keep computed blocks by their hash and reuse them for prompts "
+                                           "that share a prefix (docs/prefix-caching.md)")
+    max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)
+    max_num_seqs: int = _setting(64, "requests in the running batch at most")
+    threads: int = _setting(1, "torch intra-op threads for this process")
+    kernel_threads: int | None = _setting(
+        None, "threads of the C++ CPU kernels (dense and quantized GEMMs, layer ops, decode attention), the engine's "
+        "own included (default: every CPU this process may run on); helpers claim work from a shared counter, so a "
+        "busy neighbour process never stalls a step", int)
+    speculative_method: str | None = _setting(
+        None, "speculative decoding on this engine: 'ngram' (prompt lookup), 'draft' (--draft-model), "
+        "'early-exit' (the model's first layers draft), 'suffix' (suffix decoding: the request's tokens and recent "
+        "outputs); decode tier only (default: off)", str, choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int | None = _setting(
+        None, "tokens proposed per step and request at most with --speculative-method (default: 4; suffix: 15)", int)
+    prompt_lookup_min: int = _setting(2, "ngram: the shortest suffix looked up")
+    prompt_lookup_max: int = _setting(4, "ngram: the longest suffix looked up (tried first)")
+    speculative_adaptive: bool = _setting(True, "adapt each request's draft length to its acceptance (shrink "
+                                          "after a rejection, grow after a fully accepted step), and offer drafts "
+                                          "only at batch sizes where steps with them measured more tokens/s than "
+                                          "steps without")
+    speculative_disable_by_batch_size: int | None = _setting(
+        None, "no drafts in steps whose running batch has more requests than this (default: never off)", int)
+    draft_model: str | None = _setting(None, "draft: a checkpoint dir with the model's tokenizer (e.g. a "
+                                       "`tandem quantize` copy), run over its own KV pool", str)
+    draft_num_layers: int | None = _setting(None, "early-exit: the model's layers that draft (default: a quarter "
+                                            "of them)", int)
+    suffix_max_spec_factor: float = _setting(1.0, "suffix: drafts of at most this times the matched suffix's "
+                                             "length", kind=positive_number)
+    suffix_min_token_prob: float = _setting(0.1, "suffix: a draft stops where its empirical probability (the "
+                                            "product of its tokens' counts over their siblings') falls below this")
+    suffix_cache_tokens: int = _setting(65536, "suffix: output tokens of finished requests kept in the global "
+                                        "suffix tree (the oldest requests go first)")
+
+    def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
+        tier_defaults = TIER_DEFAULTS[tier]
+        if self.num_blocks is not None and self.memory_utilization is not None:
+            raise ValueError("--num-blocks and --memory-utilization both size the KV pool: give one")
+        num_blocks = self.num_blocks
+        if num_blocks is None and self.memory_utilization is None:
+            num_blocks = tier_defaults["num_blocks"]
+        budget = self.max_num_batched_tokens
+        budget = budget if budget is not None else tier_defaults["max_num_batched_tokens"]
+        model_config = self.create_model_config(model_dir)
+        return (model_config, CacheConfig(self.block_size, num_blocks, self.resolved_kv_dtype(model_config),
+                                          self.memory_utilization, self.enable_prefix_caching),
+                SchedulerConfig(budget, self.max_num_seqs))
+
+    def resolved_quantization(self) -> str | None:
+        """The quantized checkpoint to run (ModelConfig.from_dir's argument): quantization as given, 'gguf' for
+        the packaged model (no --model) when none is given, None for 'none' or a --model without one."""
+        if self.quantization == NO_QUANTIZATION:
+            return None
+        if self.quantization is None and self.model is None:
+            return "gguf"
+        return self.quantization
+
+    def resolved_kv_dtype(self, model_config: ModelConfig) -> str:
+        """kv_dtype, or with auto the model's dtype."""
+        return model_config.dtype if self.kv_dtype == AUTO else self.kv_dtype
+
+    def weights_line(self, model_config: ModelConfig) -> str:
+        """What runs and why, for a service's start-up line: 'gguf-q4_1 from .../SmolLM2-135M-Instruct.Q4_1.gguf
+        (the default for the packaged model: its native weights; ...)'."""
+        what = f"{model_config.weight_format} from {model_config.quantization or model_config.path}"
+        why = []
+        if self.quantization is None and self.model is None:
+            why.append("the default for the packaged model: its native weights; --quantization none runs their "
+                       "fp32 dequantization")
+        if self.dtype == AUTO:
+            why.append(f"activations in {model_config.dtype}: "
+                       + ("the checkpoint's torch_dtype" if model_config.quantization is None
+                          else "what the integer kernels take"))
+        return what + (f" ({'; '.join(why)})" if why else "")
+
+    def resolved_kernel_threads(self, tier: str) -> int:
+        """kernel_threads, or every CPU this process may run on (both tiers: the kernels' helpers claim work from a
+        shared counter, so an engine that shares its CPUs with a busy neighbour loses nothing waiting for them, and
+        one whose neighbour is idle gets its cores). ValueError below 1."""
+        threads = self.kernel_threads if self.kernel_threads is not None else len(os.sched_getaffinity(0))
+        if threads < 1:
+            raise ValueError(f"--kernel-threads must be at least 1, got {threads}")
+        return threads
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The SpeculativeConfig of these settings, None with speculation off. ValueError on bad values."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
+                                 self.prompt_lookup_max, self.speculative_adaptive,
+                                 self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers,
+                                 self.suffix_max_spec_factor, self.suffix_min_token_prob, self.suffix_cache_tokens)
+
+    def create_model_config(self, model_dir: str | Path) -> ModelConfig:
+        """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the
+        same record for the gateway and the engines. ValueError on a bad model or a max_model_len beyond it."""
+        model_config = ModelConfig.from_dir(self.model or model_dir, self.resolved_quantization(), self.dtype)
+        if self.max_model_len is None:
+            return model_config
+        if self.max_model_len > model_config.max_model_len:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's context "
+                             f"({model_config.max_model_len} tokens)")
+        return replace(model_config, max_model_len=self.max_model_len)
+
+    @classmethod
+    def from_namespace(cls, args) -> EngineArgs:
+        """The fields of an argparse namespace (or any object) that EngineArgs has."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
