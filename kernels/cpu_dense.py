@@ -40,6 +40,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"weight {weight.dtype} {tuple(weight.shape)} (see kernels.cpu_dense.supports)")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
         raise ValueError(f"bias must be [{weight.shape[0]}] {weight.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    return linear_supported(x, weight, bias)
+
+
+def linear_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear() without its checks, for a caller that has asked supports(x, weight) (a layer's forward, whose
+    bias has the weight's shape and dtype by construction): one check per call on the decode's hot path."""
     return cpu_ext.extension().dense_gemm(x.contiguous(), weight.contiguous(),
                                           None if bias is None else bias.contiguous())
 
