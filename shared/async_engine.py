@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tandem.shared.block_hash import BlockHash
-from tandem.shared.config import CacheConfig, EngineArgs, ModelConfig
+from tandem.shared.config import CacheConfig, ModelConfig
+from tandem.shared.engine_args import EngineArgs
 from tandem.shared.engine import LLMEngine, RequestOutput
 from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError
