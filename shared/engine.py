@@ -102,11 +102,15 @@ class LLMEngine:
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
         max_len = self.model_config.max_model_len
-        if request.num_prompt_tokens >= max_len:
-            raise InvalidRequestError(
-                f"prompt has {request.num_prompt_tokens} tokens; the model's context is {max_len}")
+        if request.num_tokens >= max_len:
+            raise InvalidRequestError(f"prompt has {request.num_prompt_tokens} tokens (and output_token_ids "
+                                      f"{len(request.output_token_ids)}); the model's context is {max_len}")
         vocab_size = self.model_config.vocab_size
         check_token_ids("prompt token ids", request.prompt_token_ids, vocab_size)
+        check_token_ids("output token ids", request.output_token_ids, vocab_size)
+        if len(request.output_token_ids) >= request.sampling_params.max_tokens:
+            raise InvalidRequestError(f"output_token_ids has {len(request.output_token_ids)} tokens: max_tokens "
+                                      f"({request.sampling_params.max_tokens}) are generated already")
         check_token_ids("stop_token_ids", request.sampling_params.stop_token_ids, vocab_size)
         check_token_ids("logit_bias token ids", (t for t, _ in request.sampling_params.logit_bias), vocab_size)
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
@@ -123,6 +127,8 @@ class LLMEngine:
         if request.sampling_params.structured_output is not None and request.grammar is None:
             # (AsyncEngine compiles it before it gets here, on another thread)
             request.grammar = self.structured_output_manager.matcher(request.sampling_params.structured_output)
+        if request.grammar is not None and request.output_token_ids:
+            replay_grammar(request)
         self.requests[request.request_id] = request
 
     def add_request(self, request: Request) -> None:
@@ -363,3 +369,18 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
         )
+
+
+def replay_grammar(request: Request) -> None:
+    """Bring a migrated request's grammar to its state after the output it arrived with (Request.output_token_ids:
+    the tokens another engine generated before it failed), so the next token is constrained as it was there.
+    InvalidRequestError when the grammar refuses a token or is complete before the last one (such a request had
+    finished)."""
+    for i, token_id in enumerate(request.output_token_ids):
+        try:
+            complete = request.grammar.accept(token_id)
+        except ValueError as e:
+            raise InvalidRequestError(f"output_token_ids[{i}]: {e}") from None
+        if complete:
+            raise InvalidRequestError(f"output_token_ids[{i}] completes the structured output: the request had "
+                                      "finished there")  # fmt: skip

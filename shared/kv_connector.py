@@ -59,7 +59,8 @@ class KVConnector:
 
     # -- consumer (decode tier): reserve -> import_kv ... -> finish_kv_import ------------------------------
     def reserve(self, request: Request) -> int:
-        """Hold blocks for an admitted request's prompt, to be filled by import_kv, reusing the longest cached
+        """Hold blocks for an admitted request's prompt (and the output a migrated request arrives with:
+        Request.output_token_ids; "prompt" below means both), to be filled by import_kv, reusing the longest cached
         prefix; the request then waits for its KV (RequestStatus.WAITING_FOR_KV). Returns the prompt tokens
         already cached here (a multiple of block_size). request.kv_skip_blocks is set to the leading blocks whose
         KV need not come: those cached, and with a sliding window on every layer those wholly before the window
@@ -69,19 +70,19 @@ class KVConnector:
         (nothing held; with room_soon when requests of lower priority still waiting for their KV hold blocks:
         preemptible once they decode)."""
         computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-        while not self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens - num_cached,
+        while not self.kv_cache_manager.allocate_slots(request, request.num_tokens - num_cached,
                                                        computed_block_ids):  # fmt: skip
             victim = self.scheduler.lowest_priority_running()
             if victim is None or victim.priority <= request.priority:
                 self.kv_cache_manager.free(request)
                 room_soon = any(r.priority > request.priority for r, _ in self._receiving.values())
-                raise NoCapacityError(f"no room for {request.num_prompt_tokens} prompt tokens of KV", room_soon)
+                raise NoCapacityError(f"no room for {request.num_tokens} tokens of KV", room_soon)
             self.scheduler.preempt(victim)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached
         # (the window of the last prompt position: the first decoded one sees one more; this also keeps the prefill's
         # rule that at least the block of the prompt's last token comes, whatever the window)
-        last = request.num_prompt_tokens - 1
+        last = request.num_tokens - 1
         self.kv_cache_manager.free_out_of_window_blocks(request, last)
         request.kv_skip_blocks = max(num_cached // self.block_size,
                                      self.kv_cache_manager.num_blocks_before_window(last))
@@ -132,7 +133,7 @@ class KVConnector:
             raise InvalidRequestError(f"first token id {first_token_id} violates the request's structured_output")
         self._check_kv_complete(request)
         del self._receiving[request_id]
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         self.kv_cache_manager.cache_full_blocks(request)
 
     def _check_kv_complete(self, request: Request) -> None:

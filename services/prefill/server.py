@@ -40,12 +40,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         decode_id = request.decode_instance_id or "instance"
         # The prefill samples exactly one token, with the request's own parameters (min_tokens, penalties, seed,
         # logprobs mean here what they mean on the decode); whether it ends the request is the decode's decision.
-        params = sampling_params_from_proto(request.sampling_params, max_tokens=1)
+        # A migrated request arrives with its output so far (output_token_ids): the token sampled comes after it.
+        params = sampling_params_from_proto(request.sampling_params, max_tokens=len(request.output_token_ids) + 1)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt,
-                      priority=request.priority)
+                      priority=request.priority, output_token_ids=list(request.output_token_ids))
         block_size = self.engine.cache_config.block_size
-        if request.num_skip_blocks and request.num_skip_blocks > (len(req.prompt_token_ids) - 1) // block_size:
+        if request.num_skip_blocks and request.num_skip_blocks > (req.num_tokens - 1) // block_size:
             raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "
                                       f"before its last token")  # fmt: skip
         req.kv_skip_blocks = request.num_skip_blocks
