@@ -34,6 +34,7 @@ DEFAULT_KV_LEASE_S = 10.0  # (a live prefill sends something every 0.5 s, queued
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # (deploy/k8s gives pods 45 s to stop: the drain and some room)
 DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS = 256, 1024  # gateway admission (TGI's default: 128)
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
+DEFAULT_MAX_MIGRATIONS = 3  # times a completion whose decode fails mid-stream is placed again (gateway)
 # Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
 ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -284,6 +285,10 @@ def add_gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=non_negative_int, default=64,
                         help="when the chosen decode lacks at most this many prompt tokens, it computes them itself "
                              "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
+    parser.add_argument("--max-migrations", type=non_negative_int, default=DEFAULT_MAX_MIGRATIONS,
+                        help="times a request whose decode fails after its first token (dies, freezes, drains past "
+                             "its timeout, loses the prompt's KV) is placed again with the tokens it has and goes "
+                             "on; past that, or 0, it fails with UNAVAILABLE")  # fmt: skip
     parser.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests served at once; more wait for a turn, best priority first")
     parser.add_argument("--max-waiting-requests", type=non_negative_int, default=DEFAULT_MAX_WAITING_REQUESTS,

@@ -10,7 +10,9 @@ gateway_id (this gateway's instance id; instance_id in router_decisions names th
              why: cache_aware, round_robin, decode_local (the decode computes the prompt: few tokens),
              decode_local_cost (the decode computes it: cheaper by measured cost), pinned (n completions
              and beams follow their prompt)), tandem:router_expected_cached_tokens_total{target_tier} (ours: the
-             prompt tokens the prefix index said the chosen instance held)
+             prompt tokens the prefix index said the chosen instance held),
+             tandem:request_migrations_total{reason} (ours: completions placed again with their output so far
+             after their decode failed mid-stream: decode_failed, kv_transfer_failed; pipeline.py)
   histograms tandem:time_to_first_token_seconds, tandem:inter_token_latency_seconds (per token: a message of k
              tokens counts its gap k times divided by k), tandem:request_time_per_output_token_seconds (TPOT:
              (E2E - TTFT) / (tokens - 1)), tandem:e2e_request_latency_seconds, tandem:request_prompt_tokens,
@@ -51,6 +53,8 @@ class GatewayMetrics:
                                  ["target_tier", "instance_id", "reason"])  # fmt: skip
         self.expected_cached = counter("router_expected_cached_tokens", "Prompt tokens the prefix index said the "
                                        "chosen instance held", ["target_tier"])  # fmt: skip
+        self.migrations = counter("request_migrations", "Completions placed again with their output so far after "
+                                  "their decode failed mid-stream, by reason", ["reason"])  # fmt: skip
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens sent", ITL_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Time per output token after the first",

@@ -10,7 +10,12 @@ OpenAI-compatible HTTP API, openai_serving.py, only translate to and from it):
   then go to that decode, which reuses the prompt's blocks from its prefix cache: the prompt is computed once,
   not n times; beam search (beam_search.py) runs its steps the same way;
 - placement (placement.py): route, reserve on the decode, prefill, with retries and waits for room;
-- relay (relay.py): first token from the prefill at once, the rest from the decode, as UTF-8-safe text deltas.
+- relay (relay.py): first token from the prefill at once, the rest from the decode, as UTF-8-safe text deltas;
+- migration: when the decode fails after tokens were sent (it died, froze, stopped while draining, or the
+  prompt's KV never came whole: placement.DecodeLostError), the request is placed again with every token it
+  has so far as output (GatewayRequest.output_token_ids; the engines restore what counts generated tokens), and
+  the stream goes on with the next token: no error, no token lost or repeated. At most max_migrations times per
+  completion (then UNAVAILABLE). Dynamo's request migration does the same.
 """
 from __future__ import annotations
 
@@ -22,18 +27,20 @@ from collections.abc import AsyncIterator
 import xxhash
 
 from tandem.services.channels import ChannelPool
-from tandem.services.flags import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_QUEUE_TIMEOUT_S
+from tandem.services.flags import (DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_MIGRATIONS,
+                                   DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_QUEUE_TIMEOUT_S)
 from tandem.services.gateway import beam_search
 from tandem.services.gateway.admission import AdmissionQueue
 from tandem.services.gateway.detokenizer import TextStream
 from tandem.services.gateway.metrics import GatewayMetrics
-from tandem.services.gateway.placement import Placement, Placer
+from tandem.services.gateway.placement import DecodeLostError, Placement, Placer
 from tandem.services.gateway.relay import Relay
 from tandem.services.gateway.request import GatewayRequest
 from tandem.services.gateway.router import Router, SharedPrompt
 from tandem.services.gateway.validation import check_sampling_params, tokenize_request
-from tandem.services.tracing import bind_request, observe_generate, start_span, traced_stream
+from tandem.services.tracing import bind_request, in_span, observe_generate, start_span, traced_stream
 from tandem.shared.config import ModelConfig
+from tandem.shared.errors import UpstreamError
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -49,13 +56,15 @@ def seed_for(seed: int, index: int) -> int:
 class GatewayPipeline:
     """One gateway's request pipeline. Public for the APIs that translate to it: model_config, tokenizer,
     metrics (served at /metrics on the HTTP port) and admission; default_max_tokens: a request's max_tokens
-    when it sets none."""
+    when it sets none; max_migrations: times a completion may migrate (the module's docstring; 0: never)."""
 
     def __init__(self, model_config: ModelConfig, tokenizer, router: Router, default_max_tokens: int,
-                 instance_id: str, channels: ChannelPool | None = None, admission: AdmissionQueue | None = None):
+                 instance_id: str, channels: ChannelPool | None = None, admission: AdmissionQueue | None = None,
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.default_max_tokens = default_max_tokens
+        self.max_migrations = max_migrations
         self.metrics = GatewayMetrics(model_config.name, instance_id)
         self.admission = admission or AdmissionQueue(DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS,
                                                      DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
@@ -161,7 +170,13 @@ class GatewayPipeline:
                     yield msg
                 if relay.finish_reason is not None:
                     break
-                reply = await self.placer.read_decode(placement.decode_call, decode, prefill)
+                try:
+                    reply = await self.placer.read_decode(placement.decode_call, decode, prefill)
+                except DecodeLostError as e:
+                    placement.decode_call.cancel()  # (frees its blocks where the decode still runs)
+                    placement = await self._migrate(request, relay, e)
+                    decode, prefill, reply = placement.route.decode, placement.route.prefill, placement.first
+                    continue
                 if shared is not None:  # a decode message: the prompt's KV arrived and is in its prefix cache
                     shared.ready.set()
         except BaseException as e:
@@ -173,6 +188,32 @@ class GatewayPipeline:
             if shared is not None:
                 shared.ready.set()
         yield relay.final()
+
+    async def _migrate(self, request: GatewayRequest, relay: Relay, error: DecodeLostError) -> Placement:
+        """Place request again with the tokens relay has received as its output (the module's docstring), under
+        a new placement id; error (UNAVAILABLE) when it has migrated max_migrations times already, else the
+        errors of Placer.place."""
+        tokens, num = relay.text.token_ids, len(relay.migrations)
+        if num >= self.max_migrations:
+            if num:
+                raise UpstreamError("UNAVAILABLE", f"{error}; the request has migrated {num} times already "
+                                                   f"(--max-migrations {self.max_migrations})") from None  # fmt: skip
+            raise error
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(request.sampling_params)
+        params.ClearField("prompt_logprobs")  # (sent with the first token)
+        migrated = request.replace(request_id=f"{request.request_id}.m{num + 1}", output_token_ids=tuple(tokens),
+                                   sampling_params=params, shared_prompt=None)  # fmt: skip
+        log.warning("request %s: %s after %d tokens; migrating it with them (%d of at most %d)",
+                    request.request_id, error, len(tokens), num + 1, self.max_migrations)  # fmt: skip
+        self.metrics.migrations.labels(**self.metrics.labels, reason=error.reason).inc()
+        failed, started = relay.placement.route.decode.instance_id, time.perf_counter()
+        placement = await in_span("migrate", self.placer.place(migrated), reason=error.reason,
+                                  num_output_tokens=len(tokens), failed_decode_instance_id=failed)  # fmt: skip
+        relay.resume(placement, error.reason)
+        log.info("request %s migrated in %.0f ms (to its next token): %s", request.request_id,
+                 (time.perf_counter() - started) * 1000, relay.migrations[-1])  # fmt: skip
+        return placement
 
     async def _place(self, request: GatewayRequest) -> Placement:
         """Placer.place, after the shared prompt's placement for a completion that follows it (pinned to its

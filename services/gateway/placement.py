@@ -55,6 +55,17 @@ class AttemptFailed(Exception):
         self.mark_down, self.reason = mark_down, reason
 
 
+class DecodeLostError(UpstreamError):
+    """A placed request's decode stream failed in a way another decode may cure (UNAVAILABLE), so the request can
+    migrate (pipeline.py). reason: "decode_failed" (the call broke: the decode died, froze past the keepalive
+    pings, or stopped while draining) or "kv_transfer_failed" (the decode is alive but the prompt's KV never came
+    whole: its prefill died after sending the first token)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__("UNAVAILABLE", message)
+        self.reason = reason
+
+
 class Placer:
     """Places requests (place) and reads a placed request's decode stream (read_decode)."""
 
@@ -90,7 +101,7 @@ class Placer:
                 skipped.clear()
                 last_error = None
                 continue
-            check_predicted_ttft(route, request.num_prompt_tokens, timeout)
+            check_predicted_ttft(route, request.num_tokens, timeout)
             # Each placement its own id on the engines: a failed attempt's teardown (its broken KV stream) must not
             # touch the next attempt's reservation when that lands on the same decode.
             placement_id = request.request_id if attempt == 1 else f"{request.request_id}.{attempt}"
@@ -111,7 +122,7 @@ class Placer:
         if pinned is not None:
             return Route(pinned, None, explanation=[f"decode {pinned.instance_id}: holds this prompt"], reason="pinned")
         params = request.sampling_params
-        return await self.router.route(request.prompt_token_ids, request.num_prompt_tokens + params.max_tokens,
+        return await self.router.route(request.token_ids, request.num_prompt_tokens + params.max_tokens,
                                        request.cache_salt, skipped, local=not params.HasField("prompt_logprobs"))
 
     async def _wait_for_room(self, started: float, room_wait_s: float, timeout: float | None,
@@ -139,7 +150,7 @@ class Placer:
         decode_call = decode_stub.Generate(
             decode_pb2.DecodeRequest(request_id=placement_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                      cache_salt=request.cache_salt, compute_prompt=prefill is None,
-                                     priority=request.priority),
+                                     priority=request.priority, output_token_ids=request.output_token_ids),
             timeout=timeout,
         )  # fmt: skip
         failed, doing = decode, "reserving KV blocks"
@@ -149,14 +160,19 @@ class Placer:
                 raise UpstreamError("INTERNAL", f"decode {decode.instance_id} did not reserve the request")
             if prefill is None:
                 doing = "computing the prompt"
-                return Placement(decode_call, await self.read_decode(decode_call, decode), route, None)
+                try:
+                    return Placement(decode_call, await self.read_decode(decode_call, decode), route, None)
+                except DecodeLostError as e:  # (before the first token: place it again; cancelled below)
+                    raise AttemptFailed(e, decode, retryable=True, counts=True, mark_down=False,
+                                        reason=f"decode {decode.instance_id} failed computing the prompt") from None
             failed, doing = prefill, "prefilling"
             prefill_stub = prefill_pb2_grpc.PrefillStub(self.channels.get(prefill.address, prefill.instance_id))
             prefill_call = prefill_stub.Prefill(
                 prefill_pb2.PrefillRequest(request_id=placement_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                            decode_address=decode.address, decode_instance_id=decode.instance_id,
                                            num_skip_blocks=reply.num_skip_blocks,
-                                           cache_salt=request.cache_salt, priority=request.priority),
+                                           cache_salt=request.cache_salt, priority=request.priority,
+                                           output_token_ids=request.output_token_ids),
                 timeout=timeout,
             )  # fmt: skip
             prefill_reply, decode_call = await prefill_watching_decode(prefill_call, decode_call, prefill)
@@ -177,21 +193,25 @@ class Placer:
             reason = f"{failed.tier} {failed.instance_id} {'is full' if full else 'failed'}"
             raise AttemptFailed(error, failed, retryable=e.code() in RETRY_CODES, counts=not full,
                                 mark_down=peer_is_down(e), reason=reason) from None
-        except BaseException:  # (an UpstreamError from read_decode: the decode failed computing the prompt)
+        except BaseException:  # (an UpstreamError from read_decode: the decode failed the prompt; AttemptFailed)
             decode_call.cancel()
             raise
 
     async def read_decode(self, decode_call, decode: InstanceInfo,
                           prefill: InstanceInfo | None = None) -> decode_pb2.DecodeResponse:
         """The decode's next message; UpstreamError if the call failed, ended early or the decode failed it: a
-        decode found dead is routed around from then on (Router.mark_down), and one whose prompt KV never came
-        whole (its prefill, named, died after sending the first token) says UNAVAILABLE: the client may retry."""
+        decode found dead is routed around from then on (Router.mark_down). DecodeLostError (UNAVAILABLE) when
+        another decode may cure it: the call broke, or the prompt's KV never came whole (its prefill, named, died
+        after sending the first token)."""
         try:
             reply = await decode_call.read()
         except grpc.aio.AioRpcError as e:
             if peer_is_down(e):
                 self.router.mark_down(decode)
-            raise upstream_error(e, "decode", decode.instance_id, "decoding") from None
+            error = upstream_error(e, "decode", decode.instance_id, "decoding")
+            if error.status == "UNAVAILABLE":
+                raise DecodeLostError(str(error), "decode_failed") from None
+            raise error from None
         if reply is grpc.aio.EOF:
             raise UpstreamError("INTERNAL", f"decode {decode.instance_id} ended the stream without a finish reason")
         if reply.error:
@@ -199,5 +219,8 @@ class Placer:
                       "UNAVAILABLE" if reply.error_is_unavailable else "INTERNAL")  # fmt: skip
             source = f" (the prompt's KV came from prefill {prefill.instance_id})" if (
                 reply.error_is_unavailable and prefill is not None) else ""  # fmt: skip
-            raise UpstreamError(status, f"decode {decode.instance_id}: {reply.error}{source}")
+            message = f"decode {decode.instance_id}: {reply.error}{source}"
+            if status == "UNAVAILABLE":
+                raise DecodeLostError(message, "kv_transfer_failed")
+            raise UpstreamError(status, message)
         return reply

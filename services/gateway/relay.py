@@ -27,6 +27,7 @@ class Relay:
         prefill_reply = placement.prefill_reply
         self.num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.migrations: list[str] = []  # "decode A -> decode B (reason)" for each time the request migrated
         self.finish_reason: int | None = None  # common_pb2.FinishReason
         self.last_sent = time.perf_counter()
         self.ttft_ms = (self.last_sent - arrival_time) * 1000
@@ -39,7 +40,7 @@ class Relay:
         stop string); sets finish_reason when the request ends with it."""
         if reply.HasField("finish_reason"):
             self.finish_reason = reply.finish_reason
-        if self.placement.prefill_reply is None:
+        if self.placement.prefill_reply is None and not self.migrations:  # (usage counts the first placement's)
             self.num_cached_tokens = reply.num_cached_tokens
         text = self.text
         num_before = len(text.token_ids)
@@ -61,6 +62,13 @@ class Relay:
             self.finish_reason = common_pb2.FINISH_REASON_STOP
         return msg
 
+    def resume(self, placement: Placement, reason: str) -> None:
+        """Go on from placement, the request placed again with its output so far after its decode failed for
+        reason (pipeline.py): its first message is the next token."""
+        self.migrations.append(f"decode {self.placement.route.decode.instance_id} -> "
+                               f"{placement.route.decode.instance_id} ({reason})")
+        self.placement = placement
+
     def final(self) -> gateway_pb2.GenerateResponse:
         """The last message: the rest of the text, finish_reason, usage and timings (counted in the metrics, and
         logged)."""
@@ -72,9 +80,11 @@ class Relay:
                                           num_generated, self.ttft_ms / 1000, e2e_ms / 1000)  # fmt: skip
         where = (f"prefill {prefill_reply.prefill_ms:.0f} ms on {route.prefill.instance_id}, "
                  f"{prefill_reply.num_blocks_sent} KV blocks sent" if prefill_reply else "prompt computed on the decode")
+        migrated = f"; migrated: {', '.join(self.migrations)}" if self.migrations else ""
         log.info("request %s: %d prompt (%d cached) + %d completion tokens, %s, TTFT %.0f ms (%s), E2E %.0f ms "
-                 "(decode %s)", request.request_id, num_prompt, self.num_cached_tokens, num_generated,
-                 common_pb2.FinishReason.Name(self.finish_reason), self.ttft_ms, where, e2e_ms, route.decode.instance_id)
+                 "(decode %s%s)", request.request_id, num_prompt, self.num_cached_tokens, num_generated,
+                 common_pb2.FinishReason.Name(self.finish_reason), self.ttft_ms, where, e2e_ms,
+                 route.decode.instance_id, migrated)  # fmt: skip
         return gateway_pb2.GenerateResponse(
             request_id=request.request_id,
             text=self.text.finish(),

@@ -36,10 +36,23 @@ class GatewayRequest:
     shared_prompt: SharedPrompt | None = None
     index: int = 0  # completion index among the n of one prompt (the stream's GenerateResponse.index)
     record_metrics: bool = True  # count it in the gateway's request metrics (beam search counts beams, not steps)
+    # A migrated request (its decode failed mid-stream): the tokens generated so far, which the engines take as
+    # output after the prompt (DecodeRequest.output_token_ids)
+    output_token_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the engines compute before its next token: the prompt and, migrated, the output so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + output so far (what routing looks up in the prefix index)."""
+        return self.prompt_token_ids + list(self.output_token_ids) if self.output_token_ids else self.prompt_token_ids
 
     @property
     def n(self) -> int:
