@@ -76,7 +76,7 @@ class KVConnector:
             if victim is None or victim.priority <= request.priority:
                 self.kv_cache_manager.free(request)
                 room_soon = any(r.priority > request.priority for r, _ in self._receiving.values())
-                raise NoCapacityError(f"no room for {request.num_tokens} tokens of KV", room_soon)
+                raise NoCapacityError(f"no room for {request.num_tokens} prompt tokens of KV", room_soon)
             self.scheduler.preempt(victim)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached

@@ -137,6 +137,22 @@ def test_rolling_restart_of_both_tiers_under_load_fails_no_request(cluster, hf_r
     assert "drained" in log
 
 
+@pytest.mark.heavy
+def test_random_kill_9s_under_load_fail_no_request(cluster):
+    """benchmarks/chaos.py on this cluster: an engine picked at random is killed (-9) every 15-45 s under 8 streams
+    and started again 2 s later; every request completes (migrated, or placed again before its first token) and
+    equals the same request run without a fault, and every KV block is free afterwards."""
+    from tandem.benchmarks import chaos, soak
+
+    prompts = soak.build_prompts(None, 32, seed=0)
+    result = chaos.run(cluster, prompts, streams=8, duration_s=120, tiers=("prefill", "decode"), every_s=30,
+                       restart_after_s=2, seed=1)  # fmt: skip
+    print("\n" + chaos.report(result))
+    assert sum(result["kills"].values()) >= 2, result["kills"]
+    assert result["requests_failed"] == 0, result["failed_by_code"]
+    assert not result["wrong_prompts"] and result["engines_idle_after"], result
+
+
 def test_tandem_up_restarts_a_child_that_exits_unless_it_keeps_failing(cluster, hf_references):
     cluster.kill("decode1")  # (a crash: its record stays until its TTL)
     with pytest.raises(RuntimeError, match="decode1 exited"):
