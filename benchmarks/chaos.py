@@ -18,20 +18,26 @@ failures are reported apart.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import random
-import re
-import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+import os
 
-import grpc
+# Killed processes are started again from this one while its stream threads are inside gRPC calls: with gRPC's
+# fork handlers on, such a fork can abort the child (an absl mutex check in the handlers); the child only execs.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from tandem.benchmarks.soak import build_prompts, percentile, wait_idle
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import grpc  # noqa: E402
+
+from tandem.benchmarks.soak import build_prompts, percentile, wait_idle  # noqa: E402
 
 
 @dataclass
@@ -41,6 +47,7 @@ class Record:
     answers: list[tuple[int, list[int]]] = field(default_factory=list)  # (prompt index, token ids) of each done
     failed: list[tuple[str, bool]] = field(default_factory=list)  # (status code name, a gateway was down)
     kills: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, process name)
+    restart_errors: list[str] = field(default_factory=list)  # a killed process that would not start again
     gateway_down: threading.Event = field(default_factory=threading.Event)
 
 
@@ -92,7 +99,14 @@ def killer(cluster, tiers: tuple[str, ...], every_s: float, restart_after_s: flo
         record.kills.append((time.monotonic(), name))
         print(f"  killed {name} at {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         time.sleep(restart_after_s)
-        cluster.restart(name)
+        for attempt in range(3):
+            try:
+                cluster.restart(name)
+                break
+            except (RuntimeError, TimeoutError) as e:  # (it died starting: its log says why)
+                record.restart_errors.append(f"{name}: {e}")
+        else:
+            return  # (no more kills: the report names the process that stayed down)
         record.gateway_down.clear()
 
 
@@ -146,6 +160,7 @@ def run(cluster, prompts, streams: int, duration_s: float, tiers: tuple[str, ...
             "requests_failed": len(record.failed), "failed_by_code": failed_by_code,
             "failed_while_gateway_down": sum(down for _, down in record.failed),
             "token_exact": exact, "wrong_prompts": wrong, **gateway_log_figures(cluster.log_dir),
+            "restart_errors": record.restart_errors,
             "engines_idle_after": all(l["num_free_blocks"] == l["num_blocks"] and not l["num_running"]
                                       and not l["num_waiting"] for l in engines_after.values()),
             "engines_after": engines_after, "log_dir": str(cluster.log_dir)}  # fmt: skip
@@ -161,7 +176,8 @@ def report(r: dict) -> str:
         f"migrations {r['migrations']} {json.dumps(r['migrations_by_reason'])}, placed again before the first "
         f"token {r['placed_again']}; migration to next token p50 {ms(r['resume_p50_ms'])}, "
         f"p99 {ms(r['resume_p99_ms'])}",
-        f"engines idle with every KV block free afterwards: {r['engines_idle_after']} (logs in {r['log_dir']})"])
+        f"engines idle with every KV block free afterwards: {r['engines_idle_after']} (logs in {r['log_dir']})",
+        f"restarts that failed: {r['restart_errors'] or 0}"])
 
 
 def main(argv=None) -> int:
@@ -201,7 +217,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     lost = result["requests_failed"] - result["failed_while_gateway_down"]
-    return 1 if lost or result["wrong_prompts"] or not result["engines_idle_after"] else 0
+    bad = lost or result["wrong_prompts"] or result["restart_errors"] or not result["engines_idle_after"]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -191,6 +191,8 @@ def engine_loads(cluster) -> dict[str, dict]:
 
     loads = {}
     for name, address in cluster.addresses.items():
+        if cluster.processes[name].poll() is not None:  # (a process that died: nothing to ask)
+            continue
         with grpc.insecure_channel(address) as channel:
             l = common_pb2_grpc.InstanceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=10)
         loads[name] = {"num_blocks": l.num_blocks, "num_free_blocks": l.num_free_blocks,

@@ -8,6 +8,11 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
+# Tests start engines again (LocalCluster.restart) while their own threads are inside gRPC calls: with gRPC's fork
+# handlers on, such a fork can abort the child before it execs (an absl mutex check in the handlers); read by gRPC
+# when it initializes, so set before anything imports it.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -1,9 +1,11 @@
-"""Faults on a real 2 prefill + 2 decode cluster with a Redis of the test's own (issue 16), each bounded in time:
+"""Faults on a real 2 prefill + 3 decode cluster with a Redis of the test's own (issue 16), each bounded in time:
 Redis stopped and frozen under load, slow clients (gRPC and HTTP SSE), 200 requests (80 in make test's short
-pass) cancelled or timed out at random points, then kill -9 of a decode mid-stream and of a prefill
-mid-transfer. Loopback only.
+pass) cancelled or timed out at random points, a decode frozen mid-stream, one stopped while a stream outlives
+its drain, then kill -9 of a decode mid-stream and of a prefill mid-transfer; streams on a decode that fails
+migrate (issue 36). Loopback only.
 
-The tests share one cluster and run in file order: the last two kill an instance each (decode, then prefill).
+The tests share one cluster and run in file order: the last three stop an instance each (a decode killed, a
+prefill killed, then a decode drained: the heavy pass only).
 (A reservation's KV lease while its prompt queues on a busy prefill: test_robustness.py.)
 Every call has a timeout and every thread is joined with one, so no test can hang. Measurements (latencies,
 RSS, times to resume a migrated stream) are printed: run with -s to see them."""
@@ -45,7 +47,8 @@ def cluster(model_dir, hf_references, redis_server):
 
     engine = ["--num-blocks", "320", "--threads", "1"]
     # --local-prefill-tokens 0: every prompt goes through a prefill and its KV over the wire to a decode
-    with LocalCluster(str(model_dir), num_prefill=2, num_decode=2, redis_url=redis_server.url, drain_timeout_s=5,
+    # (3 decodes: the kill test kills one, the drain test (heavy) then stops one of the other two)
+    with LocalCluster(str(model_dir), num_prefill=2, num_decode=3, redis_url=redis_server.url, drain_timeout_s=5,
                       prefill_args=engine + ["--max-num-batched-tokens", str(PREFILL_CHUNK)],
                       decode_args=engine,
                       gateway_args=["--local-prefill-tokens", "0"]) as c:
@@ -410,7 +413,6 @@ def test_kill_9_of_a_decode_mid_stream_migrates_its_streams(cluster):
         log_offset = len((cluster.log_dir / "gateway.log").read_text())
         generated_before = load(cluster.addresses[survivor]).num_generation_tokens
         sent_before = [len(r["out"].token_ids) for r in results]
-        killed_at = time.monotonic()
         cluster.kill(victim)  # SIGKILL: its registry record stays until its TTL runs out
         decisions_after = metric_samples(metrics_url, "tandem:router_decisions_total")
         for t in readers:
@@ -501,3 +503,43 @@ def test_kill_9_of_a_prefill_mid_transfer(cluster, tokenizer, hf_greedy):
     loads = wait_idle(cluster, timeout_s=30)
     for name, l in loads.items():
         assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+
+
+# -- a decode stopped (SIGTERM) while a stream runs past its drain timeout -------------------------------------------
+@pytest.mark.heavy
+def test_a_stream_outliving_its_decodes_drain_migrates(cluster):
+    """The decode drains (--drain-timeout 5 here): it finishes what it can, then cancels the calls left; the
+    stream it cancelled migrates and ends whole, equal to the request run without a fault. (Heavy: 5 s of drain
+    is up to 500 tokens on a quiet machine, so the stream and its rerun are 1,000 tokens each.)"""
+    request = make_request("Tell me everything about the history of Rome.", max_tokens=1000, temperature=0.0,
+                           ignore_eos=True, cache_salt="drain-timeout")  # fmt: skip
+    out, result = Completion(), {}
+
+    def read() -> None:
+        try:
+            for msg in generate_stream(cluster.gateway_address, request):
+                out.add(msg)
+        except grpc.RpcError as e:
+            result.update(code=e.code(), details=e.details())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    decodes = [n for n in cluster.addresses if n.startswith("decode")]
+    while not (busy := [n for n in decodes if load(cluster.addresses[n]).num_running]) or len(out.token_ids) < 8:
+        assert time.monotonic() < deadline and reader.is_alive(), ("the stream never ran", result)
+        time.sleep(0.1)
+    victim = busy[0]
+    log_offset = len((cluster.log_dir / "gateway.log").read_text())
+    stopped_at = time.monotonic()
+    assert cluster.terminate(victim, timeout_s=60) == 0  # (drains: the 5 s run out, it cancels the stream, exits 0)
+    sent_at_stop = len(out.token_ids)
+    reader.join(timeout=120)
+    del cluster.processes[victim], cluster.addresses[victim]
+    log = (cluster.log_dir / "gateway.log").read_text()[log_offset:]
+    print(f"\ndrained {victim} at token {sent_at_stop}: {result or 'OK'}, ended "
+          f"{time.monotonic() - stopped_at:.1f} s after the SIGTERM; {log.count('migrated in')} migration")
+    assert not reader.is_alive() and not result, result
+    assert "migrated in" in log and "(decode_failed)" in log
+    assert len(out.token_ids) == 1000 and out.finish_reason == "length"
+    assert out.token_ids == generate(cluster.gateway_address, request, timeout=300).token_ids
