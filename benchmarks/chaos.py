@@ -45,7 +45,8 @@ class Record:
     """What the streams and the killer saw (appended from their threads; list.append is atomic)."""
 
     answers: list[tuple[int, list[int]]] = field(default_factory=list)  # (prompt index, token ids) of each done
-    failed: list[tuple[str, bool]] = field(default_factory=list)  # (status code name, a gateway was down)
+    # (status code name, a gateway was down, tokens had arrived: a stream cut, not a refused connection)
+    failed: list[tuple[str, bool, bool]] = field(default_factory=list)
     kills: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, process name)
     restart_errors: list[str] = field(default_factory=list)  # a killed process that would not start again
     gateway_down: threading.Event = field(default_factory=threading.Event)
@@ -75,10 +76,10 @@ def stream_loop(cluster, prompts, offset: int, end_at: float, record: Record, ti
                     tokens.extend(msg.token_ids)
                     finished = finished or msg.HasField("finish_reason")
             if not finished:
-                record.failed.append(("NO_FINISH_REASON", down or record.gateway_down.is_set()))
+                record.failed.append(("NO_FINISH_REASON", down or record.gateway_down.is_set(), bool(tokens)))
                 continue
         except grpc.RpcError as e:
-            record.failed.append((e.code().name, down or record.gateway_down.is_set()))
+            record.failed.append((e.code().name, down or record.gateway_down.is_set(), bool(tokens)))
             if record.gateway_down.is_set():
                 time.sleep(0.5)  # (a client backing off while its gateway restarts)
             continue
@@ -154,11 +155,12 @@ def run(cluster, prompts, streams: int, duration_s: float, tiers: tuple[str, ...
     for _, name in record.kills:
         kills[name.rstrip("0123456789")] = kills.get(name.rstrip("0123456789"), 0) + 1
     failed_by_code: dict[str, int] = {}
-    for code, _ in record.failed:
+    for code, *_ in record.failed:
         failed_by_code[code] = failed_by_code.get(code, 0) + 1
     return {"streams": streams, "duration_s": elapsed, "kills": kills, "requests_done": len(record.answers),
             "requests_failed": len(record.failed), "failed_by_code": failed_by_code,
-            "failed_while_gateway_down": sum(down for _, down in record.failed),
+            "failed_while_gateway_down": sum(down for _, down, _ in record.failed),
+            "failed_mid_stream": sum(cut for *_, cut in record.failed),
             "token_exact": exact, "wrong_prompts": wrong, **gateway_log_figures(cluster.log_dir),
             "restart_errors": record.restart_errors,
             "engines_idle_after": all(l["num_free_blocks"] == l["num_blocks"] and not l["num_running"]
@@ -171,7 +173,8 @@ def report(r: dict) -> str:
     return "\n".join([
         f"chaos: {r['streams']} streams for {r['duration_s']:.0f} s; kills {json.dumps(r['kills'])}",
         f"requests done {r['requests_done']}, failed {r['requests_failed']} {json.dumps(r['failed_by_code'])} "
-        f"({r['failed_while_gateway_down']} while a gateway was down)",
+        f"({r['failed_while_gateway_down']} while a gateway was down; {r['failed_mid_stream']} cut mid-stream, the "
+        f"rest refused before their first token)",
         f"token-exact {r['token_exact']} of {r['requests_done']} (prompts answered otherwise: {r['wrong_prompts']})",
         f"migrations {r['migrations']} {json.dumps(r['migrations_by_reason'])}, placed again before the first "
         f"token {r['placed_again']}; migration to next token p50 {ms(r['resume_p50_ms'])}, "
