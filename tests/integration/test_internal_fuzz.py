@@ -155,10 +155,11 @@ def test_a_damaged_transfer_fails_the_request_cleanly(cluster, decode, model_con
 
 def client_error_for(reply: decode_pb2.DecodeResponse):
     """The UpstreamError the gateway makes of a decode's failed reply (Placer.read_decode): what the client
-    of the public API gets, as (status name, message)."""
+    of the public API gets, as (status name, message), once --max-migrations is spent (before that, an
+    UNAVAILABLE one is a DecodeLostError: the request migrates, for the reason "kv_transfer_failed")."""
     import asyncio
 
-    from tandem.services.gateway.placement import Placer
+    from tandem.services.gateway.placement import DecodeLostError, Placer
     from tandem.shared.errors import UpstreamError
     from tandem.shared.cluster_state.registry import InstanceInfo
 
@@ -169,6 +170,8 @@ def client_error_for(reply: decode_pb2.DecodeResponse):
     try:
         asyncio.run(Placer.read_decode(None, Call(), InstanceInfo("decode-1", "decode", "127.0.0.1:1", "m", 16)))
     except UpstreamError as e:
+        assert isinstance(e, DecodeLostError) == (e.status == "UNAVAILABLE")
+        assert not isinstance(e, DecodeLostError) or e.reason == "kv_transfer_failed"
         return e.status, str(e)
     raise AssertionError("the gateway took a failed reply for a good one")
 
