@@ -285,6 +285,12 @@ def add_gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=non_negative_int, default=64,
                         help="when the chosen decode lacks at most this many prompt tokens, it computes them itself "
                              "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
+    parser.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "mistral", "json"),
+                        default="auto", help="how answers to requests with tools are read for tool calls "
+                        "(docs/api.md); auto: the format the chat template shows")  # fmt: skip
+    parser.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                        help="split <think> ... </think> reasoning from answers into reasoning_content "
+                             "(docs/api.md); default: none, answers are all content")  # fmt: skip
     parser.add_argument("--max-migrations", type=non_negative_int, default=DEFAULT_MAX_MIGRATIONS,
                         help="times a request whose decode fails after its first token (dies, freezes, drains past "
                              "its timeout, loses the prompt's KV) is placed again with the tokens it has and goes "

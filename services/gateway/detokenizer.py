@@ -44,6 +44,11 @@ class TextStream:
             delta += self._release(final=False)
         return delta
 
+    @property
+    def text(self) -> str:
+        """The text so far (all of it after finish()), cut at a stop string."""
+        return self._text
+
     def finish(self) -> str:
         """Flush what is left at the end of the stream (an incomplete character is sent as U+FFFD)."""
         self._advance(final=True)

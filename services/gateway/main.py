@@ -52,7 +52,8 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
                     tls, APIKeyInterceptor(api_keys) if api_keys else None)  # fmt: skip
     admission = AdmissionQueue(args.max_concurrent_requests, args.max_waiting_requests, args.queue_timeout)
     pipeline = GatewayPipeline(model_config, tokenizer, router, args.default_max_tokens, instance_id,
-                               ChannelPool(tls), admission, args.max_migrations)  # fmt: skip
+                               ChannelPool(tls), admission, args.max_migrations, args.tool_call_parser,
+                               args.reasoning_parser)  # fmt: skip
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(pipeline), server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.services.gateway.validation import MAX_ID_CHARS, MAX_N
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, gateway_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
 MAX_PROMPTS = 64  # prompts in one completions request (a list of strings or of token id lists); README "Limits"
@@ -97,10 +97,46 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text (OpenAI's)
+
+
+class ToolCallItem(BaseModel):
+    """An assistant turn's tool call in the history (OpenAI's message.tool_calls[i])."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # (calls are checked against the schema only under a required or named choice)
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -108,6 +144,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: only enable_thinking is taken
 
 
 class CompletionRequest(SamplingFields):
@@ -255,8 +295,44 @@ def prompts(prompt) -> list[str | list[int]]:
     return prompt
 
 
+TOOL_CHOICES = {"auto": gateway_pb2.TOOL_CHOICE_AUTO, "none": gateway_pb2.TOOL_CHOICE_NONE,
+                "required": gateway_pb2.TOOL_CHOICE_REQUIRED}
+
+
+def chat_messages(body: ChatCompletionRequest, role_aliases: dict[str, str]) -> gateway_pb2.ChatMessages:
+    """The body's turns, tools, tool_choice, parallel_tool_calls and chat_template_kwargs as the gRPC API's
+    ChatMessages. APIError 400 naming the field for a tool_choice without tools or a template argument other
+    than enable_thinking."""
+    chat = gateway_pb2.ChatMessages()
+    for m in body.messages:
+        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or ())
+        message = chat.messages.add(role=role_aliases.get(m.role, m.role), content=content,
+                                    tool_call_id=m.tool_call_id or "")  # fmt: skip
+        for call in m.tool_calls or ():
+            message.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    for tool in body.tools or ():
+        f = tool.function
+        chat.tools.add(name=f.name, description=f.description or "",
+                       parameters_json=json.dumps(f.parameters) if f.parameters is not None else "")  # fmt: skip
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        chat.tool_choice, chat.tool_choice_function = gateway_pb2.TOOL_CHOICE_FUNCTION, choice.function.name
+    elif choice is not None:
+        chat.tool_choice = TOOL_CHOICES[choice]
+    if choice is not None and choice != "none" and not body.tools:
+        raise APIError(400, "tool_choice needs tools", "tool_choice")
+    if body.parallel_tool_calls is not None:
+        chat.parallel_tool_calls = body.parallel_tool_calls
+    for key, value in (body.chat_template_kwargs or {}).items():
+        if key != "enable_thinking" or not isinstance(value, bool):
+            raise APIError(400, f"chat_template_kwargs.{key}: only enable_thinking (true or false) is supported",
+                           "chat_template_kwargs")  # fmt: skip
+        chat.enable_thinking = value
+    return chat
+
+
 def param_named(message: str) -> str | None:
     """The field an InvalidRequestError's message starts with or names ("min_p must be ...",
     "structured_output.json is not ...")."""
-    word = message.split(" ", 1)[0].strip("(),:").split(".")[0]
+    word = message.split(" ", 1)[0].strip("(),:").split(".")[0].split("[")[0]
     return word if word.replace("_", "").isalpha() and word.islower() else None

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 
 from tandem.services.client import finish_name
+from tandem.services.gateway.reasoning import ReasoningStream, split_reasoning
+from tandem.services.gateway.tool_parsers import ToolCallStream, parse
 from tandem.v1 import gateway_pb2
 
 
@@ -23,6 +25,48 @@ class ResponseShape:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs the client asked for; None: no such field
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before each of its completions
     prompts: list[list[int]] = field(default_factory=list)  # each prompt's token ids (echo's logprobs name them)
+    tool_parser: str | None = None  # chat: answers are read for tool calls (tool_parsers.py)
+    reasoning_parser: str | None = None  # chat: reasoning split into reasoning_content (reasoning.py)
+
+
+def chat_message(shape: ResponseShape, text: str) -> dict:
+    """A whole chat answer as OpenAI's message: content, and with the request's parsers tool_calls (content null
+    when there is nothing else) and reasoning_content."""
+    message: dict = {"role": "assistant"}
+    if shape.reasoning_parser is not None:
+        message["reasoning_content"], text = split_reasoning(shape.reasoning_parser, text)
+    content, calls = parse(shape.tool_parser, text) if shape.tool_parser is not None else (text, [])
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]  # fmt: skip
+    return message
+
+
+class ChatDeltas:
+    """One chat completion's text deltas as OpenAI's delta objects: reasoning_content, content and tool_calls
+    deltas, per the request's parsers (reasoning.ReasoningStream, tool_parsers.ToolCallStream)."""
+
+    def __init__(self, shape: ResponseShape):
+        self.reasoning = ReasoningStream(shape.reasoning_parser) if shape.reasoning_parser else None
+        self.tools = ToolCallStream(shape.tool_parser) if shape.tool_parser else None
+
+    def feed(self, text: str, final: bool) -> dict:
+        delta: dict = {}
+        content = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text, final)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        if self.tools is None:
+            delta["content"] = content
+            return delta
+        for part in self.tools.feed(content, final):
+            if "content" in part:
+                delta["content"] = delta.get("content", "") + part["content"]
+            else:
+                delta.setdefault("tool_calls", []).extend(part["tool_calls"])
+        return delta
 
 
 @dataclass(slots=True)
@@ -152,7 +196,7 @@ async def collect(messages, shape: ResponseShape, tokenizer) -> tuple[list[dict]
             choice = {"index": p * shape.n + i}
             if shape.chat:
                 logprobs = chat_logprobs(c.logprobs, tokenizer) if shape.logprobs is not None else None
-                choice |= {"message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
+                choice |= {"message": chat_message(shape, c.text), "logprobs": logprobs}
             else:
                 choice |= _completion_choice(shape, p, c.text, c.logprobs, prompt_logprobs.get(p, []),
                                              shape.echo is not None, 0, tokenizer, whole=True)  # fmt: skip
@@ -176,6 +220,7 @@ async def sse(messages, first: list, base: dict, shape: ResponseShape, include_u
     kind = "chat.completion.chunk" if shape.chat else "text_completion"
     usage = Totals()
     sent: dict[int, int] = {}  # choice index -> characters of text sent (its next text_offset)
+    chats: dict[int, ChatDeltas] = {}  # choice index -> its delta maker (chat)
     prompt_logprobs: dict[int, list] = {}
 
     def chunk(choices: list, usage_json=None) -> str:
@@ -200,7 +245,8 @@ async def sse(messages, first: list, base: dict, shape: ResponseShape, include_u
                 prompt_logprobs[p] = list(msg.prompt_logprobs)
             choice: dict = {"index": index}
             if shape.chat:
-                delta = {"role": "assistant", "content": msg.text} if opening else {"content": msg.text}
+                delta = chats.setdefault(index, ChatDeltas(shape)).feed(msg.text, final=finish is not None)
+                delta = ({"role": "assistant"} | delta) if opening else delta
                 wanted = shape.logprobs is not None and msg.logprobs
                 choice |= {"delta": delta, "logprobs": chat_logprobs(msg.logprobs, tokenizer) if wanted else None}
             else:
@@ -214,7 +260,8 @@ async def sse(messages, first: list, base: dict, shape: ResponseShape, include_u
                                                                    shape.prompt_logprobs)  # fmt: skip
             if finish is not None:
                 usage.add(msg.usage, msg.index == 0)
-            if msg.text or msg.token_ids or choice.get("text") or "prompt_logprobs" in choice or finish:
+            if msg.text or msg.token_ids or choice.get("text") or "prompt_logprobs" in choice or finish or (
+                    shape.chat and len(choice["delta"]) > 1):
                 yield chunk([choice])
         if include_usage:
             yield chunk([], usage.as_json())

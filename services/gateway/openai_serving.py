@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.services.gateway.openai_errors import api_error, counted, http_param
 from tandem.services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                                     completion_sampling_params, param_named, prompts, sampling_params)
+                                                     chat_messages, completion_sampling_params, param_named, prompts,
+                                                     sampling_params)
 from tandem.services.gateway.openai_responses import ResponseShape, collect, sse
 from tandem.services.gateway.pipeline import STREAM_BUFFER, GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest
@@ -60,15 +61,18 @@ class OpenAIServing:
         self._check_model(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        chat = gateway_pb2.ChatMessages()
-        for m in body.messages:
-            content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content or ())
-            chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=content)
+        chat = chat_messages(body, ROLE_ALIASES)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, logprobs)
-        prompt_ids = await self._tokenize(gateway_pb2.GenerateRequest(chat=chat), "messages")
-        shape = ResponseShape(chat=True, n=body.n, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+        grpc_request = gateway_pb2.GenerateRequest(chat=chat, sampling_params=sampling_params(body, max_tokens,
+                                                                                              logprobs))  # fmt: skip
+        prompt_ids = await self._tokenize(grpc_request, "messages")
+        try:
+            params, parsers = self.pipeline.answer_format(grpc_request)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param_named(str(e))) from None
+        shape = ResponseShape(chat=True, n=body.n, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+                              **parsers)  # fmt: skip
         return await self._respond(body, [prompt_ids], params, shape, request)
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -100,8 +104,9 @@ class OpenAIServing:
     async def _tokenize(self, grpc_request: gateway_pb2.GenerateRequest, param: str) -> list[int]:
         try:
             return await self.pipeline.tokenize(grpc_request)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param) from None
+        except InvalidRequestError as e:  # (a chat's tools and tool_choice are checked with its turns)
+            named = param_named(str(e))
+            raise APIError(400, str(e), named if named in ("tools", "tool_choice") else param) from None
 
     async def _respond(self, body: SamplingFields, prompts: list[list[int]], params: common_pb2.SamplingParams,
                        shape: ResponseShape, request: Request):
@@ -134,7 +139,8 @@ class OpenAIServing:
         requests = []
         for i, prompt_ids in enumerate(prompts):
             request = GatewayRequest(request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
-                                     sampling_params=params, cache_salt=body.cache_salt, priority=body.priority)
+                                     sampling_params=params, cache_salt=body.cache_salt, priority=body.priority,
+                                     tool_parser=shape.tool_parser, reasoning_parser=shape.reasoning_parser)
             try:
                 requests.append(await self.pipeline.validate(request))
             except InvalidRequestError as e:

@@ -37,10 +37,11 @@ from tandem.services.gateway.placement import DecodeLostError, Placement, Placer
 from tandem.services.gateway.relay import Relay
 from tandem.services.gateway.request import GatewayRequest
 from tandem.services.gateway.router import Router, SharedPrompt
+from tandem.services.gateway.tool_calls import check_tools, tool_choice_constraint, tool_parser_for
 from tandem.services.gateway.validation import check_sampling_params, tokenize_request
 from tandem.services.tracing import bind_request, in_span, observe_generate, start_span, traced_stream
 from tandem.shared.config import ModelConfig
-from tandem.shared.errors import UpstreamError
+from tandem.shared.errors import InvalidRequestError, UpstreamError
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -56,15 +57,18 @@ def seed_for(seed: int, index: int) -> int:
 class GatewayPipeline:
     """One gateway's request pipeline. Public for the APIs that translate to it: model_config, tokenizer,
     metrics (served at /metrics on the HTTP port) and admission; default_max_tokens: a request's max_tokens
-    when it sets none; max_migrations: times a completion may migrate (the module's docstring; 0: never)."""
+    when it sets none; max_migrations: times a completion may migrate (the module's docstring; 0: never);
+    tool_call_parser, reasoning_parser: the gateway's --tool-call-parser and --reasoning-parser."""
 
     def __init__(self, model_config: ModelConfig, tokenizer, router: Router, default_max_tokens: int,
                  instance_id: str, channels: ChannelPool | None = None, admission: AdmissionQueue | None = None,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS):
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, tool_call_parser: str = "auto",
+                 reasoning_parser: str | None = None):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.default_max_tokens = default_max_tokens
         self.max_migrations = max_migrations
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.metrics = GatewayMetrics(model_config.name, instance_id)
         self.admission = admission or AdmissionQueue(DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS,
                                                      DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
@@ -75,6 +79,27 @@ class GatewayPipeline:
         """The prompt (text or chat turns) of a public request as token ids (validation.tokenize_request), off the
         event loop: long prompts must not stall other streams. InvalidRequestError on bad input."""
         return await asyncio.to_thread(tokenize_request, self.tokenizer, request, self.model_config.max_model_len)
+
+    def answer_format(self, request: gateway_pb2.GenerateRequest) -> tuple[common_pb2.SamplingParams, dict]:
+        """A public request's sampling parameters with its tool_choice's constraint (tool_calls.py), and the
+        GatewayRequest fields saying how its answers are read (tool_parser, reasoning_parser).
+        InvalidRequestError naming the field when tool_choice would constrain an answer that structured output
+        constrains already."""
+        params, parsers = request.sampling_params, {"reasoning_parser": self.reasoning_parser}
+        if request.WhichOneof("input") != "chat":
+            return params, parsers
+        chat = request.chat
+        tools = check_tools(chat)
+        constraint = tool_choice_constraint(chat, tools)
+        if constraint is not None:
+            if params.HasField("structured_output"):
+                raise InvalidRequestError("tool_choice (required or a function) constrains the answer: it cannot "
+                                          "combine with structured_output")  # fmt: skip
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(request.sampling_params)
+            params.structured_output.CopyFrom(constraint)
+        parsers["tool_parser"] = tool_parser_for(chat, tools, self.tokenizer, self.tool_call_parser)
+        return params, parsers
 
     async def validate(self, request: GatewayRequest) -> GatewayRequest:
         """request with the sampling parameters the tiers get (validation.check_sampling_params: max_tokens

@@ -10,6 +10,8 @@ from tandem.services.client import finish_name
 from tandem.services.gateway.detokenizer import TextStream
 from tandem.services.gateway.metrics import GatewayMetrics
 from tandem.services.gateway.placement import Placement
+from tandem.services.gateway.reasoning import split_reasoning
+from tandem.services.gateway.tool_parsers import parse
 from tandem.services.gateway.request import GatewayRequest
 from tandem.v1 import common_pb2, decode_pb2, gateway_pb2
 
@@ -62,6 +64,21 @@ class Relay:
             self.finish_reason = common_pb2.FINISH_REASON_STOP
         return msg
 
+    def _answer_parts(self) -> tuple[list[gateway_pb2.ToolCall], str]:
+        """The whole text's tool calls and reasoning, per the request's parsers (finish_reason becomes
+        TOOL_CALLS when an answer that stopped holds calls)."""
+        request, text = self.request, self.text.text
+        reasoning = ""
+        if request.reasoning_parser is not None:
+            reasoning, text = split_reasoning(request.reasoning_parser, text)
+            reasoning = reasoning or ""
+        if request.tool_parser is None:
+            return [], reasoning
+        _, calls = parse(request.tool_parser, text)
+        if calls and self.finish_reason == common_pb2.FINISH_REASON_STOP:
+            self.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+        return [gateway_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls], reasoning
+
     def resume(self, placement: Placement, reason: str) -> None:
         """Go on from placement, the request placed again with its output so far after its decode failed for
         reason (pipeline.py): its first message is the next token."""
@@ -74,6 +91,8 @@ class Relay:
         logged)."""
         request, route, prefill_reply = self.request, self.placement.route, self.placement.prefill_reply
         num_prompt, num_generated = request.num_prompt_tokens, len(self.text.token_ids)
+        rest = self.text.finish()
+        tool_calls, reasoning = self._answer_parts()
         e2e_ms = (time.perf_counter() - self.arrival_time) * 1000
         if self.metrics is not None:
             self.metrics.observe_finished(finish_name(self.finish_reason), num_prompt, self.num_cached_tokens,
@@ -87,8 +106,10 @@ class Relay:
                  route.decode.instance_id, migrated)  # fmt: skip
         return gateway_pb2.GenerateResponse(
             request_id=request.request_id,
-            text=self.text.finish(),
+            text=rest,
             finish_reason=self.finish_reason,
+            tool_calls=tool_calls,
+            reasoning_content=reasoning,
             usage=gateway_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
                                     cached_tokens=self.num_cached_tokens, num_draft_tokens=self.num_draft_tokens,
                                     num_accepted_tokens=self.num_accepted_tokens),

@@ -39,6 +39,10 @@ class GatewayRequest:
     # A migrated request (its decode failed mid-stream): the tokens generated so far, which the engines take as
     # output after the prompt (DecodeRequest.output_token_ids)
     output_token_ids: tuple[int, ...] = ()
+    # How its answer is read (tool_parsers.py, reasoning.py; None: as text): the last message carries the calls
+    # and the reasoning found in the whole text
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,15 +25,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         arrival_time = time.perf_counter()
         try:
             prompt_ids = await self.pipeline.tokenize(request)
+            params, parsers = self.pipeline.answer_format(request)
             gateway_request = GatewayRequest(
                 request_id=request.request_id or uuid.uuid4().hex,
                 prompt_token_ids=prompt_ids,
-                sampling_params=request.sampling_params,
+                sampling_params=params,
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                 priority=request.priority,
                 time_remaining=deadline_clock(context.time_remaining,
                                               request.deadline_ms if request.HasField("deadline_ms") else None),
                 arrival_time=arrival_time,
+                **parsers,
             )  # fmt: skip
             async for msg in self.pipeline.generate(gateway_request):
                 yield msg

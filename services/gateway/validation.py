@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tandem.services.convert import sampling_params_from_proto
 from tandem.services.gateway.beam_search import check_beam_params
+from tandem.services.gateway.tool_calls import check_tools, render_messages
 from tandem.shared.config import ModelConfig
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.request import check_token_ids
@@ -22,7 +23,7 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a json_schema, regex or grammar's text; choice: all choices together
 MAX_CHOICES = 1024  # structured_output choice entries
 MAX_ID_CHARS = 256  # request_id and cache_salt
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def check_counts(p: common_pb2.SamplingParams) -> None:
@@ -58,20 +59,25 @@ def check_structured_output_size(so: common_pb2.StructuredOutput) -> None:
 def tokenize_request(tokenizer, request: gateway_pb2.GenerateRequest, max_model_len: int) -> list[int]:
     """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
     role. Chat turns give exactly apply_chat_template(..., add_generation_prompt=True, tokenize=True)'s ids
-    (the template writes any special tokens itself; nothing is added)."""
+    (the template writes any special tokens itself; nothing is added), with the chat's tools and tool calls
+    (tool_calls.render_messages) and its enable_thinking."""
     for name in ("request_id", "cache_salt"):
         if len(getattr(request, name)) > MAX_ID_CHARS:
             raise InvalidRequestError(f"{name} has {len(getattr(request, name))} characters; at most {MAX_ID_CHARS}")
     kind = request.WhichOneof("input")
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        if not messages or all(not m["content"] for m in messages):
+        chat = request.chat
+        if not chat.messages or all(not m.content and not m.tool_calls for m in chat.messages):
             raise InvalidRequestError("prompt is empty: chat has no message with content")
-        for m in messages:
-            if m["role"] not in ROLES:
-                raise InvalidRequestError(f"unknown chat role {m['role']!r}; expected one of {ROLES}")
-        _check_chars(sum(len(m["content"]) for m in messages), max_model_len)
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        for m in chat.messages:
+            if m.role not in ROLES:
+                raise InvalidRequestError(f"unknown chat role {m.role!r}; expected one of {ROLES}")
+        _check_chars(sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages),
+                     max_model_len)  # fmt: skip
+        messages, extra = render_messages(chat, check_tools(chat), tokenizer)
+        if chat.HasField("enable_thinking"):
+            extra["enable_thinking"] = chat.enable_thinking
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **extra))
     if kind != "prompt" or not request.prompt:
         raise InvalidRequestError("prompt is empty")
     _check_chars(len(request.prompt), max_model_len)
