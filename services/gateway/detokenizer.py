@@ -23,6 +23,7 @@ class TextStream:
         self._text = ""  # all decoded text so far
         self._sent = 0  # characters of _text already returned
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -67,7 +68,7 @@ class TextStream:
         found = [(at, -len(s), s) for s in self.stop if (at := self._text.find(s, max(0, self._sent - len(s) + 1))) != -1]
         if found:  # the earliest stop string (the longest of those starting there) ends the text
             at, _, s = min(found)
-            self.stopped = True
+            self.stopped, self.stop_string = True, s
             self._text = self._text[: at + len(s) if self.include_stop else at]
         end = len(self._text)
         if not (final or self.stopped) and self.stop:

@@ -45,7 +45,8 @@ class BodyLimitMiddleware:
 
 class APIKeyMiddleware:
     """ASGI middleware (not BaseHTTPMiddleware, which would stand between a stream and its disconnect): a /v1
-    request without "Authorization: Bearer <key>" of api_keys gets 401 and OpenAI's invalid_api_key error."""
+    request without "Authorization: Bearer <key>" of api_keys (or Anthropic's "x-api-key: <key>") gets 401 and
+    OpenAI's invalid_api_key error."""
 
     def __init__(self, app, api_keys: APIKeys):
         self.app, self.api_keys = app, api_keys
@@ -54,6 +55,9 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None:  # (Anthropic's clients send the key as x-api-key)
+            key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
+            header = None if key is None else f"Bearer {key}"
         refusal = self.api_keys.refusal(header)
         if refusal is None:
             return await self.app(scope, receive, send)

@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.services.gateway import anthropic_api
+from tandem.services.gateway.anthropic_api import AnthropicMessages
 from tandem.services.gateway.http_middleware import APIKeyMiddleware, BodyLimitMiddleware
 from tandem.services.gateway.openai_errors import counted
 from tandem.services.gateway.openai_protocol import APIError
@@ -48,6 +50,7 @@ def create_app(pipeline: GatewayPipeline, model_name: str, instance_id: str,
         return Response(generate_latest(pipeline.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(OpenAIServing(pipeline, model_name, instance_id).router())
+    app.include_router(AnthropicMessages(pipeline, model_name, instance_id).router())
     return app
 
 
@@ -55,22 +58,24 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
     """Every refusal of app as OpenAI's error body with its status, counted in the pipeline's metrics: APIError,
     Starlette's HTTP errors (unknown paths, unreadable bodies, ...), strings that are not Unicode and bodies that do
     not parse as the route's model (400 naming the field)."""
-    def error_response(e: APIError) -> JSONResponse:
-        return JSONResponse(counted(pipeline.metrics, e).body(), status_code=e.status, headers=e.headers)
+    def error_response(e: APIError, request: Request) -> JSONResponse:  # (Anthropic's shape on its path)
+        body = anthropic_api.error_body(e) if request.url.path.startswith("/v1/messages") else e.body()
+        counted(pipeline.metrics, e)
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e)
+        return error_response(e, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return error_response(APIError(e.status_code, str(e.detail)))
+        return error_response(APIError(e.status_code, str(e.detail)), request)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _not_utf8(request: Request, e: UnicodeEncodeError):  # (JSON may escape lone surrogates: "\ud800")
         bad = e.object[e.start : e.end].encode("unicode_escape").decode()
         return error_response(APIError(400, f"a string of the request is not valid Unicode: it holds {bad} (a lone "
-                                            "UTF-16 surrogate)"))
+                                            "UTF-16 surrogate)"), request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -78,7 +83,7 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
         where = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = where[0] if where else None  # (later items name nested fields and pydantic's union branches)
         message = f"{'.'.join(where)}: {first.get('msg')}" if where else f"the body is not a JSON object: {first.get('msg')}"
-        return error_response(APIError(400, message, param))
+        return error_response(APIError(400, message, param), request)
 
 
 async def serve_http(app: FastAPI, host: str, port: int, drain_timeout_s: float, tls: TLSConfig | None = None):

@@ -110,6 +110,7 @@ class Relay:
             finish_reason=self.finish_reason,
             tool_calls=tool_calls,
             reasoning_content=reasoning,
+            stop_string=self.text.stop_string or "",
             usage=gateway_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
                                     cached_tokens=self.num_cached_tokens, num_draft_tokens=self.num_draft_tokens,
                                     num_accepted_tokens=self.num_accepted_tokens),
