@@ -27,6 +27,7 @@ from tandem.services.gateway.openai_errors import counted
 from tandem.services.gateway.openai_protocol import APIError
 from tandem.services.gateway.openai_serving import OpenAIServing
 from tandem.services.gateway.pipeline import GatewayPipeline
+from tandem.services.gateway.responses_api import Responses
 from tandem.services.security import APIKeys, TLSConfig
 
 
@@ -51,6 +52,7 @@ def create_app(pipeline: GatewayPipeline, model_name: str, instance_id: str,
 
     app.include_router(OpenAIServing(pipeline, model_name, instance_id).router())
     app.include_router(AnthropicMessages(pipeline, model_name, instance_id).router())
+    app.include_router(Responses(pipeline, model_name, instance_id).router())
     return app
 
 

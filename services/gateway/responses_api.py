@@ -1,0 +1,317 @@
+"""OpenAI's Responses API, its stateless subset: POST /v1/responses (OpenAI's API reference, "Responses"), whole
+or streamed in the Responses event vocabulary, translated into the same chat request as /v1/chat/completions
+(one pipeline, one chat template, the tool calling of tool_calls.py).
+
+Supported: input as a string or items (messages with input_text / output_text parts, function_call and
+function_call_output items; reasoning items are accepted and not shown to the model, as chat templates drop
+earlier reasoning), instructions, function tools, tool_choice, parallel_tool_calls, text.format (text,
+json_object, json_schema: structured output), max_output_tokens, temperature, top_p, metadata (echoed), user,
+and store false. Nothing is stored: store true is refused (so are previous_response_id and conversation, which
+need stored state), and so are background, include, built-in tools (web search, file search, ...), images and
+files in input, and every other field, each by name.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.services.gateway.openai_errors import api_error, counted
+from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError, param_named
+from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
+from tandem.services.gateway.pipeline import GatewayPipeline
+from tandem.services.gateway.reasoning import split_reasoning
+from tandem.services.gateway.request import GatewayRequest
+from tandem.services.gateway.tool_parsers import parse
+from tandem.shared.errors import InvalidRequestError
+from tandem.v1 import common_pb2, gateway_pb2
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class TextFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (fields OpenAI defines that we do not serve: refused by name)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of parts", "input")
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}[{i}].type {kind!r} is not supported (text parts only)", "input")
+    return "".join(str(part.get("text", "")) for part in content)
+
+
+def chat_messages(body: ResponsesRequest) -> gateway_pb2.ChatMessages:
+    """The body as the gRPC API's ChatMessages (the module's docstring says what is taken)."""
+    chat = gateway_pb2.ChatMessages()
+    if body.instructions:
+        chat.messages.add(role="system", content=body.instructions)
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input[{i}]"
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"{where}.role must be user, assistant, system or developer", "input")
+            chat.messages.add(role=role, content=_content_text(item.get("content", ""), f"{where}.content"))
+        elif kind == "function_call":
+            last = chat.messages[-1] if chat.messages else None
+            if last is None or last.role != "assistant" or (last.content and not last.tool_calls):
+                last = chat.messages.add(role="assistant")
+            last.tool_calls.add(id=str(item.get("call_id", "")), name=str(item.get("name", "")),
+                                arguments=str(item.get("arguments", "{}")))  # fmt: skip
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            chat.messages.add(role="tool", tool_call_id=str(item.get("call_id", "")),
+                              content=output if isinstance(output, str) else json.dumps(output))  # fmt: skip
+        elif kind != "reasoning":
+            raise APIError(400, f"{where}.type {kind!r} is not supported", "input")
+    for i, tool in enumerate(body.tools or ()):
+        if tool.get("type") != "function":
+            raise APIError(400, f"tools[{i}].type {tool.get('type')!r} is not supported (function tools only)",
+                           "tools")  # fmt: skip
+        parameters = tool.get("parameters")
+        chat.tools.add(name=str(tool.get("name", "")), description=str(tool.get("description") or ""),
+                       parameters_json=json.dumps(parameters) if parameters is not None else "")  # fmt: skip
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise APIError(400, f"tool_choice type {choice.get('type')!r} is not supported", "tool_choice")
+        chat.tool_choice, chat.tool_choice_function = gateway_pb2.TOOL_CHOICE_FUNCTION, str(choice.get("name", ""))
+    elif choice is not None:
+        chat.tool_choice = TOOL_CHOICES[choice]
+    if body.parallel_tool_calls is not None:
+        chat.parallel_tool_calls = body.parallel_tool_calls
+    return chat
+
+
+def sampling_params(body: ResponsesRequest) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams()
+    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
+        if getattr(body, theirs) is not None:
+            setattr(p, ours, getattr(body, theirs))
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        p.structured_output.json_object = True
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format json_schema needs its schema", "text")
+        p.structured_output.json_schema = json.dumps(fmt.schema_)
+    return p
+
+
+def output_items(shape: ResponseShape, text: str) -> list[dict]:
+    """A whole answer as Responses output items: reasoning, a message, function calls."""
+    items = []
+    if shape.reasoning_parser is not None:
+        reasoning, text = split_reasoning(shape.reasoning_parser, text)
+        if reasoning:
+            items.append({"type": "reasoning", "id": _id("rs"), "summary": [],
+                          "content": [{"type": "reasoning_text", "text": reasoning}]})  # fmt: skip
+    content, calls = parse(shape.tool_parser, text) if shape.tool_parser is not None else (text, [])
+    if content:
+        items.append(_message(_id("msg"), content, "completed"))
+    items += [_call(_id("fc"), c.id, c.name, c.arguments, "completed") for c in calls]
+    return items
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}  # fmt: skip
+
+
+def _call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}  # fmt: skip
+
+
+class Responses:
+    """POST /v1/responses over a GatewayPipeline (model_name: the id requests may name)."""
+
+    def __init__(self, pipeline: GatewayPipeline, model_name: str, instance_id: str):
+        self.pipeline, self.model_name, self.instance_id = pipeline, model_name, instance_id
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/v1/responses", self.create, methods=["POST"])
+        return router
+
+    async def create(self, body: ResponsesRequest, request: Request):
+        if body.model not in (None, "", self.model_name):
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")  # fmt: skip
+        extra = sorted(set(body.model_extra or ()))
+        if extra:
+            why = " (nothing is stored here)" if extra[0] in ("previous_response_id", "conversation") else ""
+            raise APIError(400, f"{extra[0]} is not supported by this server{why}", extra[0])
+        if body.store:
+            raise APIError(400, "store true is not supported: this server keeps no responses (send store: false)",
+                           "store")  # fmt: skip
+        grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=sampling_params(body))
+        response_id = _id("resp")
+        try:
+            prompt_ids = await self.pipeline.tokenize(grpc_request)
+            params, parsers = self.pipeline.answer_format(grpc_request)
+            gateway_request = await self.pipeline.validate(GatewayRequest(response_id, prompt_ids, params, **parsers))
+        except InvalidRequestError as e:
+            named = param_named(str(e))
+            raise APIError(400, str(e), "text" if named == "structured_output" else named) from None
+        shape = ResponseShape(chat=True, n=1, **parsers)
+        base = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
+                "top_p": body.top_p, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+                "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                                    if body.text and body.text.format else {"type": "text"})},
+                "metadata": body.metadata or {}, "store": False, "error": None, "incomplete_details": None,
+                "user": body.user}  # fmt: skip
+        stream = self.pipeline.run(gateway_request)
+        if body.stream:
+            return StreamingResponse(self._events(stream, base, shape), media_type="text/event-stream")
+        text, last = "", None
+        try:
+            async for msg in stream:
+                text += msg.text
+                last = msg
+        except Exception as e:
+            raise api_error(e, self.instance_id) from None
+        finally:
+            await stream.aclose()
+        return JSONResponse(base | finished(last) | {"output": output_items(shape, text)})
+
+    async def _events(self, stream, base: dict, shape: ResponseShape):
+        """The Responses events: response.created / in_progress, each output item added, its deltas and done
+        events, then response.completed (or incomplete) with the whole response; an error mid-stream is an
+        error event."""
+        seq = 0
+
+        def event(name: str, data: dict) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': seq - 1} | data)}\n\n"
+
+        pending = base | {"status": "in_progress", "output": [], "usage": None}
+        yield event("response.created", {"response": pending})
+        yield event("response.in_progress", {"response": pending})
+        deltas, items, current = ChatDeltas(shape), [], None  # current: [kind, item, text so far]
+
+        def close():
+            kind, item, text = current
+            index, done = len(items), dict(item, status="completed")
+            if kind == "message":
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                done["content"] = [part]
+                yield event("response.output_text.done", {"item_id": item["id"], "output_index": index,
+                                                          "content_index": 0, "text": text, "logprobs": []})
+                yield event("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                           "content_index": 0, "part": part})
+            elif kind == "reasoning":
+                done["content"] = [{"type": "reasoning_text", "text": text}]
+                yield event("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
+                                                             "content_index": 0, "text": text})
+            else:
+                done["arguments"] = text
+                yield event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                                      "name": item["name"], "arguments": text})
+            items.append(done)
+            yield event("response.output_item.done", {"output_index": index, "item": done})
+
+        try:
+            async for msg in stream:
+                final = msg.HasField("finish_reason")
+                delta = deltas.feed(msg.text, final)
+                pieces = [("reasoning", delta["reasoning_content"])] if delta.get("reasoning_content") else []
+                pieces += [("message", delta["content"])] if delta.get("content") else []
+                pieces += [("function_call", call) for call in delta.get("tool_calls", ())]
+                for kind, value in pieces:
+                    if current is None or current[0] != kind or (kind == "function_call" and "id" in value):
+                        if current is not None:
+                            for e in close():
+                                yield e
+                        index = len(items)
+                        item = ({"type": "reasoning", "id": _id("rs"), "summary": [], "content": []}
+                                if kind == "reasoning" else _message(_id("msg"), "", "in_progress")
+                                if kind == "message" else _call(_id("fc"), value["id"], value["function"]["name"],
+                                                                "", "in_progress"))  # fmt: skip
+                        if kind == "message":
+                            item["content"] = []
+                        current = [kind, item, ""]
+                        yield event("response.output_item.added", {"output_index": index, "item": item})
+                        if kind == "message":
+                            yield event("response.content_part.added", {
+                                "item_id": item["id"], "output_index": index, "content_index": 0,
+                                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+                    text = value["function"].get("arguments", "") if kind == "function_call" else value
+                    index = len(items)
+                    if not text:
+                        continue
+                    current[2] += text
+                    item_id = current[1]["id"]
+                    if kind == "function_call":
+                        yield event("response.function_call_arguments.delta", {"item_id": item_id,
+                                                                               "output_index": index, "delta": text})
+                    else:
+                        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+                        yield event(name, {"item_id": item_id, "output_index": index, "content_index": 0,
+                                           "delta": text} | ({"logprobs": []} if kind == "message" else {}))
+                if final:
+                    if current is not None:
+                        for e in close():
+                            yield e
+                    response = base | finished(msg) | {"output": items}
+                    done = "response.completed" if response["status"] == "completed" else "response.incomplete"
+                    yield event(done, {"response": response})
+        except Exception as e:
+            error = counted(self.pipeline.metrics, api_error(e, self.instance_id))
+            yield event("error", {"code": error.code, "message": error.message, "param": error.param})
+        finally:
+            await stream.aclose()
+
+
+def finished(last: gateway_pb2.GenerateResponse) -> dict:
+    """status, incomplete_details and usage of a response from its completion's last message."""
+    usage = {"input_tokens": last.usage.prompt_tokens, "output_tokens": last.usage.completion_tokens,
+             "total_tokens": last.usage.prompt_tokens + last.usage.completion_tokens,
+             "input_tokens_details": {"cached_tokens": last.usage.cached_tokens},
+             "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+    if last.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+        return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}, "usage": usage}
+    return {"status": "completed", "usage": usage}
