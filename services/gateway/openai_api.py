@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of the gateway (FastAPI, served by uvicorn in the gateway's own event loop).
 
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models (openai_serving.py: each request translated into
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models (openai_serving.py), POST /v1/responses
+(responses_api.py) and Anthropic's POST /v1/messages (anthropic_api.py) (each request translated into
 the gateway's request record and run through the same pipeline as a gRPC call), GET /health and GET /metrics.
 Field names and shapes follow OpenAI's API reference, plus the extensions vLLM's server accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt), and the
