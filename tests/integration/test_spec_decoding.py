@@ -5,7 +5,7 @@ whole cluster (stop strings, usage counts)."""
 import grpc
 import pytest
 
-from tandem.services.client import make_request, stream
+from tandem.services.client import generate, make_request, stream
 from tandem.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import FinishReason, Request, SamplingParams
@@ -256,6 +256,20 @@ def test_cluster_structured_output_with_speculation(spec_cluster, model_config, 
             check_text(name, out.text)
     assert sum(o.num_draft_tokens for o in outs) > 0
     wait_all_blocks_free(spec_cluster)
+
+
+def test_cluster_tool_calls_with_speculation_and_prefix_hits(spec_cluster, cluster):
+    """A required tool call (its grammar built from the tools' schemas) through a speculating decode: the same
+    tokens as on the plain test cluster, again with its prompt's blocks found in the prefix cache."""
+    from tandem.v1 import gateway_pb2
+    from tests.integration.test_tool_calling import grpc_tool_request
+
+    request = grpc_tool_request(gateway_pb2.TOOL_CHOICE_REQUIRED)
+    plain = generate(cluster.gateway_address, request, timeout=300)
+    first, again = (generate(spec_cluster.gateway_address, request, timeout=300) for _ in range(2))
+    assert plain.finish_reason == first.finish_reason == again.finish_reason == "tool_calls"
+    assert first.token_ids == again.token_ids == plain.token_ids
+    assert again.cached_tokens > 0 and first.num_draft_tokens + again.num_draft_tokens > 0
 
 
 def test_bad_speculative_flags_are_refused(model_dir):

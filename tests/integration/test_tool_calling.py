@@ -95,15 +95,20 @@ def test_a_history_with_tool_calls_and_results_is_answered(client):
     assert r.choices[0].message.content and r.usage.prompt_tokens > ask(client, max_tokens=1).usage.prompt_tokens
 
 
-def test_grpc_answers_carry_the_calls(cluster):
+def grpc_tool_request(choice: int, function: str = "") -> gateway_pb2.GenerateRequest:
+    """The gRPC API's form of ask(): TOOLS, greedy, this tool_choice."""
     request = build_request(messages=ASK, max_tokens=80, temperature=0.0)
     for tool in TOOLS:
         f = tool["function"]
         request.chat.tools.add(name=f["name"], description=f["description"],
                                parameters_json=json.dumps(f["parameters"]))
-    request.chat.tool_choice = gateway_pb2.TOOL_CHOICE_FUNCTION
-    request.chat.tool_choice_function = "get_weather"
-    out = generate(cluster.gateway_address, request, timeout=300)
+    request.chat.tool_choice, request.chat.tool_choice_function = choice, function
+    return request
+
+
+def test_grpc_answers_carry_the_calls(cluster):
+    out = generate(cluster.gateway_address, grpc_tool_request(gateway_pb2.TOOL_CHOICE_FUNCTION, "get_weather"),
+                   timeout=300)  # fmt: skip
     assert out.finish_reason == "tool_calls"
     call = json.loads(out.text)
     assert call["name"] == "get_weather"
