@@ -20,14 +20,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from tandem.services.gateway.chat_endpoint import ChatEndpoint
 from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import APIError, param_named
+from tandem.services.gateway.openai_protocol import APIError
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
-from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.reasoning import split_reasoning
-from tandem.services.gateway.request import GatewayRequest
 from tandem.services.gateway.tool_parsers import parse
-from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -147,11 +145,8 @@ def stop_reason(msg: gateway_pb2.GenerateResponse) -> str:
     return "stop_sequence" if msg.stop_string else "end_turn"
 
 
-class AnthropicMessages:
-    """POST /v1/messages over a GatewayPipeline (model_name: the id requests may name)."""
-
-    def __init__(self, pipeline: GatewayPipeline, model_name: str, instance_id: str):
-        self.pipeline, self.model_name, self.instance_id = pipeline, model_name, instance_id
+class AnthropicMessages(ChatEndpoint):
+    """POST /v1/messages over a GatewayPipeline."""
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -159,38 +154,18 @@ class AnthropicMessages:
         return router
 
     async def messages(self, body: MessagesRequest, request: Request):
-        if body.model not in ("", self.model_name):
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model")  # fmt: skip
-        extra = sorted(set(body.model_extra or ()))
-        if extra:
-            raise APIError(400, f"{extra[0]} is not supported by this server", extra[0])
+        self.check_body(body, body.model)
         params = common_pb2.SamplingParams(max_tokens=body.max_tokens, stop=body.stop_sequences or ())
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 setattr(params, name, getattr(body, name))
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=params)
         message_id = "msg_" + uuid.uuid4().hex[:24]
-        try:
-            prompt_ids = await self.pipeline.tokenize(grpc_request)
-            params, parsers = self.pipeline.answer_format(grpc_request)
-            gateway_request = await self.pipeline.validate(GatewayRequest(message_id, prompt_ids, params, **parsers))
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param_named(str(e))) from None
-        shape = ResponseShape(chat=True, n=1, **parsers)
-        stream = self.pipeline.run(gateway_request)
+        num_prompt, shape, stream = await self.start(grpc_request, message_id)
         base = {"id": message_id, "type": "message", "role": "assistant", "model": self.model_name}
         if body.stream:
-            return StreamingResponse(self._events(stream, base, shape, len(prompt_ids)), media_type="text/event-stream")
-        text, last = "", None
-        try:
-            async for msg in stream:
-                text += msg.text
-                last = msg
-        except Exception as e:
-            raise api_error(e, self.instance_id) from None
-        finally:
-            await stream.aclose()
+            return StreamingResponse(self._events(stream, base, shape, num_prompt), media_type="text/event-stream")
+        text, last = await self.whole(stream)
         return JSONResponse(base | {"content": content_blocks(shape, text), "stop_reason": stop_reason(last),
                                     "stop_sequence": last.stop_string or None,
                                     "usage": {"input_tokens": last.usage.prompt_tokens,

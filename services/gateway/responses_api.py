@@ -21,14 +21,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.services.gateway.chat_endpoint import ChatEndpoint
 from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError, param_named
+from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
-from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.reasoning import split_reasoning
-from tandem.services.gateway.request import GatewayRequest
 from tandem.services.gateway.tool_parsers import parse
-from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -163,11 +161,8 @@ def _call(item_id: str, call_id: str, name: str, arguments: str, status: str) ->
             "status": status}  # fmt: skip
 
 
-class Responses:
-    """POST /v1/responses over a GatewayPipeline (model_name: the id requests may name)."""
-
-    def __init__(self, pipeline: GatewayPipeline, model_name: str, instance_id: str):
-        self.pipeline, self.model_name, self.instance_id = pipeline, model_name, instance_id
+class Responses(ChatEndpoint):
+    """POST /v1/responses over a GatewayPipeline."""
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -175,26 +170,14 @@ class Responses:
         return router
 
     async def create(self, body: ResponsesRequest, request: Request):
-        if body.model not in (None, "", self.model_name):
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")  # fmt: skip
-        extra = sorted(set(body.model_extra or ()))
-        if extra:
-            why = " (nothing is stored here)" if extra[0] in ("previous_response_id", "conversation") else ""
-            raise APIError(400, f"{extra[0]} is not supported by this server{why}", extra[0])
+        self.check_body(body, body.model, {name: " (nothing is stored here)"
+                                           for name in ("previous_response_id", "conversation")})  # fmt: skip
         if body.store:
             raise APIError(400, "store true is not supported: this server keeps no responses (send store: false)",
                            "store")  # fmt: skip
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=sampling_params(body))
         response_id = _id("resp")
-        try:
-            prompt_ids = await self.pipeline.tokenize(grpc_request)
-            params, parsers = self.pipeline.answer_format(grpc_request)
-            gateway_request = await self.pipeline.validate(GatewayRequest(response_id, prompt_ids, params, **parsers))
-        except InvalidRequestError as e:
-            named = param_named(str(e))
-            raise APIError(400, str(e), "text" if named == "structured_output" else named) from None
-        shape = ResponseShape(chat=True, n=1, **parsers)
+        _, shape, stream = await self.start(grpc_request, response_id, {"structured_output": "text"})
         base = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
@@ -203,18 +186,9 @@ class Responses:
                                     if body.text and body.text.format else {"type": "text"})},
                 "metadata": body.metadata or {}, "store": False, "error": None, "incomplete_details": None,
                 "user": body.user}  # fmt: skip
-        stream = self.pipeline.run(gateway_request)
         if body.stream:
             return StreamingResponse(self._events(stream, base, shape), media_type="text/event-stream")
-        text, last = "", None
-        try:
-            async for msg in stream:
-                text += msg.text
-                last = msg
-        except Exception as e:
-            raise api_error(e, self.instance_id) from None
-        finally:
-            await stream.aclose()
+        text, last = await self.whole(stream)
         return JSONResponse(base | finished(last) | {"output": output_items(shape, text)})
 
     async def _events(self, stream, base: dict, shape: ResponseShape):

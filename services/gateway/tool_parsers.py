@@ -166,34 +166,34 @@ def parse_prefix(parser: str, text: str) -> Parsed:
         return Parsed("" if marked else text, [], undecided=True)
     key = "parameters" if parser == "llama3_json" else "arguments"
     if text[start] == "[" and parser in ("mistral", "json"):
-        calls, j = [], _skip_ws(text, start + 1)
-        while j < len(text) and text[j] == "{":
-            call = scan_call(text, j, key)
-            if not call.valid:
-                return Parsed(text, [])
-            calls.append(call)
-            if call.end is None:
-                return Parsed("", calls)
-            j = _skip_ws(text, call.end)
-            if j < len(text) and text[j] == ",":
-                j = _skip_ws(text, j + 1)
-        if j < len(text) and text[j] == "]" and calls and _skip_ws(text, j + 1) == len(text):
-            return Parsed("", calls)
-        return Parsed("", calls) if j >= len(text) else Parsed(text, [])
+        calls, j = _scan_calls(text, _skip_ws(text, start + 1), key, ",")
+        if calls is None or j >= len(text):
+            return Parsed(text, []) if calls is None else Parsed("", calls)
+        done = text[j] == "]" and calls and _skip_ws(text, j + 1) == len(text)
+        return Parsed("", calls) if done else Parsed(text, [])
     if text[start] == "{" and parser in ("llama3_json", "json"):
-        calls, j = [], start
-        while j < len(text) and text[j] == "{":
-            call = scan_call(text, j, key)
-            if not call.valid:
-                return Parsed(text, [])
-            calls.append(call)
-            if call.end is None:
-                return Parsed("", calls)
-            j = _skip_ws(text, call.end)
-            if j < len(text) and text[j] == ";" and parser == "llama3_json":
-                j = _skip_ws(text, j + 1)
+        calls, j = _scan_calls(text, start, key, ";" if parser == "llama3_json" else None)
+        if calls is None:
+            return Parsed(text, [])
         return Parsed("", calls) if j >= len(text) else Parsed(text, [])
     return Parsed(text, [])
+
+
+def _scan_calls(text: str, j: int, key: str, separator: str | None) -> tuple[list[ScannedCall] | None, int]:
+    """The call objects from text[j] on, each followed by an optional separator: (calls, the index after them),
+    (calls, len(text)) when text ends inside one, (None, j) when an object is not a call."""
+    calls = []
+    while j < len(text) and text[j] == "{":
+        call = scan_call(text, j, key)
+        if not call.valid:
+            return None, j
+        calls.append(call)
+        if call.end is None:
+            return calls, len(text)
+        j = _skip_ws(text, call.end)
+        if separator is not None and j < len(text) and text[j] == separator:
+            j = _skip_ws(text, j + 1)
+    return calls, j
 
 
 def _parse_hermes(text: str) -> Parsed:
