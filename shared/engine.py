@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from tandem.shared.block_hash import HashContract
 from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.shared.engine_stats import EngineStats, StepStats
@@ -31,7 +33,8 @@ from tandem.shared.structured_output import StructuredOutputManager
 @dataclass(slots=True)
 class RequestOutput:
     """What one step (or a KV import) produced for one request: new tokens, the finish reason once it ends
-    (with error set when the server failed it), and on the prefill tier the KV blocks the step completed. With
+    (with error set when the server failed it), on the prefill tier the KV blocks the step completed, and for a
+    pooling request (Request.pooling_params) its pooled hidden state, with which it finishes (STOP). With
     speculative decoding: the drafts verified this step, and of those accepted (the first num_accepted_tokens
     of new_token_ids)."""
 
@@ -44,6 +47,7 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    pooled: torch.Tensor | None = None  # a pooling request's output, when it finishes: [hidden_size] fp32 (CPU)
     # with the first token, when the request asked for prompt logprobs: prompt tokens 1.. (the first has none)
     prompt_logprobs: list[TokenLogprobs] | None = None
 
@@ -102,9 +106,13 @@ class LLMEngine:
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
         max_len = self.model_config.max_model_len
-        if request.num_tokens >= max_len:
+        if request.num_tokens >= max_len + (request.pooling_params is not None):  # (pooled: no token follows)
             raise InvalidRequestError(f"prompt has {request.num_prompt_tokens} tokens (and output_token_ids "
                                       f"{len(request.output_token_ids)}); the model's context is {max_len}")
+        if request.pooling_params is not None and (request.output_token_ids or request.sampling_params.prompt_logprobs
+                                                   is not None or request.sampling_params.structured_output):
+            raise InvalidRequestError("a pooling request takes no output_token_ids, prompt_logprobs or "
+                                      "structured_output")  # fmt: skip
         vocab_size = self.model_config.vocab_size
         check_token_ids("prompt token ids", request.prompt_token_ids, vocab_size)
         check_token_ids("output token ids", request.output_token_ids, vocab_size)
@@ -280,6 +288,8 @@ class LLMEngine:
             if token_ids and not request.output_token_ids and request.sampling_params.prompt_logprobs is not None:
                 out.prompt_logprobs = request.prompt_logprobs
             reason = None
+            if request_id in model_output.pooled:  # a pooling request's last token is computed: it is done
+                out.pooled, reason = model_output.pooled[request_id], FinishReason.STOP
             try:
                 for token_id in token_ids:
                     out.new_token_ids.append(token_id)

@@ -152,11 +152,13 @@ class KVConnector:
         """After execute_model, before update_from_output (which frees finished requests): per request, a copy of
         the blocks this step filled (the partial last block too once the prompt is done), and on its first step
         also its leading blocks found in the prefix cache from request.kv_skip_blocks on (the blocks the receiving
-        decode lacks). Each KVBlocks holds all layers. Empty unless is_kv_producer."""
+        decode lacks); none for pooling requests. Each KVBlocks holds all layers. Empty unless is_kv_producer."""
         if not self.is_kv_producer:
             return {}
         saved = {}
         for request in scheduler_output.scheduled_requests:
+            if request.pooling_params is not None:  # (its KV stays here: nothing decodes it)
+                continue
             start = request.num_computed_tokens
             end = start + scheduler_output.num_scheduled_tokens[request.request_id]
             first = self._num_exported_blocks.get(request.request_id, request.kv_skip_blocks)

@@ -198,14 +198,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
         """One step over a flat batch.
 
         input_ids, positions [num_tokens] int64; kv_caches [num_layers, 2, num_blocks, block_size, num_kv_heads,
         head_dim]; logits_indices [num_sampled] int64 rows whose next-token logits are wanted. num_layers: run
         only the first num_layers decoder layers, then the final norm and the LM head (an early-exit draft, as
-        LayerSkip, Elhoushi et al. 2024); kv_caches needs only those layers.
-        Returns logits [num_sampled, vocab_size] fp32 (soft-capped where the config says, Gemma 2).
+        LayerSkip, Elhoushi et al. 2024); kv_caches needs only those layers. hidden_indices [num_pooled] int64:
+        rows whose final hidden state (after the final norm) is wanted instead (pooling requests).
+        Returns logits [num_sampled, vocab_size] fp32 (soft-capped where the config says, Gemma 2); with
+        hidden_indices, (logits, hidden states [num_pooled, hidden_size] fp32).
         """
         x, residual = self.model.embed_tokens(input_ids), None
         if self.config.gemma_norms:  # (the scale rounded to the activations' dtype first, as HF Gemma)
@@ -215,11 +217,14 @@ class LlamaForCausalLM(nn.Module):
             ropes[True] = self.model.rotary_emb_local(positions)
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
             x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta)
+        rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         if residual is None:
-            x = self.model.norm(x[logits_indices])
+            x = self.model.norm(x[rows])
         else:
-            x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
-        return soft_cap(self.lm_head(x).float(), self.config.final_logit_softcapping)
+            x, _ = self.model.norm(x[rows], residual[rows])
+        num_sampled = len(logits_indices)
+        logits = soft_cap(self.lm_head(x[:num_sampled]).float(), self.config.final_logit_softcapping)
+        return logits if hidden_indices is None else (logits, x[num_sampled:].float())
 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:

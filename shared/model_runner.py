@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from tandem.shared.attention import AttentionMetadata
 from tandem.shared.config import CacheConfig, ModelConfig
@@ -28,12 +29,16 @@ class ModelRunnerOutput:
     logprobs: request id -> one TokenLogprobs per sampled token, for requests that asked for logprobs.
     prompt_logprobs: request id -> the TokenLogprobs of the prompt tokens whose logits this step computed (those
         after request.prompt_logprobs' last), for requests that asked for prompt logprobs.
+    pooled: request id -> its pooled hidden state [hidden_size] fp32 (PoolingParams: the final hidden state at its
+        last token, L2-normalized unless it asked otherwise), for pooling requests whose last token this step
+        computed.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     non_finite_request_ids: set[str] = field(default_factory=set)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -80,7 +85,9 @@ class ModelRunner:
         each of their positions too, and keeps the drafts that pass the acceptance rule
         (spec_decode.rejection_sampler: with out.spec_draft_probs, the rule with the draft's probabilities).
         A request with prompt logprobs also gets the logits of each prompt position it computes (position p
-        scores prompt token p + 1). out.block_copies run first. Nothing scheduled: nothing runs."""
+        scores prompt token p + 1). A pooling request samples nothing: the step that computes its last token
+        returns its pooled hidden state (ModelRunnerOutput.pooled). out.block_copies run first. Nothing
+        scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
         # (in order: a block copied into for a request preempted later in the same schedule may be copied into
@@ -89,6 +96,7 @@ class ModelRunner:
             self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
         seqs, sampled_requests, row_requests, row_positions, rope_long = [], [], [], [], []
         prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows
+        pooled_requests, pooled_seqs = [], []  # pooling requests whose last token is computed; their seqs' indices
         num_rows = 0
         for request in out.scheduled_requests:
             n = out.num_scheduled_tokens[request.request_id]
@@ -102,7 +110,11 @@ class ModelRunner:
                 num_logits = start + n - first if num_prompt else 0
             if num_prompt:
                 prompt_rows.append((request, num_rows, first, num_prompt))
-            if out.samples(request):  # one row per draft, and one after them (the last rows of the sequence)
+            if request.pooling_params is not None:
+                if out.samples(request):
+                    pooled_requests.append(request)
+                    pooled_seqs.append(len(seqs))
+            elif out.samples(request):  # one row per draft, and one after them (the last rows of the sequence)
                 num_sampled = len(drafts) + 1
                 num_logits = max(num_logits, num_sampled)
                 sampled_requests.append(request)
@@ -113,8 +125,12 @@ class ModelRunner:
             seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
             rope_long.append(bool(request.rope_long))
         logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device,
-                           rope_long=rope_long)
+                           rope_long=rope_long, pooled=pooled_seqs or None)
         result = ModelRunnerOutput()
+        if pooled_requests:
+            logits, hidden = logits  # [num_pooled, hidden_size]
+            for request, h in zip(pooled_requests, hidden.cpu()):
+                result.pooled[request.request_id] = F.normalize(h, dim=-1) if request.pooling_params.normalize else h
         if prompt_rows:
             for request, row, position, count in prompt_rows:
                 targets = request.prompt_token_ids[position + 1 : position + 1 + count]
@@ -169,12 +185,14 @@ def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled
 
 def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int | None], int]],
               block_size: int, device: torch.device, num_layers: int | None = None,
-              rope_long: list[bool] | None = None) -> torch.Tensor:
+              rope_long: list[bool] | None = None, pooled: list[int] | None = None):
     """One forward of model over a batch of sequences, writing their KV into kv_caches (the pool, paged by
     block_size). seqs: per sequence (token_ids, start, block_table, num_logits): the tokens computed from
     position start, whose slots come from block_table, and how many of the last ones want logits. num_layers:
     only the model's first layers (an early-exit draft). rope_long: longrope, per sequence, whether its tokens take
-    the long factors (Request.rope_long; None: none). Returns logits [sum of num_logits, vocab] fp32, in order."""
+    the long factors (Request.rope_long; None: none). Returns logits [sum of num_logits, vocab] fp32, in order;
+    with pooled (indices into seqs), (logits, the final hidden states of those sequences' last tokens
+    [len(pooled), hidden_size] fp32)."""
     input_ids, positions, slots, query_start_loc, context_lens, tables, logits_indices = [], [], [], [0], [], [], []
     for token_ids, start, block_table, num_logits in seqs:
         n = len(token_ids)
@@ -186,6 +204,8 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
         tables.append(block_table if not block_table or block_table[0] is not None else
                       [0 if b is None else b for b in block_table])  # (freed entries: never read, as padding)
         logits_indices.extend(range(query_start_loc[-1] - num_logits, query_start_loc[-1]))
+    hidden_indices = None if pooled is None else torch.tensor([query_start_loc[i + 1] - 1 for i in pooled],
+                                                              dtype=torch.int64, device=device)
     width = max(len(t) for t in tables)
     if rope_long is not None and any(rope_long):  # -> per token
         rope_long = torch.tensor([long for (ids, *_), long in zip(seqs, rope_long) for _ in ids], device=device)
@@ -207,4 +227,5 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
         meta,
         torch.tensor(logits_indices, dtype=torch.int64, device=device),
         num_layers,
+        hidden_indices,
     )

@@ -155,6 +155,16 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """A pooling request (an embedding; vLLM's PoolingParams): its prompt is computed like a prefill, no token is
+    sampled and no KV leaves the engine; its output is the final hidden state (after the model's final norm) at the
+    prompt's last token (last-token pooling, as decoder embedding models such as e5-mistral and Qwen3-Embedding),
+    L2-normalized when normalize is set."""
+
+    normalize: bool = True
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence. Tokens = prompt + output; num_computed_tokens of them have KV in the cache."""
@@ -188,6 +198,7 @@ class Request:
     rope_long: bool | None = None
     arrival_time: float = 0.0  # time.monotonic() when the engine admitted it (decode: when its KV was complete)
     queue_time_s: float | None = None  # seconds from admission to its first step (None: not scheduled yet)
+    pooling_params: PoolingParams | None = None  # a pooling request (an embedding): pooled, never sampled
 
     @property
     def num_prompt_tokens(self) -> int:
