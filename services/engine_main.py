@@ -24,7 +24,8 @@ from tandem.v1 import common_pb2_grpc
 
 log = logging.getLogger(__name__)
 # The calls that bring a new request to an engine: refused while it drains (services/server.py)
-ADMISSION_METHODS = {"prefill": ("/tandem.v1.Prefill/Prefill",), "decode": ("/tandem.v1.Decode/Generate",)}
+ADMISSION_METHODS = {"prefill": ("/tandem.v1.Prefill/Prefill", "/tandem.v1.Prefill/Embed"),
+                     "decode": ("/tandem.v1.Decode/Generate",)}
 
 
 class InstanceServicer(common_pb2_grpc.InstanceServicer):

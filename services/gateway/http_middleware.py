@@ -43,16 +43,19 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # the paths APIKeyMiddleware guards (prefixes)
+
+
 class APIKeyMiddleware:
-    """ASGI middleware (not BaseHTTPMiddleware, which would stand between a stream and its disconnect): a /v1
-    request without "Authorization: Bearer <key>" of api_keys (or Anthropic's "x-api-key: <key>") gets 401 and
+    """ASGI middleware (not BaseHTTPMiddleware, which would stand between a stream and its disconnect): a request
+    to GUARDED_PATHS without "Authorization: Bearer <key>" of api_keys (or Anthropic's "x-api-key: <key>") gets 401 and
     OpenAI's invalid_api_key error."""
 
     def __init__(self, app, api_keys: APIKeys):
         self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PATHS) or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         if header is None:  # (Anthropic's clients send the key as x-api-key)

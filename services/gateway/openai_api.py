@@ -2,7 +2,8 @@
 
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models (openai_serving.py), POST /v1/responses
 (responses_api.py) and Anthropic's POST /v1/messages (anthropic_api.py) (each request translated into
-the gateway's request record and run through the same pipeline as a gRPC call), GET /health and GET /metrics.
+the gateway's request record and run through the same pipeline as a gRPC call), POST /v1/embeddings, /tokenize
+and /detokenize (openai_embeddings.py), GET /health and GET /metrics.
 Field names and shapes follow OpenAI's API reference, plus the extensions vLLM's server accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt), and the
 completions API's legacy echo and best_of (services/gateway/openai_responses.py). Errors come in OpenAI's shape,
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.services.gateway import anthropic_api
 from tandem.services.gateway.anthropic_api import AnthropicMessages
 from tandem.services.gateway.http_middleware import APIKeyMiddleware, BodyLimitMiddleware
+from tandem.services.gateway.openai_embeddings import OpenAIEmbeddings
 from tandem.services.gateway.openai_errors import counted
 from tandem.services.gateway.openai_protocol import APIError
 from tandem.services.gateway.openai_serving import OpenAIServing
@@ -35,7 +37,8 @@ from tandem.services.security import APIKeys, TLSConfig
 def create_app(pipeline: GatewayPipeline, model_name: str, instance_id: str,
                api_keys: APIKeys | None = None) -> FastAPI:
     """The FastAPI app over the gateway's pipeline (services/gateway/pipeline.py); model_name: the id /v1/models
-    lists and requests may name. With api_keys, every /v1 path answers 401 (OpenAI's invalid_api_key error)
+    lists and requests may name. With api_keys, every /v1 path, /tokenize and /detokenize answer 401 (OpenAI's
+    invalid_api_key error)
     unless the request has "Authorization: Bearer <key>", as vLLM's --api-key; /health and /metrics stay open."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, pipeline)
@@ -54,6 +57,7 @@ def create_app(pipeline: GatewayPipeline, model_name: str, instance_id: str,
     app.include_router(OpenAIServing(pipeline, model_name, instance_id).router())
     app.include_router(AnthropicMessages(pipeline, model_name, instance_id).router())
     app.include_router(Responses(pipeline, model_name, instance_id).router())
+    app.include_router(OpenAIEmbeddings(pipeline, model_name, instance_id).router())
     return app
 
 

@@ -169,6 +169,24 @@ class Router:
         explanation.append(f"-> prefill {prefill.instance_id}, decode {decode.instance_id}")
         return Route(decode, prefill, cached[prefill.instance_id], cached[decode.instance_id], explanation)
 
+    @traced("route")
+    async def route_prefill(self, prompt_ids: list[int], skip: set[str] = frozenset()) -> InstanceInfo:
+        """Pick a prefill for prefill-only work (an embedding's input; no decode takes part), by route's prefill
+        rule: the fewest tokens to compute before it, its queue plus the prompt minus its cached leading run (or
+        round-robin). NoInstanceError when no live prefill is left outside skip."""
+        prefills = await self.instances("prefill", skip)
+        if self.policy == "round-robin":
+            return self._turn("prefill", prefills)
+        bs = self.contract.block_size
+        hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, None,
+                                     variant=self.kv_variant(len(prompt_ids)))
+        cached, _ = await self._cached_tokens(hashes, prefills)
+        prefill = self._turn("prefill", _best(
+            prefills, lambda p: self._queued_tokens(p) + len(prompt_ids) - cached[p.instance_id], min))
+        self._remember(prefill, hashes)
+        self._add_queued(prefill, len(prompt_ids) - cached[prefill.instance_id])
+        return prefill
+
     def _queued_tokens(self, instance: InstanceInfo) -> int:
         """Its record's queue plus the prompt tokens it was given to compute in the last QUEUE_HINT_S (which the
         record may not show yet: a burst of prompts must not all see the same empty queue)."""

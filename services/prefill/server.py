@@ -1,5 +1,6 @@
 """Prefill service: chunked prefill batched across prompts; after each step the blocks it completed stream to
 the target decode instance while the next chunk computes; the first token returns to the gateway at once.
+Embed runs prefill-only work: pooling requests (embeddings), with no decode and no KV shipped.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tandem.services.metrics import EngineMetrics
 from tandem.services.tracing import annotate, bind_request, end_when_done, start_span, traced, use_span
 from tandem.shared.async_engine import AsyncEngine
 from tandem.shared.errors import InvalidRequestError, RequestFailedError
-from tandem.shared.request import FinishReason, Request
+from tandem.shared.request import FinishReason, PoolingParams, Request, SamplingParams
 from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,33 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            num_blocks_sent=num_blocks_sent, queue_ms=(req.queue_time_s or 0.0) * 1000,
                                            first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
                                            prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
+
+    @traced("embed")
+    async def Embed(self, request, context):
+        """Each input as a pooling request (PoolingParams: last-token pooling, L2-normalized), all admitted at
+        once so the engine batches them; every one is aborted if one fails or the call is cancelled."""
+        start = time.perf_counter()
+        if not request.request_id or not request.inputs:
+            raise InvalidRequestError("request_id and inputs are required")
+        params = SamplingParams(max_tokens=1, speculative=False)  # (nothing is sampled)
+        reqs = [Request(f"{request.request_id}-{i}", list(x.token_ids), params, priority=request.priority,
+                        pooling_params=PoolingParams()) for i, x in enumerate(request.inputs)]  # fmt: skip
+        embeddings = []
+        try:
+            streams = [await self.engine.add_request(req) for req in reqs]
+            for req, stream in zip(reqs, streams):
+                while (out := await stream.get()) is not None:
+                    if out.finish_reason == FinishReason.ABORT:
+                        error = InvalidRequestError if out.error_is_invalid_request else RequestFailedError
+                        raise error(f"embedding failed: {out.error or 'aborted'}")
+                    if out.pooled is not None:
+                        embeddings.append(prefill_pb2.Embedding(values=out.pooled.tolist()))
+        except BaseException:
+            for req in reqs:
+                self.engine.abort(req.request_id)
+            raise
+        return prefill_pb2.EmbedResponse(embeddings=embeddings, embed_ms=(time.perf_counter() - start) * 1000,
+                                         num_cached_tokens=sum(r.num_cached_tokens or 0 for r in reqs))
 
     def busy(self) -> bool:
         """True while KV still streams to a decode after its Prefill call returned (a drain waits for it)."""

@@ -1,7 +1,9 @@
 """Embeddings (last-token pooling of the final hidden state, L2-normalized) against HF transformers fp32: the
 engine's pooling request in one process, then /v1/embeddings through the running cluster with the official openai
 client; its refusals; /tokenize and /detokenize against the tokenizer."""
+import base64
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from tandem.shared.request import FinishReason, PoolingParams, Request, Sampling
 
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors; " * 12 + "the end."]
 TOLERANCE = 1e-4
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,93 @@ def test_engine_pooling_request_takes_the_whole_context(model_config):
     with pytest.raises(InvalidRequestError, match="context"):
         engine.add_request(pooling_request("long", [1] * (max_len + 1)))
     assert not engine.requests
+
+
+# -- through the cluster -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client(cluster):
+    import openai
+
+    return openai.OpenAI(base_url=cluster.openai_base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def post(cluster, path: str, body: dict) -> tuple[int, dict]:
+    import httpx2 as httpx
+
+    response = httpx.post(cluster.openai_base_url.removesuffix("/v1") + path, json=body, timeout=300)
+    return response.status_code, response.json()
+
+
+def test_embeddings_equal_hf_single_batched_and_base64(cluster, client, tokenizer, hf_embed, model_config):
+    """One string, then both strings in one request (floats, then base64 decoded as little-endian float32), then
+    token-id inputs (one list, and a list of lists): each equals HF's within TOLERANCE."""
+    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    expected = [hf_embed(x) for x in ids]
+    one = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float")
+    assert one.object == "list" and one.model == MODEL and len(one.data) == 1
+    assert one.usage.prompt_tokens == one.usage.total_tokens == len(ids[0])
+    assert len(one.data[0].embedding) == model_config.hidden_size
+    assert torch.allclose(torch.tensor(one.data[0].embedding), expected[0], atol=TOLERANCE)
+    for encoding in ("float", "base64"):
+        many = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format=encoding)
+        assert [d.index for d in many.data] == [0, 1] and many.usage.prompt_tokens == sum(map(len, ids))
+        for d, e in zip(many.data, expected):
+            values = d.embedding if encoding == "float" else np.frombuffer(base64.b64decode(d.embedding), "<f4")
+            assert torch.allclose(torch.tensor(values), e, atol=TOLERANCE)
+    raw = post(cluster, "/v1/embeddings", {"input": TEXTS[1], "encoding_format": "base64"})[1]
+    assert isinstance(raw["data"][0]["embedding"], str) and raw["data"][0]["object"] == "embedding"
+    by_ids = client.embeddings.create(model=MODEL, input=ids[1])
+    assert torch.allclose(torch.tensor(by_ids.data[0].embedding), expected[1], atol=TOLERANCE)
+    by_lists = client.embeddings.create(model=MODEL, input=ids, dimensions=model_config.hidden_size)
+    for d, e in zip(by_lists.data, expected):
+        assert torch.allclose(torch.tensor(d.embedding), e, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"input": ""}, "input", "input is empty"),
+    ({"input": []}, "input", "input must be"),
+    ({"input": ["a", ""]}, "input", "input[1] is empty"),
+    ({"input": [[]]}, "input", "input is empty"),
+    ({"input": [1, -2]}, "input", "input token ids must be in"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format", "encoding_format"),
+    ({"input": "x", "dimensions": 64}, "dimensions", "dimensions 64"),
+    ({"input": "x", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "not supported"),
+    ({"input": ["x"] * 65}, "input", "at most 64"),
+])
+def test_embeddings_refusals_name_the_field(cluster, body, param, message):
+    status, answer = post(cluster, "/v1/embeddings", body)
+    assert status == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], answer
+
+
+def test_embeddings_refuse_an_input_past_the_context(cluster, client, model_config):
+    import openai
+
+    max_len = model_config.max_model_len
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model=MODEL, input=[[1] * (max_len + 1)])
+    assert error.value.body["param"] == "input" and f"at most {max_len}" in error.value.body["message"]
+    status, answer = post(cluster, "/v1/embeddings", {"input": "x", "model": "other"})
+    assert status == 404 and answer["error"]["param"] == "model"
+
+
+def test_tokenize_and_detokenize_round_trip(cluster, tokenizer, model_config):
+    text = "Hello, tokenizer! Ünïcödé and 数字 123."
+    status, answer = post(cluster, "/tokenize", {"prompt": text})
+    assert status == 200, answer
+    assert answer == {"count": len(tokenizer(text).input_ids), "max_model_len": model_config.max_model_len,
+                      "tokens": tokenizer(text).input_ids}  # fmt: skip
+    assert post(cluster, "/detokenize", {"tokens": answer["tokens"]}) == (200, {"prompt": text})
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    for add_generation_prompt in (True, False):
+        status, answer = post(cluster, "/tokenize", {"messages": messages,
+                                                     "add_generation_prompt": add_generation_prompt})
+        expected = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)  # fmt: skip
+        assert status == 200 and answer["tokens"] == list(expected) and answer["count"] == len(expected)
+    strs = post(cluster, "/tokenize", {"prompt": "a b", "return_token_strs": True})[1]["token_strs"]
+    assert strs == tokenizer.convert_ids_to_tokens(tokenizer("a b").input_ids)
+    assert post(cluster, "/tokenize", {})[1]["error"]["param"] == "prompt"
+    status, answer = post(cluster, "/detokenize", {"tokens": [model_config.vocab_size]})
+    assert status == 400 and answer["error"]["param"] == "tokens"
+    status, answer = post(cluster, "/detokenize", {"tokens": "abc"})
+    assert status == 400 and answer["error"]["param"] == "tokens"

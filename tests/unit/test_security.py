@@ -164,3 +164,28 @@ def test_the_settings_line_masks_api_keys_and_redis_passwords():
 ])  # fmt: skip
 def test_redacted_url(url, expected):
     assert redacted_url(url) == expected
+
+
+@pytest.mark.parametrize("path, guarded", [("/v1/embeddings", True), ("/tokenize", True), ("/detokenize", True),
+                                           ("/health", False), ("/metrics", False)])
+def test_the_http_api_key_guards_v1_tokenize_and_detokenize(path, guarded):
+    import asyncio
+
+    from tandem.services.gateway.http_middleware import APIKeyMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def call(headers) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+        await APIKeyMiddleware(app, APIKeys(("k1",)))(scope, None, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(call([])) == (401 if guarded else 200)
+    assert asyncio.run(call([(b"authorization", b"Bearer k1")])) == 200
