@@ -163,3 +163,31 @@ def test_tokenize_and_detokenize_round_trip(cluster, tokenizer, model_config):
     assert status == 400 and answer["error"]["param"] == "tokens"
     status, answer = post(cluster, "/detokenize", {"tokens": "abc"})
     assert status == 400 and answer["error"]["param"] == "tokens"
+
+
+def test_an_unreachable_prefill_is_routed_around(cluster, tokenizer, hf_embed):
+    """Embedder's retry: the first prefill routed to listens nowhere (dead, still registered); the call goes to
+    the next one (the cluster's), and the dead one is marked down."""
+    import asyncio
+
+    from tandem.services.channels import ChannelPool
+    from tandem.services.gateway.embeddings import Embedder
+    from tandem.services.launcher import free_port
+    from tandem.shared.cluster_state.registry import InstanceInfo
+
+    dead = InstanceInfo("dead", "prefill", f"127.0.0.1:{free_port()}", "m", 16)
+    live = InstanceInfo("prefill0", "prefill", cluster.addresses["prefill0"], "m", 16)
+
+    class Router:  # (stands in for router.Router: the dead prefill first, then the live one)
+        marked_down = []
+
+        async def route_prefill(self, prompt_ids, skip=frozenset()):
+            return live if "dead" in skip else dead
+
+        def mark_down(self, instance):
+            self.marked_down.append(instance.instance_id)
+
+    ids = tokenizer(TEXTS[0])["input_ids"]
+    reply = asyncio.run(Embedder(Router(), ChannelPool()).embed("retry-test", [ids]))
+    assert torch.allclose(torch.tensor(reply.embeddings[0].values), hf_embed(ids), atol=TOLERANCE)
+    assert Router.marked_down == ["dead"]

@@ -84,6 +84,21 @@ def test_cached_prefix_wins_until_the_queue_outweighs_it(redis_server):
     in_world(redis_server, body)
 
 
+def test_prefill_only_work_takes_the_cheapest_prefill_and_needs_no_decode(redis_server):
+    """Router.route_prefill (embeddings): the prefill rule of route, with no decode registered at all."""
+    async def body(world):
+        other = instance("prefill-b", "prefill")
+        for queued, winner in ((0, "prefill-a"), (CACHED - 1, "prefill-a"), (CACHED + 1, "prefill-b")):
+            holder = instance("prefill-a", "prefill", num_queued_tokens=queued)
+            await world.register(holder, other)
+            if queued == 0:
+                await world.cache(holder, CACHED)
+            assert (await world.router().route_prefill(PROMPT)).instance_id == winner, queued
+        assert (await world.router().route_prefill(PROMPT, {"prefill-a"})).instance_id == "prefill-b"
+
+    in_world(redis_server, body)
+
+
 def test_restarted_instance_entries_are_not_trusted_and_are_cleaned(redis_server):
     async def body(world):
         holder = instance("prefill-a", "prefill", incarnation="before")
