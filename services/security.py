@@ -99,7 +99,8 @@ def open_channel(address: str, tls: TLSConfig | None, options=(), interceptors=N
 def add_tls_args(parser: argparse.ArgumentParser, public: bool = False) -> None:
     """--tls-cert-file, --tls-key-file, --tls-ca-file, --tls-server-name; with public (the gateway),
     --tls-client-auth for its public ports."""
-    peers = "clients of its public ports when --tls-client-auth require" if public else "every client (mutual TLS)"
+    peers = ("its clients (an engine's: every client, mutual TLS; the gateway's: the clients of its public ports "
+             "under --tls-client-auth require)")  # (one text for every service: the settings table shows one)
     parser.add_argument("--tls-cert-file", default=None,
                         help="PEM certificate (chain): serve TLS with it, and present it as the client certificate "
                              "on calls to other services; needs --tls-key-file")  # fmt: skip
