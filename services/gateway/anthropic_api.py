@@ -17,10 +17,10 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from tandem.services.gateway.chat_endpoint import ChatEndpoint
+from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
 from tandem.services.gateway.openai_errors import api_error, counted
 from tandem.services.gateway.openai_protocol import APIError
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
@@ -119,7 +119,7 @@ def chat_messages(body: MessagesRequest) -> gateway_pb2.ChatMessages:
                 chat.messages.add(role="tool", tool_call_id=block.tool_use_id or "",
                                   content=("Error: " if block.is_error else "") + result)  # fmt: skip
             else:
-                raise APIError(400, f"{where}.type {block.type!r} is not supported in a {m.role} turn", "messages")
+                raise APIError(400, f"{where}.type {block.type!r} is not supported in {m.role} turns", "messages")
         if turn.content or turn.tool_calls:
             chat.messages.append(turn)
     for tool in body.tools or ():
@@ -155,17 +155,20 @@ class AnthropicMessages(ChatEndpoint):
 
     async def messages(self, body: MessagesRequest, request: Request):
         self.check_body(body, body.model)
-        params = common_pb2.SamplingParams(max_tokens=body.max_tokens, stop=body.stop_sequences or ())
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(body, name) is not None:
-                setattr(params, name, getattr(body, name))
+        params = common_pb2.SamplingParams(stop=body.stop_sequences or ())
+        set_fields(params, {name: (name, getattr(body, name)) for name in ("max_tokens", "temperature", "top_p",
+                                                                           "top_k")})  # fmt: skip
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=params)
         message_id = "msg_" + uuid.uuid4().hex[:24]
-        num_prompt, shape, stream = await self.start(grpc_request, message_id)
+        constrained = body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
+        num_prompt, shape, stream = await self.start(grpc_request, message_id,
+                                                     {"structured_output": "tools"} if constrained else None)
         base = {"id": message_id, "type": "message", "role": "assistant", "model": self.model_name}
         if body.stream:
             return StreamingResponse(self._events(stream, base, shape, num_prompt), media_type="text/event-stream")
-        text, last = await self.whole(stream)
+        if (whole := await self.whole(stream, request)) is None:
+            return Response(status_code=499)  # (nobody reads it)
+        text, last = whole
         return JSONResponse(base | {"content": content_blocks(shape, text), "stop_reason": stop_reason(last),
                                     "stop_sequence": last.stop_string or None,
                                     "usage": {"input_tokens": last.usage.prompt_tokens,
@@ -213,7 +216,8 @@ class AnthropicMessages(ChatEndpoint):
                         yield event("content_block_stop", {"index": index})
                     yield event("message_delta", {"delta": {"stop_reason": stop_reason(msg),
                                                             "stop_sequence": msg.stop_string or None},
-                                                  "usage": {"output_tokens": msg.usage.completion_tokens}})
+                                                  "usage": {"output_tokens": msg.usage.completion_tokens,
+                                                            "cache_read_input_tokens": msg.usage.cached_tokens}})
             yield event("message_stop", {})
         except Exception as e:
             error = counted(self.pipeline.metrics, api_error(e, self.instance_id))

@@ -3,15 +3,17 @@ translates its body into the gRPC API's chat request, then starts it here throug
 same tokenizer, chat template, tool calling and validation) and reads the completion's messages."""
 from __future__ import annotations
 
+from fastapi import Request
 from pydantic import BaseModel
 
 from tandem.services.gateway.openai_errors import api_error
 from tandem.services.gateway.openai_protocol import APIError, param_named
 from tandem.services.gateway.openai_responses import ResponseShape
+from tandem.services.gateway.openai_serving import ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest
 from tandem.shared.errors import InvalidRequestError
-from tandem.v1 import gateway_pb2
+from tandem.v1 import common_pb2, gateway_pb2
 
 
 class ChatEndpoint:
@@ -45,15 +47,33 @@ class ChatEndpoint:
             raise APIError(400, str(e), (params_named or {}).get(named, named)) from None
         return len(prompt_ids), ResponseShape(chat=True, n=1, **parsers), self.pipeline.run(request)
 
-    async def whole(self, stream) -> tuple[str, gateway_pb2.GenerateResponse]:
-        """The completion's whole text and its last message; the pipeline's errors as APIError."""
-        text, last = "", None
-        try:
+    async def whole(self, stream, request: Request) -> tuple[str, gateway_pb2.GenerateResponse] | None:
+        """The completion's whole text and its last message, or None when the client disconnected first (the
+        request is then aborted on both tiers); the pipeline's errors as APIError."""
+        async def collect():
+            text, last = "", None
             async for msg in stream:
                 text += msg.text
                 last = msg
+            return text, last
+
+        try:
+            return await unless_disconnected(request, collect())
+        except ClientDisconnected:
+            self.pipeline.metrics.observe_error("CANCELLED")
+            return None
         except Exception as e:
             raise api_error(e, self.instance_id) from None
         finally:
             await stream.aclose()
-        return text, last
+
+
+def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, float | int | None]]) -> None:
+    """Set params' fields from the body's values ({field: (the body's name, value)}, None: unset); APIError 400
+    naming the body's field for an integer outside int32 (what the gRPC field holds)."""
+    for field, (name, value) in values.items():
+        if value is None:
+            continue
+        if isinstance(value, int) and not -(2**31) <= value < 2**31:
+            raise APIError(400, f"{name} is out of range: {value}", name)
+        setattr(params, field, value)

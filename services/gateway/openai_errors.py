@@ -42,6 +42,8 @@ def api_error(error: Exception, instance_id: str) -> APIError:
 def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> str | None:
     """The HTTP API's name of a gRPC field an error names (the request body says which spelling it used)."""
     if param == "structured_output":
+        if getattr(body, "tool_choice", None) not in (None, "auto", "none"):  # (the constraint is the tools')
+            return "tools"
         return "structured_outputs" if body is not None and body.structured_outputs else "response_format"
     if param == "beam_width":  # (use_beam_search's beams are n)
         return "n"

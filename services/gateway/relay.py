@@ -75,7 +75,7 @@ class Relay:
         if request.tool_parser is None:
             return [], reasoning
         _, calls = parse(request.tool_parser, text)
-        if calls and self.finish_reason == common_pb2.FINISH_REASON_STOP:
+        if calls and all(c.complete for c in calls) and self.finish_reason == common_pb2.FINISH_REASON_STOP:
             self.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
         return [gateway_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls], reasoning
 

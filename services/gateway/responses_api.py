@@ -18,10 +18,10 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.services.gateway.chat_endpoint import ChatEndpoint
+from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
 from tandem.services.gateway.openai_errors import api_error, counted
 from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
@@ -119,9 +119,8 @@ def chat_messages(body: ResponsesRequest) -> gateway_pb2.ChatMessages:
 
 def sampling_params(body: ResponsesRequest) -> common_pb2.SamplingParams:
     p = common_pb2.SamplingParams()
-    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
-        if getattr(body, theirs) is not None:
-            setattr(p, ours, getattr(body, theirs))
+    set_fields(p, {"max_tokens": ("max_output_tokens", body.max_output_tokens),
+                   "temperature": ("temperature", body.temperature), "top_p": ("top_p", body.top_p)})
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         p.structured_output.json_object = True
@@ -177,7 +176,9 @@ class Responses(ChatEndpoint):
                            "store")  # fmt: skip
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=sampling_params(body))
         response_id = _id("resp")
-        _, shape, stream = await self.start(grpc_request, response_id, {"structured_output": "text"})
+        constrained = body.tool_choice is not None and body.tool_choice not in ("auto", "none")
+        _, shape, stream = await self.start(grpc_request, response_id,
+                                            {"structured_output": "tools" if constrained else "text"})
         base = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
@@ -188,7 +189,9 @@ class Responses(ChatEndpoint):
                 "user": body.user}  # fmt: skip
         if body.stream:
             return StreamingResponse(self._events(stream, base, shape), media_type="text/event-stream")
-        text, last = await self.whole(stream)
+        if (whole := await self.whole(stream, request)) is None:
+            return Response(status_code=499)  # (nobody reads it)
+        text, last = whole
         return JSONResponse(base | finished(last) | {"output": output_items(shape, text)})
 
     async def _events(self, stream, base: dict, shape: ResponseShape):

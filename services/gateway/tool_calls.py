@@ -56,6 +56,9 @@ def check_tools(chat: gateway_pb2.ChatMessages) -> list[dict]:
                 raise InvalidRequestError(f"tools[{i}].function.parameters is not valid JSON: {e}") from None
             if not isinstance(parameters, dict):
                 raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+            if parameters.get("type", "object") != "object":
+                raise InvalidRequestError(f"tools[{i}].function.parameters must describe an object (the arguments), "
+                                          f"not {str(parameters.get('type'))[:40]!r}")  # fmt: skip
         function = {"name": tool.name, "parameters": parameters}
         if tool.description:
             function["description"] = tool.description
@@ -137,13 +140,28 @@ def tool_choice_constraint(chat: gateway_pb2.ChatMessages, tools: list[dict]) ->
         return None
     chosen = [t["function"] for t in tools if chat.tool_choice == gateway_pb2.TOOL_CHOICE_REQUIRED
               or t["function"]["name"] == chat.tool_choice_function]  # fmt: skip
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]  # fmt: skip
+    # Each tool's schema moves to $defs/tool_<i> of the whole, its own references ("#/$defs/City", "#")
+    # rewritten to point inside it there, so schemas with $defs and recursion (pydantic's, zod's) keep working
+    defs = {f"tool_{i}": _rebased(f["parameters"], f"#/$defs/tool_{i}") for i, f in enumerate(chosen)}
+    calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+              "properties": {"name": {"const": f["name"]}, "arguments": {"$ref": f"#/$defs/tool_{i}"}}}
+             for i, f in enumerate(chosen)]  # fmt: skip
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
     schema = {"type": "array", "items": one, "minItems": 1} if (
-        parallel and chat.tool_choice == gateway_pb2.TOOL_CHOICE_REQUIRED) else one  # fmt: skip
+        parallel and chat.tool_choice == gateway_pb2.TOOL_CHOICE_REQUIRED) else dict(one)  # fmt: skip
+    schema["$defs"] = defs
     return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+
+
+def _rebased(node, base: str):
+    """A copy of a schema whose local references ("#...") point under base instead of its root."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in node.items()}  # fmt: skip
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
 
 
 def tool_parser_for(chat: gateway_pb2.ChatMessages, tools: list[dict], tokenizer, configured: str) -> str | None:

@@ -70,6 +70,9 @@ def test_tool_use_and_a_tool_result_round_trip(client):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' is not supported"),
     ({"tools": [{"name": "bad name", "input_schema": {}}]}, "tools[0].function.name"),
     ({"model": "claude-x"}, "does not exist"),
+    ({"max_tokens": 2**31}, "max_tokens is out of range"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "$ref": "#/$defs/Nope"}}],
+      "tool_choice": {"type": "any"}}, "tools"),
 ])  # fmt: skip
 def test_refusals_come_in_anthropics_shape(client, fields, words):
     body = {"model": MODEL, "max_tokens": 4, "messages": ASK} | fields

@@ -68,12 +68,25 @@ def test_text_format_and_max_output_tokens(client):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
+def test_a_client_gone_before_its_answer_frees_the_request(cluster):
+    import httpx2 as httpx
+
+    from tests.integration.helpers import wait_all_blocks_free
+
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(cluster.openai_base_url + "/responses", timeout=1.5, json={
+            "model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 2000, "temperature": 0})
+    loads = wait_all_blocks_free(cluster, timeout_s=15)  # (2,000 tokens would take a minute)
+    assert all(l.num_free_blocks == l.num_blocks and not l.num_running for l in loads.values()), loads
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"background": True}, "background"),
+    ({"max_output_tokens": 2**31}, "max_output_tokens"),
 ])  # fmt: skip
 def test_what_is_not_served_is_refused_by_name(client, fields, param):
     body = {"model": MODEL, "input": ASK, "max_output_tokens": 4} | fields

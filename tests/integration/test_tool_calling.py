@@ -58,6 +58,21 @@ def test_required_and_named_choices_give_valid_calls(client):
     assert len(calls_of(r.choices[0].message)) == 1
 
 
+def test_schemas_with_defs_are_enforced_and_a_cut_call_is_not_a_tool_call(client):
+    """pydantic-style $defs references resolve inside the enforced call; a stop string that cuts the call short
+    leaves finish_reason "stop" (its arguments are not whole JSON)."""
+    city = {"$defs": {"City": {"type": "string", "maxLength": 20}}, "type": "object",
+            "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
+                                       max_tokens=64, temperature=0)  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls"
+    for name, arguments in calls_of(r.choices[0].message):
+        assert name == "get_weather" and isinstance(arguments["city"], str)
+    cut = ask(client, tool_choice="required", stop=["city"])
+    assert cut.choices[0].finish_reason == "stop"
+
+
 def test_streamed_calls_add_up_to_the_whole_answer(client):
     whole = ask(client, tool_choice="required")
     chunks = list(ask(client, tool_choice="required", stream=True))
@@ -121,6 +136,8 @@ def test_grpc_answers_carry_the_calls(cluster):
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot combine"),
     ({"tool_choice": "required", "tools": []}, "tool_choice", "needs tools"),
     ({"chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs", "only enable_thinking"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}],
+      "tool_choice": "required"}, "tools", ""),
 ])  # fmt: skip
 def test_bad_tool_fields_are_a_400_naming_them(client, fields, param, words):
     body = {"tools": TOOLS} | fields

@@ -140,6 +140,7 @@ def chat(tools=(), choice=gateway_pb2.TOOL_CHOICE_AUTO, function="", parallel=No
     ([("a b", {})], gateway_pb2.TOOL_CHOICE_AUTO, "", r"tools\[0\].function.name must be"),
     ([("f", {}), ("f", {})], gateway_pb2.TOOL_CHOICE_AUTO, "", r"tools\[1\].function.name 'f' is given twice"),
     ([("f", [1])], gateway_pb2.TOOL_CHOICE_AUTO, "", r"tools\[0\].function.parameters must be a JSON schema"),
+    ([("f", {"type": "array"})], gateway_pb2.TOOL_CHOICE_AUTO, "", r"parameters must describe an object"),
     ([("f", {})], gateway_pb2.TOOL_CHOICE_FUNCTION, "g", "tool_choice names the function 'g'"),
     ([], gateway_pb2.TOOL_CHOICE_REQUIRED, "", "tools is empty"),
     ([(f"f{i}", {}) for i in range(129)], gateway_pb2.TOOL_CHOICE_AUTO, "", "at most 128"),
@@ -163,6 +164,14 @@ def test_required_and_named_choices_compile_to_a_call_schema():
         alternatives = one.get("anyOf", [one])
         assert {a["properties"]["name"]["const"] for a in alternatives} == names
         check_grammar(StructuredOutputParams(json=json.dumps(schema)))  # (llguidance compiles it)
+    # local references ($defs, as pydantic writes them, and recursion to the root) still resolve inside a call
+    defs = {"$defs": {"City": {"type": "string"}}, "type": "object", "properties": {
+        "city": {"$ref": "#/$defs/City"}, "near": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}}}
+    c = chat([("weather", defs)], gateway_pb2.TOOL_CHOICE_FUNCTION, "weather")
+    schema = json.loads(tool_choice_constraint(c, check_tools(c)).json_schema)
+    assert schema["$defs"]["tool_0"]["properties"]["city"] == {"$ref": "#/$defs/tool_0/$defs/City"}
+    assert schema["$defs"]["tool_0"]["properties"]["near"]["items"] == {"$ref": "#/$defs/tool_0"}
+    check_grammar(StructuredOutputParams(json=json.dumps(schema)))
     assert tool_choice_constraint(chat(tools), check_tools(chat(tools))) is None
 
 
