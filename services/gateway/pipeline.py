@@ -194,6 +194,8 @@ class GatewayPipeline:
                 if (msg := relay.push(reply)) is not None:
                     yield msg
                 if relay.finish_reason is not None:
+                    if reply.HasField("finish_reason"):
+                        await self.placer.end_of(placement.decode_call)  # (the decode ended it: its call ends OK)
                     break
                 try:
                     reply = await self.placer.read_decode(placement.decode_call, decode, prefill)

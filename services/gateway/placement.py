@@ -197,6 +197,14 @@ class Placer:
             decode_call.cancel()
             raise
 
+    async def end_of(self, decode_call, timeout_s: float = 1.0) -> None:
+        """Wait (at most timeout_s) for a finished request's decode call to end, so that its status is the decode's
+        OK rather than the CANCELLED of a cancel that races it; any error is ignored (the request is done)."""
+        try:
+            await asyncio.wait_for(decode_call.read(), timeout_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            pass
+
     async def read_decode(self, decode_call, decode: InstanceInfo,
                           prefill: InstanceInfo | None = None) -> decode_pb2.DecodeResponse:
         """The decode's next message; UpstreamError if the call failed, ended early or the decode failed it: a

@@ -54,6 +54,9 @@ class FakePlacer:
     async def read_decode(self, decode_call, decode, prefill=None) -> decode_pb2.DecodeResponse:
         return await decode_call.read()
 
+    async def end_of(self, decode_call) -> None:
+        pass
+
 
 @pytest.fixture(scope="module")
 def tokens(tokenizer):
