@@ -11,6 +11,9 @@
 // runs on the kernels' own thread pool (thread_pool.h), so a decode engine with one torch thread still reads with
 // every kernel thread.
 //
+// bf16 from PACKED_MIN_ROWS rows, where the CPU has AVX512-BF16, runs dense_gemm_packed.cpp instead: bound by
+// arithmetic there, its register tiles over a repacked weight panel do more per instruction than these dot products.
+//
 // Layouts: x [M, K] and w [N, K] contiguous (nn.Linear's), K % 32 == 0 (checked in Python and here).
 #include <torch/extension.h>
 
@@ -112,6 +115,9 @@ void dense_gemm_block(const T* x, const T* w, const T* bias, T* y, int64_t M, in
   });
 }
 
+// bf16 rows of x from which dense_gemm_packed.cpp runs instead (python -m tandem.benchmarks.dense_gemm)
+constexpr int64_t PACKED_MIN_ROWS = 17;
+
 constexpr int64_t MC = 16 * MT;  // x rows per pass over the weight: an L2-resident block of x (96 x K fp32)
 
 template <typename T>
@@ -122,9 +128,16 @@ void dense_gemm_impl(const T* x, const T* w, const T* bias, T* y, int64_t M, int
 
 }  // namespace
 
+// dense_gemm_packed.cpp: bf16 with a repacked weight panel, for many rows (where built with AVX512-BF16)
+bool dense_gemm_packed_available();
+void dense_gemm_packed(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+                       int64_t M, int64_t K, int64_t N);
+
 // x [M, K] and weight [N, K] both fp32 or both bf16, contiguous, K % 32 == 0; bias [N] of that type or empty ->
-// y [M, N] of that type.
-torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+// y [M, N] of that type. packed: bf16 through dense_gemm_packed.cpp (true), through the per-row tiles here (false),
+// or (none) the packed path from PACKED_MIN_ROWS rows where it is built.
+torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                         c10::optional<bool> packed) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous(),
               "x [M, K] and weight [N, K] must be contiguous 2-D tensors");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
@@ -141,6 +154,10 @@ torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<to
   if (x.scalar_type() == torch::kFloat) {
     dense_gemm_impl<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
                            has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
+  } else if (packed.has_value() ? *packed : dense_gemm_packed_available() && M >= PACKED_MIN_ROWS) {
+    TORCH_CHECK(dense_gemm_packed_available(), "the packed bf16 GEMM needs AVX512-BF16 (not in this build)");
+    dense_gemm_packed(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                      has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), M, K, N);
   } else {
     dense_gemm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
                                   has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),

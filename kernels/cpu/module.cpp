@@ -1,5 +1,5 @@
 // The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, qgemm_vnni.cpp, dense_gemm.cpp,
-// attention.cpp, layer_ops.cpp, thread_pool.cpp and this file).
+// dense_gemm_packed.cpp, attention.cpp, layer_ops.cpp, thread_pool.cpp and this file).
 #include <torch/extension.h>
 
 #include "thread_pool.h"
@@ -18,7 +18,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                         c10::optional<bool> packed);
+bool dense_gemm_packed_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
@@ -30,7 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on query and key heads; keys and values into the KV cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("dense_gemm", &dense_gemm, "y = x @ W.T (+ bias), fp32 or bf16, for few rows of x");
+  m.def("dense_gemm", &dense_gemm, "y = x @ W.T (+ bias), fp32 or bf16; packed: bf16's packed path (None: by M)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("packed") = py::none());
+  m.def("dense_gemm_packed_available", &dense_gemm_packed_available,
+        "whether dense_gemm's packed bf16 path runs here (built for a CPU with AVX512-BF16)");
   m.def("set_num_threads", &tandem_pool::set_num_threads, "threads of the GEMM and attention kernels, the caller's included");
   m.def("get_num_threads", &tandem_pool::num_threads, "threads of the GEMM and attention kernels");
 }

@@ -1,6 +1,6 @@
-"""The dense CPU GEMM (kernels/cpu/dense_gemm.cpp) against its pure-torch reference, in fp32 and bf16, on one and
-two kernel threads, and CpuDenseLinear (shared/model.py) against nn.Linear on both sides of the kernel's row
-limit."""
+"""The dense CPU GEMM (kernels/cpu/dense_gemm.cpp, and dense_gemm_packed.cpp for bf16 past 16 rows) against its
+pure-torch reference, in fp32 and bf16, on one and two kernel threads, and CpuDenseLinear (shared/model.py) against
+nn.Linear on both sides of the kernel's row limit."""
 
 import pytest
 import torch
@@ -12,6 +12,10 @@ pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernel 
 # M covers every tail of the 6-row (AVX-512) and 2-row (AVX2) register blocks and more than one 96-row pass over
 # the weight; N a tail of the 4-row tiles; K one and several 32-column chunks.
 SHAPES = [(0, 8, 64), (1, 3, 32), (1, 64, 96), (2, 36, 64), (5, 20, 256), (7, 68, 96), (13, 9, 64), (100, 130, 192)]
+# bf16 from 17 rows (the packed path where AVX512-BF16 is built): M a tail of the 12-row register tiles and a split
+# into row blocks (N one panel); N a tail of the 16-column vectors and the 32-column panels; K one, two and three
+# 2,048-column blocks, the last one partial.
+PACKED_SHAPES = [(17, 40, 64), (33, 130, 192), (100, 16, 2144), (512, 72, 96), (33, 24, 4160)]
 # fp32: sums of K products of size ~1 in another order. bf16: the same fp32 sum rounded once to bf16 can land one
 # bf16 step (2^-8 relative) either side.
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=2**-7)}
@@ -19,6 +23,11 @@ TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(ato
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def _kernel_at_every_m(monkeypatch, dtype):
+    monkeypatch.setitem(cpu_dense.MAX_ROWS, dtype, None)
+    monkeypatch.setattr(cpu_dense, "MAX_ROWS_UNPACKED_BF16", None)  # (without AVX512-BF16: the per-row path)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -33,7 +42,7 @@ def kernel_threads(request):
 @pytest.mark.parametrize("M, N, K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_dense_gemm_matches_reference(M, N, K, dtype, bias, kernel_threads, monkeypatch):
-    monkeypatch.setitem(cpu_dense.MAX_ROWS, dtype, None)  # (every M through the kernel)
+    _kernel_at_every_m(monkeypatch, dtype)
     x = torch.randn(M, K, generator=_gen(0)).to(dtype)
     weight = torch.randn(N, K, generator=_gen(1)).to(dtype)
     b = torch.randn(N, generator=_gen(2)).to(dtype) if bias else None
@@ -42,11 +51,46 @@ def test_dense_gemm_matches_reference(M, N, K, dtype, bias, kernel_threads, monk
     torch.testing.assert_close(y, cpu_dense.linear_ref(x, weight, b), **TOLERANCE[dtype])
 
 
-def test_bf16_weights_are_widened_exactly():
+@pytest.mark.parametrize("M, N, K", PACKED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_packed_bf16_matches_reference(M, N, K, bias, kernel_threads, monkeypatch):
+    _kernel_at_every_m(monkeypatch, torch.bfloat16)
+    x = torch.randn(M, K, generator=_gen(0)).to(torch.bfloat16)
+    weight = torch.randn(N, K, generator=_gen(1)).to(torch.bfloat16)
+    b = torch.randn(N, generator=_gen(2)).to(torch.bfloat16) if bias else None
+    torch.testing.assert_close(cpu_dense.linear(x, weight, b), cpu_dense.linear_ref(x, weight, b),
+                               **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.skipif(not cpu_dense.has_packed_bf16(), reason="the packed bf16 GEMM needs AVX512-BF16")
+@pytest.mark.parametrize("K", [192, 4160], ids=["one-k-block", "three-k-blocks"])
+def test_packed_bf16_is_batch_invariant(K):
+    """Each row of a batch of 100 equals, bit for bit, the row computed alone, within a batch of 33, and on one
+    thread instead of two (the summation order is per output element, whatever M and the threads)."""
+    ext = cpu_ext.extension()
+    x = torch.randn(100, K, generator=_gen(0)).to(torch.bfloat16)
+    weight = torch.randn(70, K, generator=_gen(1)).to(torch.bfloat16)
+    bias = torch.randn(70, generator=_gen(2)).to(torch.bfloat16)
+    before = cpu_ext.num_threads()
+    try:
+        cpu_ext.set_num_threads(2)
+        y = ext.dense_gemm(x, weight, bias, packed=True)
+        assert torch.equal(ext.dense_gemm(x[40:73], weight, bias, packed=True), y[40:73])
+        for i in (0, 11, 12, 57, 99):
+            assert torch.equal(ext.dense_gemm(x[i:i + 1], weight, bias, packed=True), y[i:i + 1])
+        cpu_ext.set_num_threads(1)
+        assert torch.equal(ext.dense_gemm(x, weight, bias, packed=True), y)
+    finally:
+        cpu_ext.set_num_threads(before)
+
+
+@pytest.mark.parametrize("M", [3, 40], ids=["per-row", "packed"])
+def test_bf16_weights_are_widened_exactly(M, monkeypatch):
     """Weights and inputs that are small integers: every product and sum is exact in fp32, so the kernel must
-    equal the reference bit for bit (a bf16 -> fp32 widening off by one bit would show)."""
-    x = torch.randint(-8, 8, (3, 64), generator=_gen(0)).to(torch.bfloat16)
-    weight = torch.randint(-8, 8, (10, 64), generator=_gen(1)).to(torch.bfloat16)
+    equal the reference bit for bit (a bf16 -> fp32 widening, or a packed pair, off by one bit would show)."""
+    _kernel_at_every_m(monkeypatch, torch.bfloat16)
+    x = torch.randint(-8, 8, (M, 64), generator=_gen(0)).to(torch.bfloat16)
+    weight = torch.randint(-8, 8, (40, 64), generator=_gen(1)).to(torch.bfloat16)
     assert torch.equal(cpu_dense.linear(x, weight), cpu_dense.linear_ref(x, weight))
 
 
@@ -57,10 +101,11 @@ def test_large_n_tiles_cover_every_row():
 
 
 @pytest.mark.parametrize("bad", ["mixed-dtypes", "float64", "k-not-multiple-of-32", "bias-shape", "too-many-rows"])
-def test_what_the_kernel_does_not_take_raises_value_error(bad):
+def test_what_the_kernel_does_not_take_raises_value_error(bad, monkeypatch):
+    monkeypatch.setitem(cpu_dense.MAX_ROWS, torch.bfloat16, 16)  # (a row limit, as without AVX512-BF16)
     dtype = torch.float64 if bad == "float64" else torch.bfloat16
     k = 48 if bad == "k-not-multiple-of-32" else 64
-    m = cpu_dense.MAX_ROWS[torch.bfloat16] + 1 if bad == "too-many-rows" else 2
+    m = 17 if bad == "too-many-rows" else 2
     x = torch.randn(m, k).to(torch.float32 if bad == "mixed-dtypes" else dtype)
     weight = torch.randn(8, k).to(dtype)
     bias = torch.randn(7).to(dtype) if bad == "bias-shape" else None
