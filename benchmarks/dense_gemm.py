@@ -6,7 +6,7 @@ same run (the floor of a weight-bound call: its weight bytes over that bandwidth
                                            [--dtypes float32,bfloat16]
 
 Per shape, dtype and M: the kernel's time per call (the best of --repeats), the weight bytes it reads per second,
-its GFLOP/s; for bf16 from 17 rows where the packed path runs (kernels/cpu/dense_gemm_packed.cpp), the per-row
+its GFLOP/s; for bf16 where the packed path runs (kernels/cpu/dense_gemm_packed.cpp, from 10 rows), the per-row
 kernel's GFLOP/s too; torch's F.linear's GFLOP/s on each of --torch-threads, and torch's time (on the first) over
 the kernel's. The engine runs torch on one thread and the kernel on its tier's kernel threads: the first of the
 default --torch-threads compares what a decode engine runs, the second what oneDNN would do with both cores.
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                 gflop = 2 * m * n * k / 1e3  # (over us: GFLOP/s)
                 ours = best_us(lambda: ext.dense_gemm(x, weight, None), args.repeats)
                 per_row = "-"
-                if dtype == torch.bfloat16 and cpu_dense.has_packed_bf16() and m >= 17:
+                if dtype == torch.bfloat16 and cpu_dense.has_packed_bf16():
                     rows_us = best_us(lambda: ext.dense_gemm(x, weight, None, packed=False), args.repeats)
                     per_row = f"{gflop / rows_us:.0f}"
                 theirs = []

@@ -1,5 +1,5 @@
-// Packed bf16 GEMM for many rows of x (prefill chunks, decode batches over 16 rows) on CPUs with AVX512-BF16;
-// dense_gemm.cpp calls it past its per-row path.
+// Packed bf16 GEMM for many rows of x (prefill chunks, decode batches of 10 rows or more) on CPUs with
+// AVX512-BF16; dense_gemm.cpp calls it from PACKED_MIN_ROWS rows, past its per-row path.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x, w, bias and y bf16; products exact, sums in fp32, the bias added
 // in fp32, one rounding to bf16 (nearest even) at the end.
@@ -22,7 +22,7 @@
 // pair per instruction (vdpbf16ps: acc + the odd product + the even product), K blocks carried in fp32; no
 // horizontal sum. That order depends neither on M, nor on the row's place in the batch, nor on the thread count:
 // a row gives the same bits alone (through this path) as in any batch. (It differs from dense_gemm.cpp's per-row
-// path, which the engine runs at M <= 16.) vdpbf16ps flushes subnormal inputs and outputs to zero, as the per-row
+// path, which the engine runs below PACKED_MIN_ROWS rows.) vdpbf16ps flushes subnormal inputs and outputs to zero, as the per-row
 // bf16 path does.
 #include <torch/extension.h>
 
