@@ -75,7 +75,10 @@ def test_a_client_gone_before_its_answer_frees_the_request(cluster):
 
     with pytest.raises(httpx.TimeoutException):
         httpx.post(cluster.openai_base_url + "/responses", timeout=1.5, json={
-            "model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 2000, "temperature": 0})
+            "model": MODEL, "input": "List numbers.", "max_output_tokens": 2000, "temperature": 0,
+            # (an answer that cannot end early: at least 600 numbers, some 2,000 tokens)
+            "text": {"format": {"type": "json_schema", "name": "numbers", "schema": {
+                "type": "array", "items": {"type": "integer"}, "minItems": 600}}}})
     loads = wait_all_blocks_free(cluster, timeout_s=15)  # (2,000 tokens would take a minute)
     assert all(l.num_free_blocks == l.num_blocks and not l.num_running for l in loads.values()), loads
 
