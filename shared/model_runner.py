@@ -137,8 +137,15 @@ class ModelRunner:
                 result.prompt_logprobs[request.request_id] = token_logprobs(
                     logits[row : row + count], targets, request.sampling_params.prompt_logprobs)
             logits = logits[sample_rows]
-        if not sampled_requests:
-            return result
+        if sampled_requests:
+            self._sample(out, logits, sampled_requests, row_requests, row_positions, result)
+        return result
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampled_requests: list, row_requests: list,
+                row_positions: list[int], result: ModelRunnerOutput) -> None:
+        """execute_model's last step: the sampling rows' logits [rows, vocab] fp32 (row_requests[i] and
+        row_positions[i] name row i) -> each sampled request's accepted tokens (and logprobs) in result; a request
+        whose logits are not all finite goes to result.non_finite_request_ids instead."""
         # NOTE: a row's sum is finite iff every logit is (|logit| is far below fp32's range / vocab): one reduction
         # instead of an elementwise test over [num_sampled, vocab].
         finite = logits.sum(-1).isfinite()
@@ -165,7 +172,6 @@ class ModelRunner:
             result.sampled_token_ids[request_id] = sampled
             if request.sampling_params.logprobs is not None:  # (emitted token i is row rows.start + i)
                 result.logprobs[request_id] = token_logprobs(logits[rows], sampled, request.sampling_params.logprobs)
-        return result
 
 
 def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled_requests: list,

@@ -23,9 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
 from tandem.services.gateway.openai_errors import api_error, counted
 from tandem.services.gateway.openai_protocol import APIError
-from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
-from tandem.services.gateway.reasoning import split_reasoning
-from tandem.services.gateway.tool_parsers import parse
+from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -187,25 +185,21 @@ class AnthropicMessages(ChatEndpoint):
         try:
             async for msg in stream:
                 final = msg.HasField("finish_reason")
-                delta = deltas.feed(msg.text, final)
-                pieces = [("thinking", delta["reasoning_content"])] if delta.get("reasoning_content") else []
-                pieces += [("text", delta["content"])] if delta.get("content") else []
-                pieces += [("tool", call) for call in delta.get("tool_calls", ())]
-                for kind, value in pieces:
-                    starts_call = kind == "tool" and "id" in value
+                for kind, value in deltas.pieces(msg.text, final):
+                    starts_call = kind == "tool_call" and "id" in value
                     if kind != open_kind or starts_call:
                         if open_kind is not None:
                             yield event("content_block_stop", {"index": index})
                         index, open_kind = index + 1, kind
-                        block = ({"type": "thinking", "thinking": ""} if kind == "thinking" else
-                                 {"type": "text", "text": ""} if kind == "text" else
+                        block = ({"type": "thinking", "thinking": ""} if kind == "reasoning" else
+                                 {"type": "text", "text": ""} if kind == "content" else
                                  {"type": "tool_use", "id": "toolu_" + value["id"].removeprefix("call_"),
                                   "name": value["function"]["name"], "input": {}})  # fmt: skip
                         yield event("content_block_start", {"index": index, "content_block": block})
-                    if kind == "thinking":
+                    if kind == "reasoning":
                         yield event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
                                                                                       "thinking": value}})
-                    elif kind == "text":
+                    elif kind == "content":
                         yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
                                                                                       "text": value}})
                     elif value["function"].get("arguments"):
@@ -228,12 +222,8 @@ class AnthropicMessages(ChatEndpoint):
 
 def content_blocks(shape: ResponseShape, text: str) -> list[dict]:
     """A whole answer as Anthropic's content blocks: thinking (with a reasoning parser), text, tool_use."""
-    blocks = []
-    if shape.reasoning_parser is not None:
-        reasoning, text = split_reasoning(shape.reasoning_parser, text)
-        if reasoning:
-            blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    content, calls = parse(shape.tool_parser, text) if shape.tool_parser is not None else (text, [])
+    reasoning, content, calls = answer_parts(shape, text)
+    blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
     if content:
         blocks.append({"type": "text", "text": content})
     for call in calls:

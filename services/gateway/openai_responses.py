@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tandem.services.client import finish_name
 from tandem.services.gateway.reasoning import ReasoningStream, split_reasoning
-from tandem.services.gateway.tool_parsers import ToolCallStream, parse
+from tandem.services.gateway.tool_parsers import ToolCall, ToolCallStream, parse
 from tandem.v1 import gateway_pb2
 
 
@@ -29,13 +29,23 @@ class ResponseShape:
     reasoning_parser: str | None = None  # chat: reasoning split into reasoning_content (reasoning.py)
 
 
+def answer_parts(shape: ResponseShape, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A whole chat answer per the request's parsers: (reasoning or None, content (None when there are calls and
+    nothing else), tool calls). What each API's whole answer is built from."""
+    reasoning = None
+    if shape.reasoning_parser is not None:
+        reasoning, text = split_reasoning(shape.reasoning_parser, text)
+    content, calls = parse(shape.tool_parser, text) if shape.tool_parser is not None else (text, [])
+    return reasoning, content, calls
+
+
 def chat_message(shape: ResponseShape, text: str) -> dict:
     """A whole chat answer as OpenAI's message: content, and with the request's parsers tool_calls (content null
     when there is nothing else) and reasoning_content."""
+    reasoning, content, calls = answer_parts(shape, text)
     message: dict = {"role": "assistant"}
     if shape.reasoning_parser is not None:
-        message["reasoning_content"], text = split_reasoning(shape.reasoning_parser, text)
-    content, calls = parse(shape.tool_parser, text) if shape.tool_parser is not None else (text, [])
+        message["reasoning_content"] = reasoning
     message["content"] = content
     if calls:
         message["tool_calls"] = [{"id": c.id, "type": "function",
@@ -67,6 +77,15 @@ class ChatDeltas:
             else:
                 delta.setdefault("tool_calls", []).extend(part["tool_calls"])
         return delta
+
+    def pieces(self, text: str, final: bool) -> list[tuple[str, str | dict]]:
+        """feed() as its parts in order, for the APIs that stream them as separate blocks or items:
+        ("reasoning", text), ("content", text), then ("tool_call", one tool_calls delta) for each."""
+        delta = self.feed(text, final)
+        out: list[tuple[str, str | dict]] = [("reasoning", delta["reasoning_content"])] if delta.get(
+            "reasoning_content") else []  # fmt: skip
+        out += [("content", delta["content"])] if delta.get("content") else []
+        return out + [("tool_call", call) for call in delta.get("tool_calls", ())]
 
 
 @dataclass(slots=True)

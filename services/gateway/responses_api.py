@@ -24,9 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
 from tandem.services.gateway.openai_errors import api_error, counted
 from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError
-from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape
-from tandem.services.gateway.reasoning import split_reasoning
-from tandem.services.gateway.tool_parsers import parse
+from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -133,13 +131,9 @@ def sampling_params(body: ResponsesRequest) -> common_pb2.SamplingParams:
 
 def output_items(shape: ResponseShape, text: str) -> list[dict]:
     """A whole answer as Responses output items: reasoning, a message, function calls."""
-    items = []
-    if shape.reasoning_parser is not None:
-        reasoning, text = split_reasoning(shape.reasoning_parser, text)
-        if reasoning:
-            items.append({"type": "reasoning", "id": _id("rs"), "summary": [],
-                          "content": [{"type": "reasoning_text", "text": reasoning}]})  # fmt: skip
-    content, calls = parse(shape.tool_parser, text) if shape.tool_parser is not None else (text, [])
+    reasoning, content, calls = answer_parts(shape, text)
+    items = [{"type": "reasoning", "id": _id("rs"), "summary": [],
+              "content": [{"type": "reasoning_text", "text": reasoning}]}] if reasoning else []  # fmt: skip
     if content:
         items.append(_message(_id("msg"), content, "completed"))
     items += [_call(_id("fc"), c.id, c.name, c.arguments, "completed") for c in calls]
@@ -195,92 +189,106 @@ class Responses(ChatEndpoint):
         return JSONResponse(base | finished(last) | {"output": output_items(shape, text)})
 
     async def _events(self, stream, base: dict, shape: ResponseShape):
-        """The Responses events: response.created / in_progress, each output item added, its deltas and done
-        events, then response.completed (or incomplete) with the whole response; an error mid-stream is an
-        error event."""
-        seq = 0
-
-        def event(name: str, data: dict) -> str:
-            nonlocal seq
-            seq += 1
-            return f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': seq - 1} | data)}\n\n"
-
+        """The Responses events: response.created / in_progress, each output item's events (OutputItems), then
+        response.completed (or incomplete) with the whole response; an error mid-stream is an error event."""
+        events = EventStream()
         pending = base | {"status": "in_progress", "output": [], "usage": None}
-        yield event("response.created", {"response": pending})
-        yield event("response.in_progress", {"response": pending})
-        deltas, items, current = ChatDeltas(shape), [], None  # current: [kind, item, text so far]
-
-        def close():
-            kind, item, text = current
-            index, done = len(items), dict(item, status="completed")
-            if kind == "message":
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                done["content"] = [part]
-                yield event("response.output_text.done", {"item_id": item["id"], "output_index": index,
-                                                          "content_index": 0, "text": text, "logprobs": []})
-                yield event("response.content_part.done", {"item_id": item["id"], "output_index": index,
-                                                           "content_index": 0, "part": part})
-            elif kind == "reasoning":
-                done["content"] = [{"type": "reasoning_text", "text": text}]
-                yield event("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
-                                                             "content_index": 0, "text": text})
-            else:
-                done["arguments"] = text
-                yield event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
-                                                                      "name": item["name"], "arguments": text})
-            items.append(done)
-            yield event("response.output_item.done", {"output_index": index, "item": done})
-
+        yield events("response.created", {"response": pending})
+        yield events("response.in_progress", {"response": pending})
+        deltas, items = ChatDeltas(shape), OutputItems(events)
         try:
             async for msg in stream:
                 final = msg.HasField("finish_reason")
-                delta = deltas.feed(msg.text, final)
-                pieces = [("reasoning", delta["reasoning_content"])] if delta.get("reasoning_content") else []
-                pieces += [("message", delta["content"])] if delta.get("content") else []
-                pieces += [("function_call", call) for call in delta.get("tool_calls", ())]
-                for kind, value in pieces:
-                    if current is None or current[0] != kind or (kind == "function_call" and "id" in value):
-                        if current is not None:
-                            for e in close():
-                                yield e
-                        index = len(items)
-                        item = ({"type": "reasoning", "id": _id("rs"), "summary": [], "content": []}
-                                if kind == "reasoning" else _message(_id("msg"), "", "in_progress")
-                                if kind == "message" else _call(_id("fc"), value["id"], value["function"]["name"],
-                                                                "", "in_progress"))  # fmt: skip
-                        if kind == "message":
-                            item["content"] = []
-                        current = [kind, item, ""]
-                        yield event("response.output_item.added", {"output_index": index, "item": item})
-                        if kind == "message":
-                            yield event("response.content_part.added", {
-                                "item_id": item["id"], "output_index": index, "content_index": 0,
-                                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
-                    text = value["function"].get("arguments", "") if kind == "function_call" else value
-                    index = len(items)
-                    if not text:
-                        continue
-                    current[2] += text
-                    item_id = current[1]["id"]
-                    if kind == "function_call":
-                        yield event("response.function_call_arguments.delta", {"item_id": item_id,
-                                                                               "output_index": index, "delta": text})
-                    else:
-                        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-                        yield event(name, {"item_id": item_id, "output_index": index, "content_index": 0,
-                                           "delta": text} | ({"logprobs": []} if kind == "message" else {}))
+                for kind, value in deltas.pieces(msg.text, final):
+                    for e in items.add(kind, value):
+                        yield e
                 if final:
-                    if current is not None:
-                        for e in close():
-                            yield e
-                    response = base | finished(msg) | {"output": items}
+                    for e in items.close():
+                        yield e
+                    response = base | finished(msg) | {"output": items.done}
                     done = "response.completed" if response["status"] == "completed" else "response.incomplete"
-                    yield event(done, {"response": response})
+                    yield events(done, {"response": response})
         except Exception as e:
             error = counted(self.pipeline.metrics, api_error(e, self.instance_id))
-            yield event("error", {"code": error.code, "message": error.message, "param": error.param})
+            yield events("error", {"code": error.code, "message": error.message, "param": error.param})
         finally:
             await stream.aclose()
+
+
+class EventStream:
+    """Server-sent events numbered by sequence_number from 0: events(name, data) -> the event's text."""
+
+    def __init__(self):
+        self.seq = 0
+
+    def __call__(self, name: str, data: dict) -> str:
+        self.seq += 1
+        return f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': self.seq - 1} | data)}\n\n"
+
+
+class OutputItems:
+    """A streamed answer's output items, built from ChatDeltas.pieces: add() opens an item when the kind changes
+    (or a new call starts; reasoning, a message, a function call) and sends its delta event; close() sends the
+    open item's done events. done: the finished items."""
+
+    DELTAS = {"reasoning": "response.reasoning_text.delta", "content": "response.output_text.delta",
+              "tool_call": "response.function_call_arguments.delta"}  # fmt: skip
+
+    def __init__(self, events: EventStream):
+        self.events, self.done = events, []
+        self.kind, self.item, self.text = None, None, ""  # the open item
+
+    def add(self, kind: str, value) -> list[str]:
+        out = []
+        if kind != self.kind or (kind == "tool_call" and "id" in value):
+            out += self.close()
+            out += self._open(kind, value)
+        text = value["function"].get("arguments", "") if kind == "tool_call" else value
+        if text:
+            self.text += text
+            where = {"item_id": self.item["id"], "output_index": len(self.done)}
+            extra = {} if kind == "tool_call" else {"content_index": 0}
+            out.append(self.events(self.DELTAS[kind], where | extra | {"delta": text} | (
+                {"logprobs": []} if kind == "content" else {})))  # fmt: skip
+        return out
+
+    def _open(self, kind: str, value) -> list[str]:
+        index = len(self.done)
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": []}
+        elif kind == "content":
+            item = _message(_id("msg"), "", "in_progress") | {"content": []}
+        else:
+            item = _call(_id("fc"), value["id"], value["function"]["name"], "", "in_progress")
+        self.kind, self.item, self.text = kind, item, ""
+        out = [self.events("response.output_item.added", {"output_index": index, "item": item})]
+        if kind == "content":
+            out.append(self.events("response.content_part.added", {
+                "item_id": item["id"], "output_index": index, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        kind, item, text, index = self.kind, self.item, self.text, len(self.done)
+        done, where = dict(item, status="completed"), {"item_id": item["id"], "output_index": index}
+        if kind == "content":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            done["content"] = [part]
+            out = [self.events("response.output_text.done", where | {"content_index": 0, "text": text,
+                                                                      "logprobs": []}),
+                   self.events("response.content_part.done", where | {"content_index": 0, "part": part})]
+        elif kind == "reasoning":
+            done["content"] = [{"type": "reasoning_text", "text": text}]
+            out = [self.events("response.reasoning_text.done", where | {"content_index": 0, "text": text})]
+        else:
+            done["arguments"] = text
+            out = [self.events("response.function_call_arguments.done", where | {"name": item["name"],
+                                                                                 "arguments": text})]
+        self.done.append(done)
+        self.kind = None
+        return out + [self.events("response.output_item.done", {"output_index": index, "item": done})]
 
 
 def finished(last: gateway_pb2.GenerateResponse) -> dict:
