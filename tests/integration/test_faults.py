@@ -5,7 +5,8 @@ its drain, then kill -9 of a decode mid-stream and of a prefill mid-transfer; st
 migrate (issue 36). Loopback only.
 
 The tests share one cluster and run in file order: the last three stop an instance each (a decode killed, a
-prefill killed, then a decode drained: the heavy pass only).
+prefill killed, then a decode drained: the heavy pass only). One file (over 400 lines) for that reason: the process
+deaths in a module of their own would start a second 2 + 3 cluster, some 15 s of make test's budget.
 (A reservation's KV lease while its prompt queues on a busy prefill: test_robustness.py.)
 Every call has a timeout and every thread is joined with one, so no test can hang. Measurements (latencies,
 RSS, times to resume a migrated stream) are printed: run with -s to see them."""
