@@ -175,11 +175,11 @@ class BlockPool:
         self.num_evictions += 1
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
-        """The cache changes since the last call, consecutive stores and removes merged, in order."""
+        """The cache changes since the last call, consecutive stores and removes of one tier merged, in order."""
         merged: list[BlockStored | BlockRemoved] = []
         for event in self._events:
-            if merged and type(merged[-1]) is type(event):
-                merged[-1] = type(event)(merged[-1].block_hashes + event.block_hashes)
+            if merged and type(merged[-1]) is type(event) and merged[-1].tier == event.tier:
+                merged[-1] = type(event)(merged[-1].block_hashes + event.block_hashes, event.tier)
             else:
                 merged.append(event)
         self._events = []
