@@ -132,8 +132,8 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return await self._call(GetStats())
 
-    async def kv_snapshot(self) -> tuple[int, list[BlockHash]]:
-        """(seq of the last KV event batch, every block hash the prefix cache holds), taken at one instant: the
+    async def kv_snapshot(self) -> tuple[int, list[tuple[BlockHash, str]]]:
+        """(seq of the last KV event batch, every (block hash, tier) the prefix cache holds), taken at one instant: the
         state a rebuilt prefix index starts from (events not yet handed out go out first, as batch seq)."""
         return await self._call(GetKVSnapshot())
 
@@ -197,7 +197,7 @@ class AsyncEngine:
                 return engine.stats()
             case GetKVSnapshot():
                 self._publish_kv_events()
-                return engine.kv_event_seq, engine.kv_cache_manager.cached_block_hashes()
+                return engine.kv_event_seq, [(h, "pool") for h in engine.kv_cache_manager.cached_block_hashes()]
             case _:
                 raise TypeError(f"unknown engine command {command!r}")
         return None

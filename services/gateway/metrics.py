@@ -52,7 +52,8 @@ class GatewayMetrics:
         self.decisions = counter("router_decisions", "Instances chosen by the router, and why",
                                  ["target_tier", "instance_id", "reason"])  # fmt: skip
         self.expected_cached = counter("router_expected_cached_tokens", "Prompt tokens the prefix index said the "
-                                       "chosen instance held", ["target_tier"])  # fmt: skip
+                                       "chosen instance held, by the KV tier holding them (pool, host, disk)",
+                                       ["target_tier", "kv_tier"])  # fmt: skip
         self.migrations = counter("request_migrations", "Completions placed again with their output so far after "
                                   "their decode failed mid-stream, by reason", ["reason"])  # fmt: skip
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
@@ -73,7 +74,10 @@ class GatewayMetrics:
             if instance is not None:
                 self.decisions.labels(**self.labels, target_tier=tier, instance_id=instance.instance_id,
                                       reason=route.reason).inc()  # fmt: skip
-                self.expected_cached.labels(**self.labels, target_tier=tier).inc(cached)
+                held = route.prefill_cached_tiers if tier == "prefill" and route.prefill_cached_tiers else {
+                    "pool": cached}  # (a decode's count is its pool's)
+                for kv_tier, num in held.items():
+                    self.expected_cached.labels(**self.labels, target_tier=tier, kv_tier=kv_tier).inc(num)
 
     def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
         """A message of num_tokens tokens sent gap_s after the previous one."""

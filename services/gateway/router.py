@@ -2,9 +2,15 @@
 and the prefix index (shared/cluster_state/prefix_index.py). docs/prefix-caching.md describes the model.
 
 - Prefill: the fewest tokens to compute before this prompt's first token: the instance's queue
-  (num_queued_tokens) plus the prompt minus its longest cached leading run there.
-- Decode: among instances with room for the request, the highest score: prompt tokens it already holds (not
-  shipped) minus DECODE_LOAD_TOKENS per request it serves or holds.
+  (num_queued_tokens) plus the prompt minus its longest cached leading run there, plus the cost of bringing the
+  part of that run held in its host or disk tier back into its pool (shared/kv_tiers.py): blocks x the seconds per
+  block the instance measured for that tier (InstanceInfo.kv_tier_load_s) x its rate (tokens_per_s), i.e. the
+  tokens it could have computed meanwhile. So a pool hit beats a host hit, which beats a disk hit, which beats
+  computing, by measured costs; before a rate is measured a tier hit costs nothing extra and ties go to the
+  instance holding more in its pool.
+- Decode: among instances with room for the request, the highest score: prompt tokens it already holds in its
+  pool (not shipped: received KV is reserved in the pool alone) minus DECODE_LOAD_TOKENS per request it serves or
+  holds.
 - Local prefill (conditional disaggregation): when the part of the prompt the chosen decode lacks is at most
   local_prefill_tokens, the decode computes it itself and no prefill is called. Past that, by measured cost: each
   instance publishes the tokens/s its recent steps computed (InstanceInfo.tokens_per_s), and the decode computes
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from tandem.services.tracing import traced
 from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
 from tandem.shared.errors import NoInstanceError
+from tandem.shared.kv_events import KV_TIERS
 from tandem.shared.cluster_state.prefix_index import IndexUnavailableError, PrefixIndex
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 
@@ -62,10 +69,12 @@ class Route:
 
     decode: InstanceInfo
     prefill: InstanceInfo | None  # None: the decode computes the prompt itself
-    prefill_cached_tokens: int = 0  # per the index
-    decode_cached_tokens: int = 0
+    prefill_cached_tokens: int = 0  # per the index, in any tier
+    decode_cached_tokens: int = 0  # in its pool
     explanation: list[str] = field(default_factory=list)  # each candidate's score, then the winners
     reason: str = "cache_aware"  # the rule that chose: cache_aware, round_robin, decode_local, pinned
+    # of prefill_cached_tokens, those in each tier (KV_TIERS; the routing hints count as "pool")
+    prefill_cached_tiers: dict[str, int] = field(default_factory=dict)
 
     def explain(self) -> str:
         return "; ".join(self.explanation)
@@ -75,7 +84,8 @@ def route_attributes(route: Route) -> dict:
     """What the trace's route span records (services/tracing.py)."""
     return dict(decode_instance_id=route.decode.instance_id, decode_cached_tokens=route.decode_cached_tokens,
                 prefill_instance_id=route.prefill.instance_id if route.prefill else None,
-                prefill_cached_tokens=route.prefill_cached_tokens, route_reason=route.reason)
+                prefill_cached_tokens=route.prefill_cached_tokens, route_reason=route.reason,
+                **{f"prefill_cached_{tier}_tokens": n for tier, n in route.prefill_cached_tiers.items() if n})
 
 
 class Router:
@@ -129,14 +139,18 @@ class Router:
         bs = self.contract.block_size
         hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt,
                                      variant=self.kv_variant(len(prompt_ids)))
-        cached, hinted = await self._cached_tokens(hashes, prefills + roomy)
+        tiers, hinted = await self._cached_tokens(hashes, prefills + roomy, pool_only={d.instance_id for d in roomy})
+        cached = {iid: sum(held.values()) for iid, held in tiers.items()}
         n = len(prompt_ids)
 
         def decode_score(d: InstanceInfo) -> int:
             return cached[d.instance_id] - DECODE_LOAD_TOKENS * (d.num_running + d.num_waiting)
 
-        def prefill_cost(p: InstanceInfo) -> int:
-            return p.num_queued_tokens + n - cached[p.instance_id]
+        def prefill_cost(p: InstanceInfo) -> float:
+            return p.num_queued_tokens + n - cached[p.instance_id] + self._load_tokens(p, tiers[p.instance_id])
+
+        def prefill_order(p: InstanceInfo) -> tuple[float, int]:  # (ties: the one holding more in its pool)
+            return prefill_cost(p), -tiers[p.instance_id]["pool"]
 
         def routed(i: InstanceInfo) -> str:
             return f" ({hinted[i.instance_id]} routed there, not yet indexed)" if hinted.get(i.instance_id) else ""
@@ -151,15 +165,16 @@ class Router:
             self._add_queued(decode, uncached)
             return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
         explanation += [f"prefill {p.instance_id}: {p.num_queued_tokens} queued + {n - cached[p.instance_id]} "
-                        f"to compute{routed(p)} -> {prefill_cost(p)}" for p in prefills]  # fmt: skip
-        prefill = self._turn("prefill", _best(prefills, prefill_cost, min))
+                        f"to compute{routed(p)}{self._explain_tiers(p, tiers[p.instance_id])} -> "
+                        f"{prefill_cost(p):.0f}" for p in prefills]  # fmt: skip
+        prefill = self._turn("prefill", _best(prefills, prefill_order, min))
         if local and decode.tokens_per_s and prefill.tokens_per_s:
             waiting = 1 + decode.num_running  # (the requests a local prefill holds up: this one and the running)
             local_s = (self._queued_tokens(decode) + uncached) / decode.tokens_per_s * waiting
             remote_s = prefill_cost(prefill) / prefill.tokens_per_s
             explanation.append(f"measured: on decode {local_s * 1e3:.0f} ms x request ({uncached} tokens at "
                                f"{decode.tokens_per_s:.0f}/s, {waiting} waiting), on prefill {remote_s * 1e3:.0f} "
-                               f"ms ({prefill_cost(prefill)} tokens at {prefill.tokens_per_s:.0f}/s)")
+                               f"ms ({prefill_cost(prefill):.0f} tokens at {prefill.tokens_per_s:.0f}/s)")
             if local_s < remote_s:
                 explanation.append(f"-> decode {decode.instance_id} computes the {uncached} uncached tokens itself "
                                    "(cheaper than the prefill tier by measured cost)")
@@ -167,7 +182,8 @@ class Router:
                 return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local_cost")
         self._remember(prefill, hashes)
         explanation.append(f"-> prefill {prefill.instance_id}, decode {decode.instance_id}")
-        return Route(decode, prefill, cached[prefill.instance_id], cached[decode.instance_id], explanation)
+        return Route(decode, prefill, cached[prefill.instance_id], cached[decode.instance_id], explanation,
+                     prefill_cached_tiers=tiers[prefill.instance_id])
 
     @traced("route")
     async def route_prefill(self, prompt_ids: list[int], skip: set[str] = frozenset()) -> InstanceInfo:
@@ -180,12 +196,29 @@ class Router:
         bs = self.contract.block_size
         hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, None,
                                      variant=self.kv_variant(len(prompt_ids)))
-        cached, _ = await self._cached_tokens(hashes, prefills)
-        prefill = self._turn("prefill", _best(
-            prefills, lambda p: self._queued_tokens(p) + len(prompt_ids) - cached[p.instance_id], min))
+        tiers, _ = await self._cached_tokens(hashes, prefills)
+        cached = {iid: sum(held.values()) for iid, held in tiers.items()}
+        prefill = self._turn("prefill", _best(prefills, lambda p: (
+            self._queued_tokens(p) + len(prompt_ids) - cached[p.instance_id] + self._load_tokens(
+                p, tiers[p.instance_id]), -tiers[p.instance_id]["pool"]), min))  # fmt: skip
         self._remember(prefill, hashes)
         self._add_queued(prefill, len(prompt_ids) - cached[prefill.instance_id])
         return prefill
+
+    def _load_tokens(self, instance: InstanceInfo, held: dict[str, int]) -> float:
+        """What bringing the cached tokens held in its host and disk tiers back into its pool costs the instance,
+        in tokens it computes meanwhile: blocks x its measured seconds per block of that tier x its measured rate.
+        0 before both are measured."""
+        seconds = sum(held[t] / self.contract.block_size * instance.kv_tier_load_s.get(t, 0.0) for t in KV_TIERS[1:])
+        return seconds * instance.tokens_per_s
+
+    def _explain_tiers(self, instance: InstanceInfo, held: dict[str, int]) -> str:
+        """The decision log's account of a candidate's cached tokens below its pool, and what loading them costs."""
+        below = [f"{held[t]} in its {t} tier ({instance.kv_tier_load_s.get(t, 0.0) * 1e3:.2f} ms/block)"
+                 for t in KV_TIERS[1:] if held[t]]  # fmt: skip
+        if not below:
+            return ""
+        return f", of the cached {', '.join(below)}: +{self._load_tokens(instance, held):.0f} to load"
 
     def _queued_tokens(self, instance: InstanceInfo) -> int:
         """Its record's queue plus the prompt tokens it was given to compute in the last QUEUE_HINT_S (which the
@@ -202,28 +235,30 @@ class Router:
         key = (instance.instance_id, instance.incarnation)
         self._queued.setdefault(key, []).append((time.monotonic() + QUEUE_HINT_S, tokens))
 
-    async def _cached_tokens(self, hashes: list[BlockHash],
-                             candidates: list[InstanceInfo]) -> tuple[dict[str, int], dict[str, int]]:
-        """({instance id: leading prompt tokens it holds}, {instance id: of those, tokens known only from
-        routing, not yet from the index}), from one index lookup and the routing hints; 0 for instances whose
-        contract differs and for all while Redis cannot answer."""
-        cached = {c.instance_id: 0 for c in candidates}
+    async def _cached_tokens(self, hashes: list[BlockHash], candidates: list[InstanceInfo],
+                             pool_only: set[str] = frozenset()) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """({instance id: {tier: leading prompt tokens it holds there}} (the run in any tier, each block at the
+        fastest tier holding it; pool_only: instances whose pool alone counts), {instance id: of those, tokens
+        known only from routing, not yet from the index (counted as in the pool)}), from one index lookup and the
+        routing hints; 0 for instances whose contract differs and for all while Redis cannot answer."""
+        cached = {c.instance_id: dict.fromkeys(KV_TIERS, 0) for c in candidates}
         indexed = {c.instance_id: c.incarnation for c in candidates if self._same_contract(c)}
         if self.index is None or not indexed or self._index_down:
             return cached, {}
         try:
-            blocks = await self.index.longest_prefixes(hashes, indexed)
+            runs = await self.index.tiered_prefixes(hashes, indexed, dict.fromkeys(pool_only, KV_TIERS[:1]))
         except IndexUnavailableError as e:
             log.warning("prefix index unavailable, routing on load alone until it answers: %s", e)
             self._index_down = True
             self._probe = asyncio.ensure_future(self._probe_index())
             return cached, {}
-        hinted = {}
+        hinted, bs = {}, self.contract.block_size
         for c in candidates:
             if c.instance_id in indexed:
-                num_routed = self._routed_blocks(c, hashes)
-                hinted[c.instance_id] = max(0, num_routed - blocks[c.instance_id]) * self.contract.block_size
-                cached[c.instance_id] = max(blocks[c.instance_id], num_routed) * self.contract.block_size
+                run = runs[c.instance_id]
+                num_hinted = max(0, self._routed_blocks(c, hashes) - sum(run.values()))
+                hinted[c.instance_id] = num_hinted * bs
+                cached[c.instance_id] = {t: (n + (num_hinted if t == KV_TIERS[0] else 0)) * bs for t, n in run.items()}
         return cached, hinted
 
     async def _probe_index(self) -> None:

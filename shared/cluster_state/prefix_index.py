@@ -5,10 +5,13 @@ Redis, and the gateway's PrefixIndex asks, per candidate instance, how many lead
 cluster-wide form of vLLM's get_computed_blocks, as in llm-d's KV-cache-aware routing and Dynamo's KV router).
 
 Key layout, namespaced by the HashContract (ns = tandem:prefix:<contract_id>; hashes as 32 hex chars):
-    <ns>:block:<hash>                   HASH  instance_id -> incarnation holding the block
+    <ns>:block:<hash>                   HASH  instance_id[@tier] -> incarnation holding the block in that tier
     <ns>:inc:<instance_id>:<inc>:seq    STRING  seq of the last batch this incarnation applied
-    <ns>:inc:<instance_id>:<inc>:blocks SET   hashes this incarnation holds (so cleanup finds its entries)
+    <ns>:inc:<instance_id>:<inc>:blocks SET   hash[@tier] of each block this incarnation holds (for cleanup)
     <ns>:incarnations                   SET   JSON [instance_id, incarnation] of every incarnation with state here
+The tier suffix (shared/kv_events.KV_TIERS) is empty for the block pool and "@host" / "@disk" for the tiers below
+it, so a pool-only instance writes exactly the fields it always did. An instance may hold a block in several tiers;
+a reader counts each block at the fastest tier holding it (tiered_prefixes).
 
 Consistency, by a per-incarnation applied-seq guard: a Lua script applies a batch only when its seq is the stored
 seq + 1, in event order, atomically with the check. A batch with seq <= stored is a replay or late: skipped whole,
@@ -36,23 +39,28 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tandem.shared.block_hash import BlockHash, HashContract
-from tandem.shared.kv_events import BlockStored, KVEventBatch
+from tandem.shared.kv_events import KV_TIERS, BlockStored, KVEventBatch
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "tandem:prefix"
 
 _DROP = """
+local function split(member)  -- 'hash@tier' -> 'hash', '@tier'; 'hash' -> 'hash', ''
+  return string.match(member, '^([^@]*)(.*)$')
+end
 local function drop(ns, iid, inc, ikey)
-  for _, h in ipairs(redis.call('SMEMBERS', ikey .. ':blocks')) do
+  for _, m in ipairs(redis.call('SMEMBERS', ikey .. ':blocks')) do
+    local h, sfx = split(m)
     local bkey = ns .. ':block:' .. h
-    if redis.call('HGET', bkey, iid) == inc then redis.call('HDEL', bkey, iid) end
+    if redis.call('HGET', bkey, iid .. sfx) == inc then redis.call('HDEL', bkey, iid .. sfx) end
   end
   redis.call('DEL', ikey .. ':blocks')
 end
 local ns, iid, inc, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ikey = ns .. ':inc:' .. iid .. ':' .. inc
 """
-# ARGV[5..]: per batch: seq, number of events, then per event: 'S'|'R', number of hashes, hashes. -> {status, seq}
+# ARGV[5..]: per batch: seq, number of events, then per event: 'S'|'R', tier suffix ('' | '@host' | '@disk'), number
+# of hashes, hashes. -> {status, seq}
 _APPLY = _DROP + """
 local cur = tonumber(redis.call('GET', ikey .. ':seq'))
 local i = 5
@@ -66,17 +74,18 @@ while i <= #ARGV do
   if seq > cur + 1 then return {'gap', cur} end
   local apply = seq == cur + 1
   for _ = 1, nev do
-    local op, n = ARGV[i], tonumber(ARGV[i + 1])
-    i = i + 2
+    local op, sfx, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    local field = iid .. sfx
+    i = i + 3
     if apply then
       for j = i, i + n - 1 do
         local bkey = ns .. ':block:' .. ARGV[j]
         if op == 'S' then
-          redis.call('HSET', bkey, iid, inc)
-          redis.call('SADD', ikey .. ':blocks', ARGV[j])
+          redis.call('HSET', bkey, field, inc)
+          redis.call('SADD', ikey .. ':blocks', ARGV[j] .. sfx)
         else
-          if redis.call('HGET', bkey, iid) == inc then redis.call('HDEL', bkey, iid) end
-          redis.call('SREM', ikey .. ':blocks', ARGV[j])
+          if redis.call('HGET', bkey, field) == inc then redis.call('HDEL', bkey, field) end
+          redis.call('SREM', ikey .. ':blocks', ARGV[j] .. sfx)
         end
       end
     end
@@ -90,13 +99,15 @@ end
 redis.call('SADD', ns .. ':incarnations', member)
 return {'ok', cur}
 """
-# ARGV[5]: the snapshot's seq, ARGV[6..]: its hashes. -> 1, or 0 when the stored seq is newer (nothing written)
+# ARGV[5]: the snapshot's seq, ARGV[6..]: its blocks as hash[@tier]. -> 1, or 0 when the stored seq is newer (nothing
+# written)
 _REBUILD = _DROP + """
 local cur, seq = tonumber(redis.call('GET', ikey .. ':seq')), tonumber(ARGV[5])
 if cur and cur > seq then return 0 end
 drop(ns, iid, inc, ikey)
 for j = 6, #ARGV do
-  redis.call('HSET', ns .. ':block:' .. ARGV[j], iid, inc)
+  local h, sfx = split(ARGV[j])
+  redis.call('HSET', ns .. ':block:' .. h, iid .. sfx, inc)
   redis.call('SADD', ikey .. ':blocks', ARGV[j])
 end
 redis.call('SET', ikey .. ':seq', ARGV[5])
@@ -113,6 +124,13 @@ return 1
 
 class IndexUnavailableError(Exception):
     """Redis did not answer (down, unreachable, or slower than the timeout): route on load alone, retry later."""
+
+
+def _suffix(tier: str) -> str:
+    """The field / member suffix of a tier: '' for the pool, '@host', '@disk'."""
+    if tier not in KV_TIERS:
+        raise ValueError(f"unknown KV tier {tier!r}: one of {KV_TIERS}")
+    return "" if tier == KV_TIERS[0] else f"@{tier}"
 
 
 def _namespace(contract: HashContract) -> str:
@@ -153,14 +171,15 @@ class _RedisUser:
 class KVEventPublisher(_RedisUser):
     """Applies one instance incarnation's KV event batches to the index (instance side, single writer).
 
-    snapshot(): (seq of the last batch the pool has emitted, every hash it holds now), consistent with each other.
+    snapshot(): (seq of the last batch the pool has emitted, every (hash, tier) it holds now), consistent with each
+    other.
     """
 
     def __init__(self, redis: aioredis.Redis | str, instance_id: str, incarnation: str, contract: HashContract,
-                 snapshot: Callable[[], Awaitable[tuple[int, list[BlockHash]]]], *, timeout_s: float = 2.0,
-                 resync_interval_s: float = 5.0, max_batches_per_write: int = 256):
-        if ":" in instance_id or ":" in incarnation or not instance_id or not incarnation:
-            raise ValueError(f"instance id and incarnation must be non-empty, without ':': {instance_id!r}, "
+                 snapshot: Callable[[], Awaitable[tuple[int, list[tuple[BlockHash, str]]]]], *,
+                 timeout_s: float = 2.0, resync_interval_s: float = 5.0, max_batches_per_write: int = 256):
+        if any(c in instance_id + incarnation for c in ":@") or not instance_id or not incarnation:
+            raise ValueError(f"instance id and incarnation must be non-empty, without ':' or '@': {instance_id!r}, "
                              f"{incarnation!r}")
         super().__init__(redis, contract, timeout_s)
         self.instance_id, self.incarnation, self.snapshot = instance_id, incarnation, snapshot
@@ -212,8 +231,9 @@ class KVEventPublisher(_RedisUser):
 
     async def _rebuild(self) -> None:
         self.dirty = True
-        seq, hashes = await self.snapshot()
-        written = await self._call(self._script(_REBUILD, self._head + [seq] + [h.hex() for h in hashes]))
+        seq, blocks = await self.snapshot()
+        members = [h.hex() + _suffix(tier) for h, tier in blocks]
+        written = await self._call(self._script(_REBUILD, self._head + [seq] + members))
         if not written:
             log.warning("prefix index of %s holds a newer seq than the snapshot's %d: kept", self.instance_id, seq)
         self.applied_seq = seq if written else None
@@ -262,30 +282,44 @@ class PrefixIndex(_RedisUser):
         self.batch_size = batch_size
 
     async def longest_prefixes(self, block_hashes: list[BlockHash], instances: dict[str, str]) -> dict[str, int]:
-        """{instance_id: number of leading blocks of block_hashes it holds} for each of instances ({instance_id:
-        live incarnation}); entries of other incarnations are ignored. One pipelined round trip per batch_size
-        hashes, stopping at the first block that no instance still on its leading run holds."""
-        return await self._call(lambda: self._longest_prefixes(block_hashes, instances))
+        """{instance_id: number of leading blocks of block_hashes it holds, in any tier} for each of instances
+        ({instance_id: live incarnation}); see tiered_prefixes."""
+        return {iid: sum(run.values()) for iid, run in (await self.tiered_prefixes(block_hashes, instances)).items()}
 
-    async def _longest_prefixes(self, block_hashes: list[BlockHash], instances: dict[str, str]) -> dict[str, int]:
-        counts = dict.fromkeys(instances, 0)
+    async def tiered_prefixes(self, block_hashes: list[BlockHash], instances: dict[str, str],
+                              tiers: dict[str, tuple[str, ...]] | None = None) -> dict[str, dict[str, int]]:
+        """{instance_id: {tier: blocks}} for each of instances ({instance_id: live incarnation}): the leading run of
+        block_hashes the instance holds in any of its tiers (tiers: {instance_id: the tiers to count}, default every
+        one of KV_TIERS), each block counted at the fastest tier holding it; every tier of KV_TIERS is a key.
+        Entries of other incarnations are ignored. One pipelined round trip per batch_size hashes, stopping at the
+        first block that no instance still on its leading run holds."""
+        tiers = {iid: tuple(t for t in KV_TIERS if t in (tiers or {}).get(iid, KV_TIERS)) for iid in instances}
+        return await self._call(lambda: self._tiered_prefixes(block_hashes, instances, tiers))
+
+    async def _tiered_prefixes(self, block_hashes: list[BlockHash], instances: dict[str, str],
+                               tiers: dict[str, tuple[str, ...]]) -> dict[str, dict[str, int]]:
+        counts = {iid: dict.fromkeys(KV_TIERS, 0) for iid in instances}
         expected = {iid: inc.encode() for iid, inc in instances.items()}
         running = list(instances)  # instances whose leading run is unbroken so far
         for start in range(0, len(block_hashes), self.batch_size):
             if not running:
                 break
-            fields = running
+            columns = [(iid, t) for iid in running for t in tiers[iid]]  # (fastest first within an instance)
+            fields = [iid + _suffix(t) for iid, t in columns]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for h in block_hashes[start : start + self.batch_size]:
                     pipe.hmget(f"{self.ns}:block:{h.hex()}", fields)
                 rows = await pipe.execute()
             for row in rows:
-                holders = {iid for iid, inc in zip(fields, row) if inc == expected[iid]}
-                running = [iid for iid in running if iid in holders]
+                fastest = {}  # instance id -> the fastest tier holding this block
+                for (iid, t), inc in zip(columns, row):
+                    if inc == expected[iid] and iid not in fastest:
+                        fastest[iid] = t
+                running = [iid for iid in running if iid in fastest]
+                for iid in running:
+                    counts[iid][fastest[iid]] += 1
                 if not running:
                     break
-                for iid in running:
-                    counts[iid] += 1
         return counts
 
     async def ping(self) -> None:
@@ -310,6 +344,6 @@ def _encode(batches: list[KVEventBatch]) -> list:
     for batch in batches:
         args += [batch.seq, len(batch.events)]
         for event in batch.events:
-            args += ["S" if isinstance(event, BlockStored) else "R", len(event.block_hashes)]
+            args += ["S" if isinstance(event, BlockStored) else "R", _suffix(event.tier), len(event.block_hashes)]
             args += [h.hex() for h in event.block_hashes]
     return args

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -34,6 +34,9 @@ class InstanceInfo:
     num_waiting: int = 0
     num_queued_tokens: int = 0  # tokens still to compute over its requests (the router's queue estimate)
     tokens_per_s: float = 0.0  # tokens its recent steps computed per second of step time (0: not measured yet)
+    # measured seconds to bring one KV block from each tier below its pool back into it ({"host": s, "disk": s};
+    # a tier it lacks or has not measured is absent)
+    kv_tier_load_s: dict[str, float] = field(default_factory=dict)
     incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
 

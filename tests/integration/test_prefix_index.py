@@ -27,22 +27,23 @@ class FakePool:
     def batch(self, *events) -> KVEventBatch:
         self.seq += 1
         for e in events:
+            blocks = [(h, e.tier) for h in e.block_hashes]
             if isinstance(e, BlockStored):
-                self.cached += [h for h in e.block_hashes if h not in self.cached]
+                self.cached += [b for b in blocks if b not in self.cached]
             else:
-                self.cached = [h for h in self.cached if h not in e.block_hashes]
+                self.cached = [b for b in self.cached if b not in blocks]
         return KVEventBatch(self.seq, tuple(events))
 
     async def snapshot(self):
         return self.seq, list(self.cached)
 
 
-def stored(*hashes):
-    return BlockStored(tuple(hashes))
+def stored(*hashes, tier="pool"):
+    return BlockStored(tuple(hashes), tier)
 
 
-def removed(*hashes):
-    return BlockRemoved(tuple(hashes))
+def removed(*hashes, tier="pool"):
+    return BlockRemoved(tuple(hashes), tier)
 
 
 def make_publisher(url, instance_id="decode-1", incarnation="inc-a", contract=CONTRACT, pool=None, **kw):
@@ -97,6 +98,41 @@ def test_longest_prefix_several_instances_stops_at_first_miss(redis_server):
         for pub, _ in pubs.values():
             await pub.close()
         await index.close()
+
+    run(body())
+
+
+def test_tiers_each_block_counted_at_its_fastest_tier(redis_server):
+    """Blocks in the host and disk tiers continue a run; a block in several tiers counts at the fastest; moves
+    between tiers, a rebuild from a tiered snapshot and a clean shutdown keep the index exact."""
+    async def body():
+        pub, pool = make_publisher(redis_server.url)
+        index = PrefixIndex(redis_server.url, CONTRACT, batch_size=4)
+        live = {"decode-1": "inc-a"}
+
+        async def tiers():
+            return (await index.tiered_prefixes(HASHES, live))["decode-1"]
+
+        await pub.publish(pool.batch(stored(*HASHES[:3]), stored(*HASHES[3:6], tier="host"),
+                                     stored(*HASHES[6:9], HASHES[1], tier="disk")))  # fmt: skip
+        assert await tiers() == {"pool": 3, "host": 3, "disk": 3}
+        assert await index.longest_prefixes(HASHES, live) == {"decode-1": 9}
+        # block 1 evicted from the pool to the host tier: still held, now slower; block 4 leaves the host tier
+        await pub.publish(pool.batch(removed(HASHES[1]), stored(HASHES[1], tier="host"), removed(HASHES[4],
+                                                                                         tier="host")))
+        assert await tiers() == {"pool": 2, "host": 2, "disk": 0}
+        assert await index.tiered_prefixes(HASHES, live, tiers={"decode-1": ("pool",)}) == {
+            "decode-1": {"pool": 1, "host": 0, "disk": 0}}  # (the pool alone: block 1 is not there)
+        await pub.publish(pool.batch(stored(HASHES[4], tier="disk")))  # a promotion fills the gap from disk
+        assert await tiers() == {"pool": 2, "host": 3, "disk": 4}
+        pub.dirty = True  # a rebuild from the tiered snapshot writes the same state
+        await pub.verify()
+        assert pub.num_rebuilds == 1 and await tiers() == {"pool": 2, "host": 3, "disk": 4}
+        await pub.remove_incarnation()
+        assert await index.redis.keys(f"{index.ns}:*") == []  # every tier's fields went
+        with pytest.raises(ValueError, match="unknown KV tier"):
+            await pub.publish(pool.batch(stored(HASHES[0], tier="tape")))
+        await pub.close(), await index.close()
 
     run(body())
 

@@ -3,6 +3,7 @@ block events in the prefix index, as engines write them; exact costs decide the 
 winning, a deep queue winning over it (on either side of the break-even point), a restarted instance's stale
 entries, a killed instance, a mismatched hash contract, the decode's choice and the local-prefill threshold."""
 import asyncio
+import dataclasses
 import logging
 
 from tandem.services.gateway.router import DECODE_LOAD_TOKENS, Router
@@ -34,13 +35,13 @@ class World:
         for info in infos:
             await self.registry.publish(info)
 
-    async def cache(self, info: InstanceInfo, num_tokens: int, salt: str | None = None) -> None:
-        """info's engine stores PROMPT's first num_tokens (whole blocks) in its prefix cache."""
+    async def cache(self, info: InstanceInfo, num_tokens: int, salt: str | None = None, tier: str = "pool") -> None:
+        """info's engine stores PROMPT's first num_tokens (whole blocks) in its prefix cache (in tier)."""
         contract = HashContract.from_dict(info.hash_contract)
         hashes = hash_request_blocks(PROMPT[:num_tokens], contract, salt)
         publisher = KVEventPublisher(self.url, info.instance_id, info.incarnation, contract, _no_snapshot)
         self.publishers.append(publisher)
-        await publisher.publish(KVEventBatch(1, (BlockStored(tuple(hashes)),)))
+        await publisher.publish(KVEventBatch(1, (BlockStored(tuple(hashes), tier),)))
 
     def router(self, **kw) -> Router:
         return Router(self.registry, MODEL_ID, CONTRACT, PrefixIndex(self.url, CONTRACT), **kw)
@@ -288,5 +289,48 @@ def test_a_decode_computes_a_long_prompt_when_its_measured_cost_is_lower(redis_s
         assert route.prefill.instance_id == "prefill-a" and "measured" not in route.explain(), route.explain()
         route = await world.router(local_prefill_tokens=0).route(PROMPT, 300, local=False)  # (prompt logprobs)
         assert route.prefill.instance_id == "prefill-a"
+
+    in_world(redis_server, body)
+
+
+def test_a_hit_is_priced_by_the_tier_holding_it(redis_server):
+    """The same cached prefix in a prefill's pool, host tier and disk tier: pool < host < disk < computing, by each
+    instance's measured seconds per block times its rate; the decision log names the tier; before the costs are
+    measured, the prefill holding more in its pool wins the tie."""
+    async def body(world):
+        rate = {"tokens_per_s": 1000.0}
+        pool = instance("prefill-pool", "prefill", **rate)
+        host = instance("prefill-host", "prefill", kv_tier_load_s={"host": 0.0002, "disk": 0.003}, **rate)
+        disk = instance("prefill-disk", "prefill", kv_tier_load_s={"host": 0.0002, "disk": 0.003}, **rate)
+        cold = instance("prefill-cold", "prefill", **rate)
+        await world.register(instance("decode-a", "decode"), pool, host, disk, cold)
+        await world.cache(pool, CACHED)
+        await world.cache(host, CACHED, tier="host")
+        await world.cache(disk, CACHED, tier="disk")
+
+        def place():  # (a new router each time: a routed prompt counts as held where it went)
+            return world.router(local_prefill_tokens=0).route(PROMPT, 300)
+
+        route = await place()  # costs: 40, 40 + 10 x 0.2 ms x 1000/s = 42, 40 + 30 = 70, 200
+        assert route.prefill.instance_id == "prefill-pool", route.explain()
+        assert route.prefill_cached_tiers == {"pool": CACHED, "host": 0, "disk": 0}
+        assert ("prefill prefill-disk: 0 queued + 40 to compute, of the cached 160 in its disk tier (3.00 ms/block): "
+                "+30 to load -> 70") in route.explain()
+        await world.register(dataclasses.replace(pool, num_queued_tokens=5))  # 45 > 42
+        route = await place()
+        assert route.prefill.instance_id == "prefill-host", route.explain()
+        assert route.prefill_cached_tiers["host"] == CACHED
+        await world.register(dataclasses.replace(pool, num_queued_tokens=500),
+                             dataclasses.replace(host, num_queued_tokens=500))  # fmt: skip
+        route = await place()
+        assert route.prefill.instance_id == "prefill-disk", route.explain()
+        await world.register(dataclasses.replace(disk, kv_tier_load_s={"disk": 0.020}))  # 40 + 200 > 200: compute
+        route = await place()
+        assert route.prefill.instance_id == "prefill-cold", route.explain()
+        # costs not measured yet: every hit is free, and of the equal ones the pool's wins
+        await world.register(*(dataclasses.replace(i, tokens_per_s=0.0, kv_tier_load_s={}, num_queued_tokens=0)
+                               for i in (pool, host, disk)))  # fmt: skip
+        for _ in range(3):
+            assert (await place()).prefill.instance_id == "prefill-pool"
 
     in_world(redis_server, body)
