@@ -5,6 +5,9 @@ FlashAttention-2 (Dao 2023) streams them in tiles; flash-decoding (Dao et al. 20
 across programs and merges the partial results by their log-sum-exp. One program handles all query heads of
 one KV head (GQA), so each key/value tile is read once per KV head. A sliding window starts each sequence's
 loop at its window (earlier blocks are never read); soft-capping (Gemma 2) maps scores through cap * tanh(s / cap).
+A quantized cache (kv_quant: kernels/kv_quant.py, uint8 rows of head_dim codes + the fp32 scale) is read in place:
+codes are decoded to fp32 with integer bit operations (no fp8 type needed, so the interpreter and pre-Hopper GPUs
+run it), and each row's scale multiplies its score (keys) or its softmax weight (values).
 """
 
 import torch
@@ -14,6 +17,7 @@ import triton.language as tl
 from tandem.kernels.checks import (
     FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision, multiprocessor_count,
 )
+from tandem.kernels.kv_quant import KV_QUANT_IDS, dequantize, row_size
 from tandem.kernels.masks import soft_cap
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -35,6 +39,40 @@ def scores_log2(dot, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def decode_codes(codes, KV_QUANT: tl.constexpr):
+    """uint8 codes of a quantized KV format (KV_QUANT: 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8) -> fp32, unscaled. fp8: a
+    normal code's exponent and mantissa shifted into fp32's place and the exponent rebiased (127 - 7, 127 - 15); a
+    subnormal one (exponent 0) is its mantissa times 2^-9 (2^-16); then the sign. (No NaN/inf codes: quantize
+    clamps to qmax.)"""
+    if KV_QUANT == 3:
+        value = codes.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        bits = codes.to(tl.int32)
+        em = bits & 0x7F
+        if KV_QUANT == 1:
+            value = tl.where(em < 8, em.to(tl.float32) * (1.0 / 512),
+                             ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True))
+        else:
+            value = tl.where(em < 4, em.to(tl.float32) * (1.0 / 65536),
+                             ((em << 21) + (112 << 23)).to(tl.float32, bitcast=True))
+        value = tl.where((bits & 0x80) != 0, -value, value)
+    return value
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, row_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT: tl.constexpr):
+    """Rows [N, D] of a K or V tile whose rows start at cache_ptr + row_offs [N], and their scales [N]: a float
+    cache's values (scales 1, unused), or a quantized cache's codes as fp32 and the fp32 scale after each row."""
+    x = tl.load(cache_ptr + row_offs[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0)
+    if KV_QUANT == 0:
+        scale = tl.zeros_like(row_offs).to(tl.float32) + 1.0
+    else:
+        x = decode_codes(x, KV_QUANT)
+        scale = tl.load((cache_ptr + row_offs + head_dim).to(tl.pointer_type(tl.float32)), mask=mask_n, other=0.0)
+    return x, scale
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -45,6 +83,7 @@ def _decode_kernel(
     block_size, queries_per_kv, head_dim, partition_size,
     GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,20 +113,23 @@ def _decode_kernel(
         mask_n = offs_n < end
         block_ids = tl.load(block_table + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
         in_block = offs_n % block_size
-        kv_mask = mask_n[:, None] & mask_d[None, :]
         k_offs = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        k, k_scale = load_kv_tile(k_cache_ptr, k_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT)  # [N, D], [N]
         v_offs = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v, v_scale = load_kv_tile(v_cache_ptr, v_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT)
 
-        s = scores_log2(tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION), scale, softcap,
-                        SOFTCAP)  # [G, N]
+        dot = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
+        if KV_QUANT != 0:
+            dot = dot * k_scale[None, :]
+        s = scores_log2(dot, scale, softcap, SOFTCAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a tile with no key in the window)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
+        if KV_QUANT != 0:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m = m_new
 
@@ -137,23 +179,36 @@ def _merge_splits_kernel(
     tl.store(out_ptr + out_offs, (acc / denom).to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
-def _check_args(query, key_cache, value_cache, block_tables, context_lens) -> None:
-    check_tensor("query", query, 3, FLOAT_DTYPES)
-    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
-    check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES)
-    check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    check_tensor("context_lens", context_lens, 1, (torch.int32,))
-    num_seqs, num_q_heads, head_dim = query.shape
-    check_shape("key_cache", key_cache, (None, None, None, head_dim))
+def check_caches(query, key_cache, value_cache, kv_quant: str | None) -> None:
+    """The caches of one layer against the query [num_tokens, num_q_heads, head_dim]: [num_blocks, block_size,
+    num_kv_heads, row], the query's dtype and row head_dim, or with kv_quant uint8 and row head_dim + 4 (also used
+    by prefill_attention). ValueError naming the argument."""
+    if kv_quant is not None and kv_quant not in KV_QUANT_IDS:
+        raise ValueError(f"kv_quant must be one of {[k for k in KV_QUANT_IDS if k]} or None, got {kv_quant!r}")
+    cache_dtypes = FLOAT_DTYPES if kv_quant is None else (torch.uint8,)
+    check_tensor("key_cache", key_cache, 4, cache_dtypes)
+    check_tensor("value_cache", value_cache, 4, cache_dtypes)
+    num_q_heads, head_dim = query.shape[1:]
+    check_shape("key_cache", key_cache, (None, None, None, row_size(head_dim, kv_quant)))
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
-    check_shape("block_tables", block_tables, (num_seqs, None))
-    check_shape("context_lens", context_lens, (num_seqs,))
     num_kv_heads = key_cache.shape[2]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if not query.dtype == key_cache.dtype == value_cache.dtype:
+    if kv_quant is None and not query.dtype == key_cache.dtype == value_cache.dtype:
         raise ValueError(f"query, key_cache, value_cache dtypes differ: "
                          f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    if kv_quant is not None and any(s % 4 for s in key_cache.stride()[:3] + value_cache.stride()[:3]):
+        raise ValueError("a quantized cache's strides must be multiples of 4 bytes (its fp32 scales are aligned)")
+
+
+def _check_args(query, key_cache, value_cache, block_tables, context_lens, kv_quant) -> None:
+    check_tensor("query", query, 3, FLOAT_DTYPES)
+    check_caches(query, key_cache, value_cache, kv_quant)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    num_seqs = query.shape[0]
+    check_shape("block_tables", block_tables, (num_seqs, None))
+    check_shape("context_lens", context_lens, (num_seqs,))
     check_devices(query=query, key_cache=key_cache, value_cache=value_cache,
                   block_tables=block_tables, context_lens=context_lens)
 
@@ -175,6 +230,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    kv_quant: str | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest token over its cached context (its last `window` tokens with a
     sliding window).
@@ -191,12 +247,14 @@ def paged_decode_attention(
         window: attend to the last `window` positions only (block-table entries before them are never read);
             None: all.
         softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
+        kv_quant: the caches' quantized format (kernels/kv_quant.py: uint8 [num_blocks, block_size,
+            num_kv_heads, head_dim + 4]); None: float caches of query's dtype.
     Returns:
         [num_seqs, num_q_heads, head_dim] in query's dtype.
     Raises:
         ValueError: on bad shapes, dtypes, strides or devices.
     """
-    _check_args(query, key_cache, value_cache, block_tables, context_lens)
+    _check_args(query, key_cache, value_cache, block_tables, context_lens, kv_quant)
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     queries_per_kv = num_q_heads // num_kv_heads
@@ -227,6 +285,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(queries_per_kv)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT=split, SLIDING=window is not None, SOFTCAP=softcap is not None,
         DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        KV_QUANT=KV_QUANT_IDS[kv_quant],
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
@@ -248,8 +307,10 @@ def paged_decode_attention_ref(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    kv_quant: str | None = None,
 ) -> torch.Tensor:
-    """Plain-torch paged_decode_attention (fp32 math, one sequence at a time)."""
+    """Plain-torch paged_decode_attention (fp32 math, one sequence at a time; a quantized cache dequantized with
+    kernels/kv_quant.dequantize)."""
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     queries_per_kv = num_q_heads // num_kv_heads
@@ -259,8 +320,8 @@ def paged_decode_attention_ref(
         if n == 0:
             continue
         blocks = block_tables[i, : triton.cdiv(n, block_size)].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()  # [n, kv_heads, D]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k = _gather_ref(key_cache, blocks, n, kv_quant)  # [n, kv_heads, D] fp32
+        v = _gather_ref(value_cache, blocks, n, kv_quant)
         k = k.repeat_interleave(queries_per_kv, dim=1)  # [n, q_heads, D]
         v = v.repeat_interleave(queries_per_kv, dim=1)
         scores = soft_cap(torch.einsum("hd,nhd->hn", query[i].float(), k) * scale, softcap)  # [q_heads, n]
@@ -268,3 +329,9 @@ def paged_decode_attention_ref(
             scores[:, : max(0, n - window)] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out
+
+
+def _gather_ref(cache: torch.Tensor, blocks: torch.Tensor, n: int, kv_quant: str | None) -> torch.Tensor:
+    """The first n token rows of blocks [num_blocks] of a cache as fp32 [n, num_kv_heads, head_dim]."""
+    rows = cache[blocks].flatten(0, 1)[:n]
+    return rows.float() if kv_quant is None else dequantize(rows, kv_quant)

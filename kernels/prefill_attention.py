@@ -6,7 +6,7 @@ through the block table as in PagedAttention (Kwon et al. 2023). Query tiles pac
 heads of one KV head (GQA), so each key/value tile serves the whole group. Programs find their sequence by a
 binary search over query_start_loc, so the launch needs no host sync. With a sliding window a tile's key loop
 starts at its first row's window (earlier blocks are never read) and masks both ends; soft-capping as in
-paged_attention.scores_log2.
+paged_attention.scores_log2. A quantized cache (kv_quant) is read in place as in paged_attention.load_kv_tile.
 """
 
 import torch
@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision
+from tandem.kernels.kv_quant import KV_QUANT_IDS
 from tandem.kernels.masks import causal_mask, soft_cap
-from tandem.kernels.paged_attention import scores_log2
+from tandem.kernels.paged_attention import _gather_ref, check_caches, load_kv_tile, scores_log2
 
 BLOCK_M = 64  # query rows (tokens x heads of one group) per program
 BLOCK_N = 64  # key tokens per tile
@@ -38,22 +39,23 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_tile(
     acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window, softcap,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d, mask_d, head_dim,
     CAUSAL: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < kv_end
     block_ids = tl.load(block_table + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
     in_block = offs_n % block_size
-    kv_mask = mask_n[:, None] & mask_d[None, :]
     k_offs = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
-    k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    k, k_scale = load_kv_tile(k_cache_ptr, k_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT)  # [N, D], [N]
     v_offs = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
-    v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    v, v_scale = load_kv_tile(v_cache_ptr, v_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT)
 
-    s = scores_log2(tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION), scale, softcap,
-                    SOFTCAP)  # [M, N]
+    dot = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [M, N]
+    if KV_QUANT != 0:
+        dot = dot * k_scale[None, :]
+    s = scores_log2(dot, scale, softcap, SOFTCAP)
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
     if SLIDING:
@@ -64,6 +66,8 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
+    if KV_QUANT != 0:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_new, l
 
@@ -77,6 +81,7 @@ def _prefill_kernel(
     block_size, queries_per_kv, head_dim,
     BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,7 +116,7 @@ def _prefill_kernel(
             acc, m, l = _attend_tile(
                 acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window,
                 softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d,
-                mask_d, True, True, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+                mask_d, head_dim, True, True, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_QUANT,
             )
     else:
         full_end = (tile_first_pos // BLOCK_N) * BLOCK_N  # keys before this are visible to every row
@@ -119,13 +124,13 @@ def _prefill_kernel(
             acc, m, l = _attend_tile(
                 acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window,
                 softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d,
-                mask_d, False, False, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+                mask_d, head_dim, False, False, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_QUANT,
             )
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m, l = _attend_tile(
                 acc, m, l, q, q_pos, n0, kv_end, k_cache_ptr, v_cache_ptr, block_table, kv_head, scale, window,
                 softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size, offs_d,
-                mask_d, True, False, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+                mask_d, head_dim, True, False, SOFTCAP, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_QUANT,
             )
 
     acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]  # (l is 0 only on padding rows, never stored)
@@ -133,25 +138,15 @@ def _prefill_kernel(
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, context_lens) -> None:
+def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, kv_quant) -> None:
     check_tensor("query", query, 3, FLOAT_DTYPES)
-    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
-    check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES)
+    check_caches(query, key_cache, value_cache, kv_quant)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
     check_tensor("context_lens", context_lens, 1, (torch.int32,))
-    num_q_heads, head_dim = query.shape[1:]
     num_seqs = context_lens.shape[0]
-    check_shape("key_cache", key_cache, (None, None, None, head_dim))
-    check_shape("value_cache", value_cache, tuple(key_cache.shape))
     check_shape("block_tables", block_tables, (num_seqs, None))
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    num_kv_heads = key_cache.shape[2]
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if not query.dtype == key_cache.dtype == value_cache.dtype:
-        raise ValueError(f"query, key_cache, value_cache dtypes differ: "
-                         f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
     check_devices(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   query_start_loc=query_start_loc, context_lens=context_lens)
 
@@ -166,6 +161,7 @@ def paged_prefill_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    kv_quant: str | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of query chunks whose keys/values are already in the cache.
 
@@ -182,13 +178,15 @@ def paged_prefill_attention(
         scale: softmax scale, usually head_dim ** -0.5.
         window: the query at position p attends keys p - window + 1 .. p only (kernels/masks.causal_mask); None: all.
         softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
+        kv_quant: the caches' quantized format (kernels/kv_quant.py: uint8 [num_blocks, block_size,
+            num_kv_heads, head_dim + 4]); None: float caches of query's dtype.
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype; rows past query_start_loc[-1] (padding) are
         left unwritten.
     Raises:
         ValueError: on bad shapes, dtypes, strides or devices.
     """
-    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, kv_quant)
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = context_lens.shape[0]
@@ -209,6 +207,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q, GROUP_PAD=group_pad, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=BLOCK_N, SLIDING=window is not None, SOFTCAP=softcap is not None,
         DOT_DTYPE=dot_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        KV_QUANT=KV_QUANT_IDS[kv_quant],
     )
     return out
 
@@ -223,8 +222,9 @@ def paged_prefill_attention_ref(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    kv_quant: str | None = None,
 ) -> torch.Tensor:
-    """Plain-torch paged_prefill_attention (fp32 math, one sequence at a time)."""
+    """Plain-torch paged_prefill_attention (fp32 math, one sequence at a time; a quantized cache dequantized)."""
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     queries_per_kv = num_q_heads // num_kv_heads
@@ -236,8 +236,8 @@ def paged_prefill_attention_ref(
         if q_end - q_start > n:
             raise ValueError(f"sequence {i}: {q_end - q_start} query tokens but context_len {n}")
         blocks = block_tables[i, : triton.cdiv(n, block_size)].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k = _gather_ref(key_cache, blocks, n, kv_quant)  # [n, kv_heads, D] fp32
+        v = _gather_ref(value_cache, blocks, n, kv_quant)
         k = k.repeat_interleave(queries_per_kv, dim=1)  # [n, q_heads, D]
         v = v.repeat_interleave(queries_per_kv, dim=1)
         q = query[q_start:q_end].float()  # [q_len, q_heads, D]

@@ -178,7 +178,8 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
             continue
         kind = {str: _path, int: positive_int, float: unit_fraction}.get(meta["type"], meta["type"])
         kind = str if meta["choices"] else kind
-        parser.add_argument(_flag(f.name), type=kind, choices=meta["choices"], help=help_, default=default)
+        parser.add_argument(_flag(f.name), *map(_flag, meta["aliases"]), type=kind, choices=meta["choices"],
+                            help=help_, default=default)
 
 
 def engine_argv(engine_args: EngineArgs, groups: tuple[str, ...] = ("model", "engine")) -> list[str]:

@@ -5,6 +5,10 @@ positions of its context of context_lens[i] tokens (cached prefix + this step's 
 therefore offset: query row j of a request with n new tokens sits at position context_len - n + j. A layer with a
 sliding window sees only the last `window` positions up to its own (kernels/masks.causal_mask), and reads no block
 before them; soft-capping maps each score s to cap * tanh(s / cap) before the softmax (Gemma 2).
+
+A quantized KV cache (meta.kv_quant: kernels/kv_quant.py) holds uint8 rows of codes + scale: write_kv_cache
+quantizes as it writes; every path reads the codes: the C++ and Triton kernels in place, the torch paths by
+dequantizing the blocks they gather (to the query's dtype). Attention math stays in the query's type.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_attention
+from tandem.kernels.kv_quant import dequantize, quantize
 from tandem.kernels.masks import causal_mask, soft_cap
 from tandem.shared.device import use_triton
 from tandem.shared.utils import cdiv
@@ -37,6 +42,8 @@ class AttentionMetadata:
     cpu_rows_layout: tuple[torch.Tensor, torch.Tensor] | None = None
     # longrope: [num_tokens] bool, the tokens whose RoPE takes the long factors (None: none)
     rope_long: torch.Tensor | None = None
+    # the pool's quantized KV format (kernels/kv_quant.py; None: float KV of the query's dtype)
+    kv_quant: str | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -47,15 +54,18 @@ class AttentionMetadata:
         return max(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:]))
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Scatter new K/V rows [num_tokens, num_kv_heads, head_dim] into one layer's pool by slot."""
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_quant: str | None = None) -> None:
+    """Scatter new K/V rows [num_tokens, num_kv_heads, head_dim] into one layer's pool by slot; with kv_quant,
+    quantized as they are written (each token and head its own scale; the caches' rows are head_dim + 4 bytes)."""
     if use_triton(key):
         from tandem.kernels.kv_cache_write import write_kv_cache as kernel
 
-        return kernel(key, value, key_cache, value_cache, slot_mapping)
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        return kernel(key, value, key_cache, value_cache, slot_mapping, kv_quant=kv_quant)
+    if kv_quant is not None:
+        key, value = quantize(key, kv_quant), quantize(value, kv_quant)
+    num_blocks, block_size, num_kv_heads, row = key_cache.shape
+    key_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value)
 
 
 def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -63,16 +73,18 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     """Causal attention of new query rows over each request's paged context.
 
     query [num_tokens, num_q_heads, head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads,
-    head_dim] (already holding this step's K/V); window: a sliding window (None: the whole context); softcap: the
-    scores' tanh cap (None: none); returns [num_tokens, num_q_heads, head_dim].
-    CUDA: Triton kernels (decode and extend). CPU: decode batches and short queries in the C++ kernel (fp32, bf16)
-    or one padded scaled_dot_product_attention (fp16); mixed batches per-request gather + attention.
+    head_dim] (already holding this step's K/V; with meta.kv_quant, uint8 rows of head_dim + 4); window: a sliding
+    window (None: the whole context); softcap: the scores' tanh cap (None: none); returns [num_tokens, num_q_heads,
+    head_dim].
+    CUDA: Triton kernels (decode and extend). CPU: decode batches and short queries in the C++ kernel (fp32, bf16;
+    float or quantized KV) or one padded scaled_dot_product_attention (fp16); mixed batches per-request gather +
+    attention.
     """
     if use_triton(query):
         return _attention_triton(query, key_cache, value_cache, meta, scale, window, softcap)
     if meta.is_decode_only:
         return _decode_attention_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
-    if meta.max_query_len <= MAX_ROWS_AS_DECODE and cpu_attention.supports(query, key_cache):
+    if meta.max_query_len <= MAX_ROWS_AS_DECODE and cpu_attention.supports(query, key_cache, meta.kv_quant):
         return _short_queries_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
     return _per_request_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
 
@@ -88,8 +100,9 @@ def _per_request_cpu(query, key_cache, value_cache, meta: AttentionMetadata, sca
         # keys from the first query row's window on (its blocks' start), so no block before is read
         first = 0 if window is None else max(0, ctx - n - window + 1) // block_size * block_size
         block_ids = meta.block_tables[i, first // block_size : cdiv(ctx, block_size)]
-        k = key_cache[block_ids].flatten(0, 1)[: ctx - first]  # [ctx - first, num_kv_heads, head_dim]
-        v = value_cache[block_ids].flatten(0, 1)[: ctx - first]
+        k = _dequantized(key_cache[block_ids].flatten(0, 1)[: ctx - first], meta.kv_quant, query.dtype)
+        v = _dequantized(value_cache[block_ids].flatten(0, 1)[: ctx - first], meta.kv_quant, query.dtype)
+        # k, v [ctx - first, num_kv_heads, head_dim]
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_q_heads, n, head_dim]
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
@@ -102,6 +115,12 @@ def _per_request_cpu(query, key_cache, value_cache, meta: AttentionMetadata, sca
             o = _attend(q, k, v, mask, scale, softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _dequantized(rows: torch.Tensor, kv_quant: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as the query's dtype: quantized rows [..., head_dim + 4] dequantized; float ones as
+    they are."""
+    return rows if kv_quant is None else dequantize(rows, kv_quant, dtype)
 
 
 def _attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
@@ -129,7 +148,8 @@ def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, s
         meta.cpu_rows_layout = (meta.block_tables.repeat_interleave(counts, dim=0),
                                 torch.tensor(lens, dtype=torch.int32))  # fmt: skip
     tables, lens = meta.cpu_rows_layout
-    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, softcap)
+    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, softcap,
+                                                meta.kv_quant)
 
 
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
@@ -137,13 +157,14 @@ def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata
     """One query token per request. fp32 and bf16: the C++ kernel, which reads K/V in place through the block
     table; otherwise gather every context into a padded batch and attend in one call (with a window, a per-request
     loop: the blocks before each window may be gone)."""
-    if cpu_attention.supports(query, key_cache):
+    if cpu_attention.supports(query, key_cache, meta.kv_quant):
         return cpu_attention.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                                    meta.context_lens_t, scale, window, softcap)
+                                                    meta.context_lens_t, scale, window, softcap, meta.kv_quant)
     if window is not None:
         return _per_request_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
     max_ctx = max(meta.context_lens)
-    num_seqs, block_size, num_kv_heads, head_dim = query.shape[0], *key_cache.shape[1:]
+    num_seqs, block_size, num_kv_heads, row = query.shape[0], *key_cache.shape[1:]
+    head_dim = query.shape[-1]
     if meta.cpu_decode_layout is None:
         block_ids = meta.block_tables[:, : cdiv(max_ctx, block_size)].flatten().long()  # index_select: 2x [] here
         mask = torch.arange(max_ctx) < meta.context_lens_t.unsqueeze(1)  # [num_seqs, max_ctx]
@@ -151,7 +172,8 @@ def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata
     block_ids, mask = meta.cpu_decode_layout
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, kv_heads, max_ctx, dim]
-        return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_ctx].transpose(1, 2)
+        rows = cache.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads, row)[:, :max_ctx]
+        return _dequantized(rows, meta.kv_quant, query.dtype).transpose(1, 2)
 
     k, v = gather(key_cache), gather(value_cache)
     # NOTE: the query heads sharing a KV head are that head's query rows (GQA as plain attention over
@@ -170,9 +192,10 @@ def _attention_triton(query, key_cache, value_cache, meta: AttentionMetadata, sc
         from tandem.kernels.paged_attention import paged_decode_attention
 
         return paged_decode_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
-                                      context_lens=meta.context_lens_t, scale=scale, window=window, softcap=softcap)
+                                      context_lens=meta.context_lens_t, scale=scale, window=window, softcap=softcap,
+                                      kv_quant=meta.kv_quant)
     from tandem.kernels.prefill_attention import paged_prefill_attention
 
     return paged_prefill_attention(query, key_cache, value_cache, block_tables=meta.block_tables,
                                    query_start_loc=meta.query_start_loc_t, context_lens=meta.context_lens_t,
-                                   scale=scale, window=window, softcap=softcap)
+                                   scale=scale, window=window, softcap=softcap, kv_quant=meta.kv_quant)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from tandem.kernels.kv_quant import KV_QUANT_DTYPES, is_quantized, row_size
 from tandem.shared.architectures import LLAMA_FEATURES, architecture_features
 from tandem.shared.model_files import fingerprint
 
@@ -23,6 +24,8 @@ DEFAULT_DTYPE = "float32"  # what ModelConfig / CacheConfig run in unless told o
 AUTO = "auto"  # --dtype / --kv-dtype default: the checkpoint's own type (the model's, for the KV cache)
 NO_QUANTIZATION = "none"  # --quantization none: the --model dir's own float weights, even for the packaged model
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# KV cache element types: a float one, or a quantized format (kernels/kv_quant.py: uint8 rows of codes + scale)
+KV_DTYPES = (*DTYPES, *KV_QUANT_DTYPES)
 
 
 def check_dtype(name: str) -> str:
@@ -226,7 +229,7 @@ class CacheConfig:
 
     block_size: int
     num_blocks: int | None
-    kv_dtype: str = DEFAULT_DTYPE
+    kv_dtype: str = DEFAULT_DTYPE  # one of KV_DTYPES
     memory_utilization: float | None = None
     enable_prefix_caching: bool = True
 
@@ -237,15 +240,30 @@ class CacheConfig:
             raise ValueError("give the KV pool's size either as num_blocks or as memory_utilization")
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
-        check_dtype(self.kv_dtype)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; expected one of {list(KV_DTYPES)}")
+
+    @property
+    def kv_quant(self) -> str | None:
+        """The quantized KV format (kernels/kv_quant.py) the pool holds, None for float KV."""
+        return self.kv_dtype if is_quantized(self.kv_dtype) else None
 
     @property
     def dtype(self) -> torch.dtype:
+        """The pool's torch element type: kv_dtype's float type, uint8 for a quantized format."""
+        if self.kv_quant is not None:
+            import torch
+
+            return torch.uint8
         return torch_dtype(self.kv_dtype)
 
+    def row_size(self, model: ModelConfig) -> int:
+        """The pool's last dim: head_dim elements (float KV), or head_dim codes + the fp32 scale in bytes."""
+        return row_size(model.head_dim, self.kv_quant)
+
     def block_bytes(self, model: ModelConfig) -> int:
-        """Bytes of one block over all layers, K and V."""
-        return (model.num_hidden_layers * 2 * self.block_size * model.num_key_value_heads * model.head_dim
+        """Bytes of one block over all layers, K and V (a quantized row's scale included)."""
+        return (model.num_hidden_layers * 2 * self.block_size * model.num_key_value_heads * self.row_size(model)
                 * self.dtype.itemsize)
 
 

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from tandem.shared.config import (AUTO, DTYPES, NO_QUANTIZATION, SPECULATIVE_METHODS, CacheConfig, ModelConfig,
-                                  SchedulerConfig, SpeculativeConfig)
+from tandem.shared.config import (AUTO, DTYPES, KV_DTYPES, NO_QUANTIZATION, SPECULATIVE_METHODS, CacheConfig,
+                                  ModelConfig, SchedulerConfig, SpeculativeConfig)
 
 
 def positive_number(value: str) -> float:
@@ -23,10 +23,12 @@ def positive_number(value: str) -> float:
     return number
 
 
-def _setting(default, help: str, kind: type | None = None, choices=None, group: str = "engine"):
+def _setting(default, help: str, kind: type | None = None, choices=None, group: str = "engine",
+             aliases: tuple[str, ...] = ()):
     """A field of EngineArgs: its default and what the flag built from it says (services/flags.py). kind: the
-    flag's type when the default is None; group: "model" for the settings the gateway needs too."""
-    metadata = {"help": help, "type": kind or type(default), "choices": choices, "group": group}
+    flag's type when the default is None; group: "model" for the settings the gateway needs too; aliases: other
+    names the flag also answers to (another engine's name for it)."""
+    metadata = {"help": help, "type": kind or type(default), "choices": choices, "group": group, "aliases": aliases}
     return field(default=default, metadata=metadata)
 
 
@@ -68,8 +70,10 @@ class EngineArgs:
         "(GPU memory, or available RAM on CPU), like vLLM's --gpu-memory-utilization; excludes --num-blocks", float)
     max_model_len: int | None = _setting(None, "context length in tokens, prompt + output (default: the model's "
                                          "max_position_embeddings; at most that)", int, group="model")
-    kv_dtype: str = _setting(AUTO, "KV cache element type (part of the prefix-cache hash contract); auto: the "
-                             "model's --dtype", choices=(AUTO, *DTYPES), group="model")
+    kv_dtype: str = _setting(AUTO, "KV cache element type (part of the prefix-cache hash contract, and of the KV "
+                             "transfer: prefill and decode must agree); auto: the model's --dtype; fp8_e4m3, fp8_e5m2, "
+                             "int8: quantized KV, per token and head scales (docs/quantization.md#quantized-kv-cache)",
+                             choices=(AUTO, *KV_DTYPES), group="model", aliases=("kv_cache_dtype",))
     enable_prefix_caching: bool = _setting(True, "keep computed blocks by their hash and reuse them for prompts "
                                            "that share a prefix (docs/prefix-caching.md)")
     max_num_batched_tokens: int | None = _setting(None, "tokens computed per step (the prefill chunk)", int)

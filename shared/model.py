@@ -102,12 +102,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim] fp32; kv_cache [2, num_blocks, block_size,
-        num_kv_heads, head_dim] (this layer)."""
+        num_kv_heads, head_dim] (this layer; with meta.kv_quant, uint8 rows of head_dim + 4)."""
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qkv = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
                              self.k_norm(k.reshape(-1, self.head_dim)).view_as(k), v], dim=1)
+        # (a quantized cache: the K/V written as x.dtype's values, quantized on write; the query stays in x.dtype)
+        kv_dtype = x.dtype if meta.kv_quant is not None else kv_cache.dtype
         if cpu_kernels(qkv) and kv_cache.dtype == qkv.dtype:
             q = cpu_layer_ops.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                             self.num_heads)  # fmt: skip
@@ -116,9 +118,8 @@ class Attention(nn.Module):
             qk = (qk * cos[:, None] + rotate_half(qk) * sin[:, None]).to(x.dtype)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.num_heads + self.num_kv_heads :]
-            write_kv_cache(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta, self.scale, self.window,
-                            self.softcap)
+            write_kv_cache(k.to(kv_dtype), v.to(kv_dtype), kv_cache[0], kv_cache[1], meta.slot_mapping, meta.kv_quant)
+        o = paged_attention(q.to(kv_dtype), kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.to(x.dtype).flatten(1))
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.kv_quant import check_head_dim
 from tandem.shared.attention import AttentionMetadata
 from tandem.shared.config import CacheConfig, ModelConfig
 from tandem.shared.model import load_model
@@ -44,7 +45,9 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the model weights and the KV pool of one process.
 
-    kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in cache_config.dtype.
+    kv_caches: [num_layers, 2, num_blocks, block_size, num_kv_heads, row] in cache_config.dtype: row = head_dim for
+    float KV; for a quantized one (cache_config.kv_quant) uint8 rows of head_dim codes + the fp32 scale
+    (kernels/kv_quant.py). One tensor either way: block copies and KV transfer move its raw bytes.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu", model=None):
@@ -55,9 +58,11 @@ class ModelRunner:
             cache_config = replace(cache_config, num_blocks=self.num_blocks_for_memory(cache_config),
                                    memory_utilization=None)
         self.cache_config = cache_config  # num_blocks resolved
+        if cache_config.kv_quant is not None:
+            check_head_dim(model_config.head_dim, cache_config.kv_quant)
         self.kv_caches = torch.zeros(
             model_config.num_hidden_layers, 2, cache_config.num_blocks, cache_config.block_size,
-            model_config.num_key_value_heads, model_config.head_dim,
+            model_config.num_key_value_heads, cache_config.row_size(model_config),
             dtype=cache_config.dtype, device=self.device,
         )  # fmt: skip
 
@@ -125,7 +130,7 @@ class ModelRunner:
             seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
             rope_long.append(bool(request.rope_long))
         logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device,
-                           rope_long=rope_long, pooled=pooled_seqs or None)
+                           rope_long=rope_long, pooled=pooled_seqs or None, kv_quant=self.cache_config.kv_quant)
         result = ModelRunnerOutput()
         if pooled_requests:
             logits, hidden = logits  # [num_pooled, hidden_size]
@@ -191,12 +196,13 @@ def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled
 
 def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int | None], int]],
               block_size: int, device: torch.device, num_layers: int | None = None,
-              rope_long: list[bool] | None = None, pooled: list[int] | None = None):
+              rope_long: list[bool] | None = None, pooled: list[int] | None = None, kv_quant: str | None = None):
     """One forward of model over a batch of sequences, writing their KV into kv_caches (the pool, paged by
     block_size). seqs: per sequence (token_ids, start, block_table, num_logits): the tokens computed from
     position start, whose slots come from block_table, and how many of the last ones want logits. num_layers:
     only the model's first layers (an early-exit draft). rope_long: longrope, per sequence, whether its tokens take
-    the long factors (Request.rope_long; None: none). Returns logits [sum of num_logits, vocab] fp32, in order;
+    the long factors (Request.rope_long; None: none). kv_quant: the pool's quantized format (CacheConfig.kv_quant;
+    None: float KV). Returns logits [sum of num_logits, vocab] fp32, in order;
     with pooled (indices into seqs), (logits, the final hidden states of those sequences' last tokens
     [len(pooled), hidden_size] fp32)."""
     input_ids, positions, slots, query_start_loc, context_lens, tables, logits_indices = [], [], [], [0], [], [], []
@@ -225,6 +231,7 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
         query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
         rope_long=rope_long,
+        kv_quant=kv_quant,
     )
     return model(
         torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -12,10 +12,17 @@
 // Layouts (those of shared/attention.py): query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
 // (the query's dtype); block_tables int32 [S, max_blocks]; context_lens int32 [S]; Hq % Hkv == 0 (the query heads
 // of KV head h are h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as in HF's repeat_kv); D % LANES == 0.
+//
+// Quantized KV (kernels/kv_quant.py; kv_format 1 fp8 e4m3, 2 fp8 e5m2, 3 int8): the caches are uint8
+// [num_blocks, block_size, Hkv, D + 4], each row D codes then the fp32 scale of that token and head. The codes are
+// widened to fp32 in registers as they are read (fp8 by bit manipulation, int8 by sign extension; no dequantized
+// copy); the scale factors out of each row: score = scale * (q . codes_k), and V's weight is p * scale_v.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -26,21 +33,94 @@ namespace {
 using namespace tandem_simd;
 
 constexpr int MAX_DV = 256 / LANES;  // head_dim up to 256
+enum KVFormat : int64_t { KV_FLOAT = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2, KV_INT8 = 3 };  // kv_quant.KV_QUANT_IDS
+constexpr int64_t SCALE_BYTES = 4;
+
+// LANES bytes widened to int32 lanes (zero- or sign-extended), and the integer ops the fp8 decoding needs.
+#ifdef __AVX512F__
+using VI = __m512i;
+inline VI widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI widen_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI iand(VI a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+inline VI iadd(VI a, int c) { return _mm512_add_epi32(a, _mm512_set1_epi32(c)); }
+inline VI ior(VI a, VI b) { return _mm512_or_si512(a, b); }
+template <int N>
+inline VI ishl(VI a) { return _mm512_slli_epi32(a, N); }
+inline V as_float(VI a) { return _mm512_castsi512_ps(a); }
+inline VI as_int(V a) { return _mm512_castps_si512(a); }
+inline V to_float(VI a) { return _mm512_cvtepi32_ps(a); }
+// lanes where a < c take x, the others y
+inline V select_less(VI a, int c, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(c)), y, x); }
+#else
+using VI = __m256i;
+inline VI widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI widen_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI iand(VI a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+inline VI iadd(VI a, int c) { return _mm256_add_epi32(a, _mm256_set1_epi32(c)); }
+inline VI ior(VI a, VI b) { return _mm256_or_si256(a, b); }
+template <int N>
+inline VI ishl(VI a) { return _mm256_slli_epi32(a, N); }
+inline V as_float(VI a) { return _mm256_castsi256_ps(a); }
+inline VI as_int(V a) { return _mm256_castps_si256(a); }
+inline V to_float(VI a) { return _mm256_cvtepi32_ps(a); }
+inline V select_less(VI a, int c, V x, V y) {
+  return _mm256_blendv_ps(y, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), a)));
+}
+#endif
+
+// LANES codes of format FMT at p as fp32 (unscaled). fp8 (OCP e4m3fn / e5m2): sign | exponent | mantissa; a normal
+// code's exponent and mantissa shifted into fp32's place, the exponent rebiased (127 - 7 or 127 - 15); a subnormal
+// code (exponent 0) is its mantissa times 2^-9 or 2^-16. NaN and inf codes never occur (quantize clamps to qmax).
+template <int FMT>
+inline V load_codes(const uint8_t* p) {
+  if constexpr (FMT == KV_INT8) {
+    return to_float(widen_i8(p));
+  } else {
+    constexpr bool e4m3 = FMT == KV_FP8_E4M3;
+    const VI b = widen_u8(p);
+    const VI em = iand(b, 0x7F);
+    const V normal = as_float(iadd(ishl<e4m3 ? 20 : 21>(em), (e4m3 ? 120 : 112) << 23));
+    const V subnormal = vmul(to_float(em), vbroadcast_value(e4m3 ? 1.0f / 512 : 1.0f / 65536));
+    const V v = select_less(em, e4m3 ? 8 : 4, subnormal, normal);
+    return as_float(ior(as_int(v), ishl<24>(iand(b, 0x80))));
+  }
+}
+
+// One row of a cache as fp32: LANES elements of T (a float cache), or of codes (FMT != KV_FLOAT).
+template <int FMT, typename C>
+inline V load_row(const C* p) {
+  if constexpr (FMT == KV_FLOAT) return load_f32(p);
+  else return load_codes<FMT>(p);
+}
+
+// The scale of a quantized row of D codes (1 for a float cache).
+template <int FMT, typename C>
+inline float row_scale(const C* row, int64_t D) {
+  if constexpr (FMT == KV_FLOAT) {
+    return 1.0f;
+  } else {
+    float scale;
+    std::memcpy(&scale, row + D, sizeof(float));
+    return scale;
+  }
+}
 
 // out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h, over its
-// tokens first..ctx-1 (blocks before first's are never read). T: float or at::BFloat16.
-template <typename T>
-void attend_one(const T* q, int64_t group, const T* key_cache, const T* value_cache, const int32_t* block_table,
+// tokens first..ctx-1 (blocks before first's are never read). T: float or at::BFloat16; C: the caches' element
+// type, T (FMT KV_FLOAT) or uint8_t (a quantized format, rows of D + SCALE_BYTES).
+template <typename T, int FMT, typename C>
+void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_cache, const int32_t* block_table,
                 int64_t first, int64_t ctx, int64_t block_size, int64_t num_kv_heads, int64_t h, int64_t D,
                 float scale, float softcap, T* out, std::vector<float>& scores) {
   const int64_t dv = D / LANES;
   const int64_t n = ctx - first;
   const int64_t padded = (n + LANES - 1) / LANES * LANES;
+  const int64_t row_size = FMT == KV_FLOAT ? D : D + SCALE_BYTES;
   scores.resize(group * padded);
-  auto row = [&](const T* cache, int64_t i) {
+  auto row = [&](const C* cache, int64_t i) {
     const int64_t t = first + i;
     const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
-    return cache + (slot * num_kv_heads + h) * D;
+    return cache + (slot * num_kv_heads + h) * row_size;
   };
   for (int64_t r = 0; r < group; ++r) {
     V qv[MAX_DV];
@@ -48,10 +128,10 @@ void attend_one(const T* q, int64_t group, const T* key_cache, const T* value_ca
     float* s = scores.data() + r * padded;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = row(key_cache, t);
-      V acc = vmul(qv[0], load_f32(k));
-      for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], load_f32(k + d * LANES), acc);
-      s[t] = hsum(acc) * scale;
+      const C* k = row(key_cache, t);
+      V acc = vmul(qv[0], load_row<FMT>(k));
+      for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], load_row<FMT>(k + d * LANES), acc);
+      s[t] = FMT == KV_FLOAT ? hsum(acc) * scale : hsum(acc) * (row_scale<FMT>(k, D) * scale);
       if (softcap > 0.0f) s[t] = softcap * std::tanh(s[t] / softcap);
       m = std::max(m, s[t]);
     }
@@ -64,9 +144,9 @@ void attend_one(const T* q, int64_t group, const T* key_cache, const T* value_ca
     V acc[MAX_DV];
     for (int64_t d = 0; d < dv; ++d) acc[d] = vzero();
     for (int64_t t = 0; t < n; ++t) {
-      const T* v = row(value_cache, t);
-      const V p = vbroadcast_value(s[t]);
-      for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, load_f32(v + d * LANES), acc[d]);
+      const C* v = row(value_cache, t);
+      const V p = vbroadcast_value(FMT == KV_FLOAT ? s[t] : s[t] * row_scale<FMT>(v, D));
+      for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, load_row<FMT>(v + d * LANES), acc[d]);
     }
     const V iv = vbroadcast_value(inv);
     for (int64_t d = 0; d < dv; ++d) store_f32(out + r * D + d * LANES, vmul(acc[d], iv));
@@ -75,27 +155,32 @@ void attend_one(const T* q, int64_t group, const T* key_cache, const T* value_ca
 
 }  // namespace
 
-// query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (all fp32 or all bf16); block_tables
-// int32 [S, max_blocks]; context_lens int32 [S]; window: attend to the last `window` tokens only (0: all); softcap:
-// cap the scores (0: none) -> out [S, Hq, D] of the query's dtype (zeros for a context of 0 tokens). Block-table
-// entries before the window are never read (nor checked).
+// query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (all fp32 or all bf16; with kv_format
+// 1-3, uint8 [num_blocks, block_size, Hkv, D + 4]); block_tables int32 [S, max_blocks]; context_lens int32 [S];
+// window: attend to the last `window` tokens only (0: all); softcap: cap the scores (0: none) -> out [S, Hq, D] of
+// the query's dtype (zeros for a context of 0 tokens). Block-table entries before the window are never read (nor
+// checked).
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t window, double softcap) {
+                                     int64_t window, double softcap, int64_t kv_format) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "query must be [S, Hq, D] and the caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == torch::kFloat || query.scalar_type() == torch::kBFloat16,
               "query must be fp32 or bf16");
-  for (const auto* t : {&query, &key_cache, &value_cache})
-    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->is_contiguous(),
-                "query and caches must be contiguous and of one dtype (fp32 or bf16)");
+  TORCH_CHECK(kv_format >= KV_FLOAT && kv_format <= KV_INT8, "kv_format must be 0 (float) or 1-3 (quantized)");
+  const auto cache_type = kv_format == KV_FLOAT ? query.scalar_type() : torch::kByte;
+  TORCH_CHECK(query.is_contiguous(), "query must be contiguous");
+  for (const auto* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->scalar_type() == cache_type && t->is_contiguous(),
+                "query and caches must be contiguous and of one dtype (fp32 or bf16; uint8 caches for quantized KV)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && context_lens.scalar_type() == torch::kInt &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "block_tables and context_lens must be contiguous int32");
   const int64_t S = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D && D % LANES == 0 && D <= MAX_DV * LANES, "head_dim must match, be a multiple "
-              "of the SIMD width and at most 256");
+  TORCH_CHECK(key_cache.size(3) == (kv_format == KV_FLOAT ? D : D + SCALE_BYTES) && D % LANES == 0 &&
+                  D <= MAX_DV * LANES,
+              "head_dim must match (+ 4 scale bytes for quantized KV), be a multiple of the SIMD width and at most 256");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a positive multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && context_lens.numel() == S,
               "block_tables [S, max_blocks] and context_lens [S] must match query");
@@ -114,11 +199,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   auto out = torch::zeros_like(query);
   const int64_t group = Hq / Hkv;
-  auto run = [&](auto zero) {
+  auto run = [&](auto zero, auto cache_zero, auto format) {
     using T = decltype(zero);
+    using C = decltype(cache_zero);
+    constexpr int FMT = decltype(format)::value;
     const T* qp = query.data_ptr<T>();
-    const T* kp = key_cache.data_ptr<T>();
-    const T* vp = value_cache.data_ptr<T>();
+    const C* kp = key_cache.data_ptr<C>();
+    const C* vp = value_cache.data_ptr<C>();
     T* op = out.data_ptr<T>();
     tandem_pool::parallel_for(S * Hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
@@ -127,12 +214,21 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
         if (ctx_lens[s] == 0) continue;
         const int64_t offset = (s * Hq + h * group) * D;
         const int64_t first = window > 0 ? std::max<int64_t>(0, ctx_lens[s] - window) : 0;
-        attend_one(qp + offset, group, kp, vp, bt + s * max_blocks, first, ctx_lens[s], block_size, Hkv, h, D,
+        attend_one<T, FMT>(qp + offset, group, kp, vp, bt + s * max_blocks, first, ctx_lens[s], block_size, Hkv, h, D,
                    static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores);
       }
     });
   };
-  if (query.scalar_type() == torch::kFloat) run(float{});
-  else run(at::BFloat16{});
+  auto run_query = [&](auto zero) {
+    using T = decltype(zero);
+    switch (kv_format) {
+      case KV_FP8_E4M3: run(zero, uint8_t{}, std::integral_constant<int, KV_FP8_E4M3>{}); break;
+      case KV_FP8_E5M2: run(zero, uint8_t{}, std::integral_constant<int, KV_FP8_E5M2>{}); break;
+      case KV_INT8: run(zero, uint8_t{}, std::integral_constant<int, KV_INT8>{}); break;
+      default: run(zero, T{}, std::integral_constant<int, KV_FLOAT>{});
+    }
+  };
+  if (query.scalar_type() == torch::kFloat) run_query(float{});
+  else run_query(at::BFloat16{});
   return out;
 }

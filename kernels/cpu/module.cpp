@@ -12,7 +12,7 @@ torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 bool has_vnni();
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t window, double softcap);
+                                     int64_t window, double softcap, int64_t kv_format);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
@@ -27,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "y = x @ ((int4 codes - zeros) * scales).T");
   m.def("gemm_vnni", &gemm_vnni, "y = x~ @ dequant(int4 or int8 W).T, x~ = x quantized to int16 per 32 columns");
   m.def("has_vnni", &has_vnni, "whether gemm_vnni runs here (built for a CPU with AVX-512 VNNI)");
-  m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged KV cache");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query token per sequence over the paged KV cache (float or quantized)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on query and key heads; keys and values into the KV cache");

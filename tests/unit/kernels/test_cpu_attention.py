@@ -49,3 +49,22 @@ def test_cpu_mixed_attention_matches_reference(query_lens, context_lens):
     expected = paged_prefill_attention_ref(query, k, v, meta.block_tables, meta.query_start_loc_t,
                                            meta.context_lens_t, 0.25)
     torch.testing.assert_close(paged_attention(query, k, v, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_quant", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("query_lens, context_lens, dtype", [
+    ([1, 1, 1], [5, 17, 9], torch.float32),  # decode: the C++ kernel on the codes
+    ([1, 1], [5, 17], torch.float16),  # decode without the kernel: gathered blocks dequantized
+    ([3, 1, 6], [10, 9, 6], torch.float32),  # short queries: as decode rows in the C++ kernel
+    ([20, 2], [20, 30], torch.float32),  # a longer chunk: per request, gathered blocks dequantized
+])  # fmt: skip
+def test_cpu_attention_over_quantized_kv_matches_reference(kv_quant, query_lens, context_lens, dtype):
+    from tandem.kernels.kv_quant import quantize
+
+    query, k, v, meta = make_batch(query_lens, context_lens, seed=2)
+    k, v, query = quantize(k, kv_quant), quantize(v, kv_quant), query.to(dtype)
+    meta.kv_quant = kv_quant
+    expected = paged_prefill_attention_ref(query, k, v, meta.block_tables, meta.query_start_loc_t,
+                                           meta.context_lens_t, 0.25, kv_quant=kv_quant)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(paged_attention(query, k, v, meta, 0.25), expected, atol=tol, rtol=tol)

@@ -107,3 +107,25 @@ def test_avx2_build_matches_reference_too():
                           "test_matches_reference or long_context or bf16"], env=env, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kv_quant", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype, window, softcap", [(torch.float32, None, None), (torch.float32, 20, 5.0),
+                                                    (torch.bfloat16, None, None)], ids=str)
+def test_quantized_kv_matches_reference(kv_quant, dtype, window, softcap):
+    """Quantized caches (uint8 rows of codes + fp32 scale) read in place, the fp8 codes decoded by bit
+    manipulation, against the reference that dequantizes them; subnormal and negative codes included (the keys
+    spread over 2^-12 .. 2^4 of their row's absmax)."""
+    from tandem.kernels.kv_quant import quantize
+
+    query, k, v, tables, lens = make([1, 15, 16, 17, 0, 100], 9, 3, 64, spread=3.0)
+    k = k * torch.logspace(-12, 0, 64, base=2.0)
+    qk, qv = quantize(k, kv_quant), quantize(v, kv_quant)
+    query = query.to(dtype)
+    expected = paged_decode_attention_ref(query, qk, qv, tables, lens, 0.125, window, softcap, kv_quant)
+    out = cpu_attention.paged_decode_attention(query, qk, qv, tables, lens, 0.125, window, softcap, kv_quant)
+    assert out.dtype == dtype and cpu_attention.supports(query, qk, kv_quant)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    else:
+        assert bf16_ulps(out, expected).max() <= 1

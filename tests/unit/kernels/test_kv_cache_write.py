@@ -87,3 +87,29 @@ def test_bad_arguments_raise(device, on_device, index, bad, match):
     args[index] = on_device(bad)
     with pytest.raises(ValueError, match=match):
         write_kv_cache(*args)
+
+
+@pytest.mark.parametrize("kv_quant", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantized_write_matches_reference_byte_for_byte(device, kv_quant, dtype):
+    """Quantized on write (kernels/kv_quant.py): the same codes and scales as kv_quant.quantize, bit for bit, for
+    rows spanning fp8's subnormals, rounding ties and an all-zero row; a layer view of a packed pool."""
+    num_kv_heads, head_dim, block_size = 3, 64, 16
+    key, value = _tokens(6, num_kv_heads, head_dim, dtype, device)
+    key[0, 0] = 0  # scale 0, codes 0
+    key[1] *= torch.logspace(-6, 0, head_dim, device=device).to(dtype)  # fp8 subnormals after scaling
+    value[2, 1] = torch.arange(head_dim, device=device).to(dtype) - 31.5  # int8 ties (x.5 * 127 / 32.5 ...)
+    pool = torch.zeros(2, 2, 4, block_size, num_kv_heads, head_dim + 4, dtype=torch.uint8, device=device)
+    ref = pool.clone()
+    slots = torch.tensor([17, 3, 63, -1, 40, 0], device=device)
+    write_kv_cache(key, value, pool[1, 0], pool[1, 1], slots, kv_quant=kv_quant)
+    write_kv_cache_ref(key, value, ref[1, 0], ref[1, 1], slots, kv_quant=kv_quant)
+    assert torch.equal(pool, ref)
+    assert torch.all(pool[0] == 0) and torch.all(pool[1, 0, 1, 1, 0] == 0)  # (slot 17: the zero row, scale 0)
+
+
+def test_quantized_write_refuses_a_float_cache(device):
+    key, value = _tokens(2, 1, 64, torch.float32, device)
+    cache = torch.zeros(2, 16, 1, 68, device=device)
+    with pytest.raises(ValueError, match="key_cache dtype"):
+        write_kv_cache(key, value, cache, cache.clone(), torch.tensor([0, 1], device=device), kv_quant="int8")

@@ -102,3 +102,52 @@ def test_cpu_without_interpreter_raises(monkeypatch):
     with pytest.raises(ValueError, match="CUDA"):
         paged_decode_attention(*_valid_args(torch.device("cpu")))
 
+
+
+KV_QUANTS = ["fp8_e4m3", "fp8_e5m2", "int8"]
+# (atol, rtol) of attention over quantized against float KV: half an fp8 ulp is 2^-4 (e4m3) or 2^-3 (e5m2) of a
+# value, plus the scores' error in a weighted mean; int8's is at most absmax / 254 of a row
+QUANT_ERROR = {"fp8_e4m3": (0.05, 0.07), "fp8_e5m2": (0.2, 0.13), "int8": (0.03, 0.0)}
+
+
+@pytest.mark.parametrize("kv_quant", KV_QUANTS)
+@pytest.mark.parametrize("dtype, window, softcap", [(torch.float32, None, None), (torch.bfloat16, 20, 30.0)], ids=str)
+def test_quantized_kv_matches_reference(make_paged_kv, close, device, kv_quant, dtype, window, softcap):
+    """A quantized cache (uint8 rows of codes + fp32 scale) read in place against the reference, which dequantizes;
+    both near the attention over the float values (the quantization error alone)."""
+    from tandem.kernels.kv_quant import quantize
+
+    lens = [0, 1, 17, 130, 300]
+    k, v, tables = make_paged_kv(lens, 16, NUM_KV_HEADS, 64)
+    qk, qv = quantize(k, kv_quant), quantize(v, kv_quant)
+    query = _query(len(lens), NUM_KV_HEADS * 3, 64, dtype, device)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_decode_attention(query, qk, qv, tables, context_lens, 0.125, num_splits=2, window=window,
+                                 softcap=softcap, kv_quant=kv_quant)
+    ref = paged_decode_attention_ref(query, qk, qv, tables, context_lens, 0.125, window, softcap, kv_quant)
+    close(out, ref)
+    exact = paged_decode_attention_ref(query, k, v, tables, context_lens, 0.125, window, softcap)
+    atol, rtol = QUANT_ERROR[kv_quant]
+    torch.testing.assert_close(ref.float(), exact.float(), atol=atol, rtol=rtol)
+
+
+def test_quantized_kv_large_block_ids(make_paged_kv, close, device):
+    from tandem.kernels.kv_quant import quantize
+
+    lens = [15, 200]
+    k, v, tables = make_paged_kv(lens, 16, 1, 64, torch.float16, large_block_ids=True)
+    rows = tables[tables > 0].long().unique()  # (only the blocks in use: the rest of the caches stays virtual)
+    qk = torch.empty(*k.shape[:3], 68, dtype=torch.uint8, device=device)
+    qv = torch.empty_like(qk)
+    qk[rows], qv[rows] = quantize(k[rows], "int8"), quantize(v[rows], "int8")
+    query = _query(len(lens), 4, 64, torch.float32, device)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_decode_attention(query, qk, qv, tables, context_lens, 0.125, num_splits=2, kv_quant="int8")
+    close(out, paged_decode_attention_ref(query, qk, qv, tables, context_lens, 0.125, kv_quant="int8"))
+
+
+def test_quantized_kv_refuses_a_cache_without_scales(device):
+    query, cache, _, tables, lens, scale = _valid_args(device)
+    codes = torch.zeros(*cache.shape, dtype=torch.uint8, device=device)  # rows of head_dim: no room for the scale
+    with pytest.raises(ValueError, match="key_cache must have shape"):
+        paged_decode_attention(query, codes, codes.clone(), tables, lens, scale, kv_quant="fp8_e4m3")

@@ -97,3 +97,20 @@ def test_bad_arguments_raise(device, on_device, index, bad, match):
     args[index] = on_device(bad)
     with pytest.raises(ValueError, match=match):
         paged_prefill_attention(*args)
+
+
+@pytest.mark.parametrize("kv_quant", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype, window", [(torch.float32, None), (torch.bfloat16, 24)], ids=str)
+def test_quantized_kv_matches_reference(make_paged_kv, close, device, kv_quant, dtype, window):
+    """A quantized cache (kernels/kv_quant.py) read in place against the reference, which dequantizes it."""
+    from tandem.kernels.kv_quant import quantize
+
+    query_lens, context_lens = [1, 17, 40, 4], [1, 17, 130, 70]
+    k, v, tables = make_paged_kv(context_lens, 16, NUM_KV_HEADS, 64)
+    qk, qv = quantize(k, kv_quant), quantize(v, kv_quant)
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(sum(query_lens), NUM_KV_HEADS * 3, 64, generator=gen).to(dtype).to(device)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    out = paged_prefill_attention(query, qk, qv, tables, starts, lens, 0.125, window=window, kv_quant=kv_quant)
+    close(out, paged_prefill_attention_ref(query, qk, qv, tables, starts, lens, 0.125, window, kv_quant=kv_quant))
