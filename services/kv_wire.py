@@ -1,7 +1,10 @@
 """KV blocks on the wire: raw tensor bytes plus dtype / shape / layer metadata in protobuf (never pickle).
 
 Messages are split by blocks and layers to stay under max_bytes each, well inside gRPC's message limit.
-The receiver refuses blocks whose model id, dtype, block size or shape differ from its own.
+The receiver refuses blocks whose model id, dtype, block size or shape differ from its own. dtype is the KV dtype's
+name (--kv-dtype: float32, bfloat16, float16, or a quantized fp8_e4m3, fp8_e5m2, int8); a quantized block's bytes
+are its packed rows (kernels/kv_quant.py: head_dim codes + the fp32 scale per token and head), so the scales
+travel inside the data and the checksum covers them.
 
 Integrity: each data message carries the XXH3-64 of its bytes (xxhash, already a dependency for the model
 digest: about 0.08 ms per 4 MiB message here, 50 GiB/s, against 1.2 ms for zlib.crc32, and 64 bits rather
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from tandem.kernels.kv_quant import row_size
 from tandem.shared.config import CacheConfig, ModelConfig, dtype_name
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.kv_connector import KVBlocks
@@ -22,12 +26,17 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 def kv_to_messages(
-    request_id: str, kv: KVBlocks, model_config: ModelConfig, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    request_id: str, kv: KVBlocks, model_config: ModelConfig, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    kv_dtype: str | None = None,
 ) -> list[decode_pb2.KVBlocksMessage]:
     """Split exported blocks (all layers) into messages of at most max_bytes of tensor data (at least one
-    block of one layer each)."""
+    block of one layer each). kv_dtype: the pool's KV dtype name (CacheConfig.kv_dtype; None: the data's float
+    type's name); a quantized pool's data is uint8 rows of head_dim + 4 bytes."""
     data = kv.data.contiguous()
-    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = data.shape
+    num_layers, _, num_blocks, block_size, num_kv_heads, row = data.shape
+    kv_dtype = kv_dtype or dtype_name(data.dtype)
+    head_dim = model_config.head_dim
+    assert row == row_size(head_dim, kv_dtype), (row, head_dim, kv_dtype)
     per_layer_block = data[0, :, 0].numel() * data.element_size()
     blocks_per_msg = max(1, min(num_blocks, max_bytes // (per_layer_block * num_layers)))
     layers_per_msg = num_layers if blocks_per_msg > 1 else max(1, min(num_layers, max_bytes // per_layer_block))
@@ -41,7 +50,7 @@ def kv_to_messages(
                 decode_pb2.KVBlocksMessage(
                     request_id=request_id,
                     model_id=model_config.model_id,
-                    dtype=dtype_name(data.dtype),
+                    dtype=kv_dtype,
                     block_size=block_size,
                     num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
@@ -102,7 +111,8 @@ class KVTransferTally:
 
 def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, cache_config: CacheConfig) -> KVBlocks:
     """Check a data message (num_blocks > 0) against this instance and its checksum, and view its bytes as a
-    tensor [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, head_dim] in the KV cache dtype.
+    tensor [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, row] in the pool's element type (row:
+    head_dim, or head_dim + 4 bytes for a quantized KV dtype).
     InvalidRequestError naming the field on any mismatch (the block range is checked on import, against the
     request's reserved blocks: KVConnector.import_kv)."""
     want = {
@@ -119,7 +129,8 @@ def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, 
     if not 0 <= msg.layer_start < msg.layer_end <= model_config.num_hidden_layers:
         raise InvalidRequestError(
             f"KV transfer refused: layer range [{msg.layer_start}, {msg.layer_end}) is out of bounds")
-    shape = (msg.layer_end - msg.layer_start, 2, msg.num_blocks, msg.block_size, msg.num_kv_heads, msg.head_dim)
+    shape = (msg.layer_end - msg.layer_start, 2, msg.num_blocks, msg.block_size, msg.num_kv_heads,
+             cache_config.row_size(model_config))
     expected_bytes = torch.Size(shape).numel() * cache_config.dtype.itemsize
     if len(msg.data) != expected_bytes:
         raise InvalidRequestError(

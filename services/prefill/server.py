@@ -67,7 +67,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 if out.kv is not None:
                     num_blocks_sent += out.kv.data.shape[2]
                     num_bytes_sent += out.kv.data.nbytes
-                    for msg in kv_to_messages(req.request_id, out.kv, self.engine.model_config):
+                    for msg in kv_to_messages(req.request_id, out.kv, self.engine.model_config,
+                                              kv_dtype=self.engine.cache_config.kv_dtype):
                         outbox.put_nowait(msg)
                         num_messages_sent += 1
                         if self.metrics is not None:

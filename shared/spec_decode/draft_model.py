@@ -26,11 +26,14 @@ from tandem.shared.sampler import draw, sampling_probs
 
 class DraftModelProposer:
     """model: a LlamaForCausalLM; kv_caches: its pool [num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim] with the target's num_blocks and block_size (for early exit, the target's own pool);
-    num_layers: run only the first num_layers layers (early exit), sharing the target's KV."""
+    row] with the target's num_blocks, block_size and KV dtype (for early exit, the target's own pool); kv_quant:
+    that pool's quantized format (CacheConfig.kv_quant; None: float KV); num_layers: run only the first num_layers
+    layers (early exit), sharing the target's KV."""
 
-    def __init__(self, model, kv_caches: torch.Tensor, block_size: int, num_layers: int | None = None):
+    def __init__(self, model, kv_caches: torch.Tensor, block_size: int, num_layers: int | None = None,
+                 kv_quant: str | None = None):
         self.model, self.kv_caches, self.block_size, self.num_layers = model, kv_caches, block_size, num_layers
+        self.kv_quant = kv_quant
         self.device = kv_caches.device
 
     def propose(self, requests: list[Request], num_drafts: list[int], block_tables: dict[str, list[int]]
@@ -54,7 +57,7 @@ class DraftModelProposer:
                 else:
                     seqs.append(([drafts[i][-1]], last + j, block_tables[r.request_id], 1))
             logits = run_model(self.model, self.kv_caches, seqs, self.block_size, self.device, self.num_layers,
-                               [bool(requests[i].rope_long) for i in rows])
+                               [bool(requests[i].rope_long) for i in rows], kv_quant=self.kv_quant)
             argmax = logits.argmax(-1).tolist()
             for row, i in enumerate(rows):
                 r = requests[i]

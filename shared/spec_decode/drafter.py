@@ -14,6 +14,7 @@ from collections import deque
 
 import torch
 
+from tandem.kernels.kv_quant import check_head_dim
 from tandem.shared.config import ModelConfig, SpeculativeConfig
 from tandem.shared.request import Request
 from tandem.shared.scheduler import SchedulerOutput
@@ -57,7 +58,7 @@ class Drafter:
                 raise ValueError(f"--draft-num-layers must be in [1, {target.num_hidden_layers}) for this model, "
                                  f"got {num_layers}")
             self.draft_model = DraftModelProposer(model_runner.model, model_runner.kv_caches, block_size,
-                                                  num_layers)
+                                                  num_layers, model_runner.cache_config.kv_quant)
         else:  # "draft": a separate checkpoint with its own pool, paged by the target's block tables
             from tandem.shared.model import load_model
 
@@ -65,13 +66,16 @@ class Drafter:
             if draft.vocab_size != target.vocab_size:
                 raise ValueError(f"draft model {config.draft_model} has a vocabulary of {draft.vocab_size} tokens; "
                                  f"the target's has {target.vocab_size}: they must share the tokenizer")
-            cache = model_runner.cache_config
+            cache = model_runner.cache_config  # (the draft's KV in the target's KV dtype, quantized or not)
+            if cache.kv_quant is not None:
+                check_head_dim(draft.head_dim, cache.kv_quant)
             kv_caches = torch.zeros(draft.num_hidden_layers, 2, cache.num_blocks, block_size,
-                                    draft.num_key_value_heads, draft.head_dim, dtype=cache.dtype,
+                                    draft.num_key_value_heads, cache.row_size(draft), dtype=cache.dtype,
                                     device=model_runner.device)  # fmt: skip
             log.info("draft model %s: %d layers, its KV pool %.2f GB", draft.model_id, draft.num_hidden_layers,
                      kv_caches.numel() * kv_caches.element_size() / 1e9)
-            self.draft_model = DraftModelProposer(load_model(draft, model_runner.device), kv_caches, block_size)
+            self.draft_model = DraftModelProposer(load_model(draft, model_runner.device), kv_caches, block_size,
+                                                  kv_quant=cache.kv_quant)
             self.draft_config = draft
 
     def propose_drafts(self, running: list[Request], max_model_len: int) -> None:

@@ -2,8 +2,8 @@ import pytest
 import torch
 import xxhash
 
-from tandem.services.kv_wire import (DEFAULT_MAX_MESSAGE_BYTES, KVTransferTally, checksum, kv_from_message, kv_to_messages,
-                              last_message)
+from tandem.services.kv_wire import (DEFAULT_MAX_MESSAGE_BYTES, KVTransferTally, checksum, kv_from_message,
+                                     kv_to_messages, last_message)
 from tandem.shared.config import CacheConfig
 from tandem.shared.kv_connector import KVBlocks
 from tandem.v1 import decode_pb2
@@ -123,3 +123,47 @@ def test_checksum_costs_little_per_message():
     for _ in range(20):
         checksum(data)
     assert (time.perf_counter() - start) / 20 < 2e-3
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_quantized_kv_round_trips_byte_exact_and_names_its_dtype(model_config, kv_dtype):
+    """A quantized pool's blocks (uint8 rows: head_dim codes + the fp32 scale) go as raw bytes: dtype is the KV
+    dtype's name, head_dim the model's, the byte count the packed rows'; a decode of that dtype rebuilds them bit
+    for bit."""
+    from tandem.kernels.kv_quant import quantize
+
+    cache_config = CacheConfig(block_size=4, num_blocks=8, kv_dtype=kv_dtype)
+    shape = (model_config.num_hidden_layers, 2, 3, 4, model_config.num_key_value_heads, model_config.head_dim)
+    data = quantize(torch.randn(shape), kv_dtype)
+    msgs = kv_to_messages("r", KVBlocks(5, data), model_config, max_bytes=100_000, kv_dtype=kv_dtype)
+    assert len(msgs) > 1 and {(m.dtype, m.head_dim) for m in msgs} == {(kv_dtype, model_config.head_dim)}
+    assert sum(len(m.data) for m in msgs) == data.numel()  # (1 byte per code, 4 per scale)
+    rebuilt = torch.zeros_like(data)
+    for m in msgs:
+        kv = kv_from_message(m, model_config, cache_config)
+        b = kv.first_block_index - 5
+        rebuilt[kv.layer_start : kv.layer_start + kv.data.shape[0], :, b : b + kv.data.shape[2]] = kv.data
+    assert torch.equal(rebuilt, data)
+
+
+def test_quantized_kv_to_a_decode_of_another_kv_dtype_is_refused_naming_dtype(model_config):
+    from tandem.kernels.kv_quant import quantize
+
+    shape = (1, 2, 1, 4, model_config.num_key_value_heads, model_config.head_dim)
+    msg = kv_to_messages("r", KVBlocks(0, quantize(torch.randn(shape), "fp8_e4m3")), model_config,
+                         kv_dtype="fp8_e4m3")[0]
+    for other in ("float32", "fp8_e5m2", "int8"):
+        with pytest.raises(ValueError, match="dtype is 'fp8_e4m3', this decode instance has '" + other):
+            kv_from_message(msg, model_config, CacheConfig(block_size=4, num_blocks=8, kv_dtype=other))
+
+
+def test_the_checksum_covers_a_quantized_rows_scale(model_config):
+    from tandem.kernels.kv_quant import quantize
+
+    shape = (1, 2, 1, 4, model_config.num_key_value_heads, model_config.head_dim)
+    msg = kv_to_messages("r", KVBlocks(0, quantize(torch.randn(shape), "int8")), model_config, kv_dtype="int8")[0]
+    data = bytearray(msg.data)
+    data[model_config.head_dim + 2] ^= 0x01  # a byte of the first row's scale
+    msg.data = bytes(data)
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        kv_from_message(msg, model_config, CacheConfig(block_size=4, num_blocks=8, kv_dtype="int8"))
