@@ -16,6 +16,11 @@ Engines (prefill, decode) - EngineMetrics:
   histograms tandem:iteration_tokens_total (tokens per step), tandem:engine_step_duration_seconds (ours),
            tandem:engine_step_num_requests (ours: batch size), tandem:request_queue_time_seconds (admission to
            first step)
+  KV tiers below the pool (ours; kv_tier = host, disk) gauges tandem:kv_tier_blocks{kv_tier},
+           tandem:kv_tier_load_seconds_per_block{kv_tier} (measured; the registry publishes it to the router);
+           counters tandem:kv_tier_hits_total{kv_tier} (blocks loaded back into the pool),
+           tandem:kv_tier_stores_total{kv_tier}, tandem:kv_tier_evictions_total{kv_tier},
+           tandem:kv_tier_load_failures_total{kv_tier} (a corrupt or missing block: a miss)
   KV transfer (ours) tandem:kv_transfer_bytes_total{peer}, tandem:kv_transfer_messages_total{peer},
            tandem:kv_transfer_duration_seconds{peer} (prefill: per request, first message to the decode's
            answer; decode: bytes and messages received, peer = the sending request's prefill is not known, "any")
@@ -62,6 +67,15 @@ class StatsCollector:
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted", lambda s: s.spec_num_accepted_tokens),
                 ("kv_blocks_transferred", "KV blocks sent to decodes (prefill) or written from received KV "
                  "(decode)", lambda s: s.num_blocks_exported + s.num_blocks_imported))  # fmt: skip
+    # per tier below the pool (EngineStats' dicts by tier name), labelled kv_tier
+    TIER_GAUGES = (("kv_tier_blocks", "Blocks held by a KV tier below the pool", lambda s: s.kv_tier_blocks),
+                   ("kv_tier_load_seconds_per_block", "Measured seconds to load one block from a KV tier into the "
+                    "pool", lambda s: s.kv_tier_load_s))  # fmt: skip
+    TIER_COUNTERS = (("kv_tier_hits", "Blocks loaded back into the pool from a KV tier", lambda s: s.kv_tier_hits),
+                     ("kv_tier_stores", "Blocks stored in a KV tier", lambda s: s.kv_tier_stores),
+                     ("kv_tier_evictions", "Blocks evicted from a KV tier", lambda s: s.kv_tier_evictions),
+                     ("kv_tier_load_failures", "Loads from a KV tier cut short by a corrupt or missing block",
+                      lambda s: s.kv_tier_load_failures))  # fmt: skip
 
     def __init__(self, labels: dict[str, str]):
         self.labels = labels
@@ -79,6 +93,14 @@ class StatsCollector:
             family = CounterMetricFamily(f"tandem:{name}", doc, labels=names)
             family.add_metric(values, float(value(self.stats)))
             yield family
+        for kind, table in ((GaugeMetricFamily, self.TIER_GAUGES), (CounterMetricFamily, self.TIER_COUNTERS)):
+            for name, doc, value in table:
+                by_tier = value(self.stats)
+                if by_tier:
+                    family = kind(f"tandem:{name}", doc, labels=names + ["kv_tier"])
+                    for tier, number in by_tier.items():
+                        family.add_metric(values + [tier], float(number))
+                    yield family
 
 
 class EngineMetrics:

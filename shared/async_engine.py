@@ -149,6 +149,7 @@ class AsyncEngine:
         self._stopped = True
         self._commands.put(None)
         self._thread.join(timeout=5)
+        self._engine.close()  # (the KV tiers' threads: the disk tier's pending writes finish)
 
     async def _admit(self, request: Request, reserve: bool) -> asyncio.Queue:
         """InvalidRequestError if the id is in use here or its structured_output does not compile (compiled on a
@@ -197,7 +198,7 @@ class AsyncEngine:
                 return engine.stats()
             case GetKVSnapshot():
                 self._publish_kv_events()
-                return engine.kv_event_seq, [(h, "pool") for h in engine.kv_cache_manager.cached_block_hashes()]
+                return engine.kv_event_seq, engine.kv_cache_manager.cached_block_tiers()
             case _:
                 raise TypeError(f"unknown engine command {command!r}")
         return None
@@ -302,8 +303,9 @@ class AsyncEngine:
 
 
 def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: bool = False,
-                 kv_events: bool = False) -> LLMEngine:
-    """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None), built to be stepped on
+                 kv_events: bool = False, instance_id: str | None = None) -> LLMEngine:
+    """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None; instance_id names its disk
+    KV tier's subdirectory: EngineArgs.create_kv_tier_config), built to be stepped on
     AsyncEngine's thread with engine_args.threads torch threads (set here, for that thread to take) and the tier's
     kernel threads (kernels/cpu_ext.py set_num_threads; they serve whichever thread calls the kernels).
 
@@ -317,7 +319,8 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
     kernel_threads = engine_args.resolved_kernel_threads(tier)
     torch.set_num_threads(1)
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
-                       kv_events=kv_events, speculative_config=engine_args.create_speculative_config())
+                       kv_events=kv_events, speculative_config=engine_args.create_speculative_config(),
+                       kv_tier_config=engine_args.create_kv_tier_config(instance_id))
     torch.set_num_threads(engine_args.threads)
     if engine.model_runner.device.type == "cpu":
         cpu_ext.set_num_threads(kernel_threads)

@@ -341,3 +341,31 @@ class SpeculativeConfig:
             raise ValueError(f"suffix decoding needs --suffix-max-spec-factor > 0, --suffix-min-token-prob in [0, 1] "
                              f"and --suffix-cache-tokens >= 0, got {self.suffix_max_spec_factor}, "
                              f"{self.suffix_min_token_prob}, {self.suffix_cache_tokens}")
+
+
+KV_TIER_EVICTION_POLICIES = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The KV tiers below the pool (shared/kv_tiers.py): sizes in bytes (0: no such tier), the disk tier's
+    directory (None: none) and the order they evict in (KV_TIER_EVICTION_POLICIES)."""
+
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    eviction: str = "lru"
+
+    def __post_init__(self):
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("KV tier sizes must be 0 or more bytes")
+        if self.eviction not in KV_TIER_EVICTION_POLICIES:
+            raise ValueError(f"KV tier eviction must be one of {KV_TIER_EVICTION_POLICIES}, got {self.eviction!r}")
+
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_dir is not None and self.disk_bytes > 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.has_disk

@@ -7,7 +7,9 @@ blocks the step completed (save_kv); the decode tier reserves blocks for a reque
 decodes it in the running batch (continuous batching): reserve, import_kv, finish_kv_import and fail_kv_import
 here admit, look up and finish the request and hand the KV part to the connector. With prefix caching
 (CacheConfig enable_prefix_caching) every full computed block is published in the KV cache manager's prefix cache
-after the step that completed it, and take_kv_events() hands the cache's changes out as numbered batches.
+after the step that completed it, and take_kv_events() hands the cache's changes out as numbered batches. With
+tiers below the pool (KVTierConfig: host memory, disk; shared/kv_offload.py) evicted blocks go down to them and
+come back on a hit, loaded beside the steps.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.block_hash import HashContract
-from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tandem.shared.config import CacheConfig, KVTierConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_connector import KVBlocks, KVConnector
 from tandem.shared.kv_events import KVEventBatch
+from tandem.shared.kv_offload import KVOffloader
 from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
 from tandem.shared.request import FinishReason, Request, RequestStatus, TokenLogprobs, check_token_ids
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
@@ -67,19 +70,25 @@ class LLMEngine:
         model=None,
         kv_events: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        kv_tier_config: KVTierConfig | None = None,
     ):
         """export_kv: the prefill tier (each step returns the KV blocks it filled: KVConnector is_kv_producer).
         kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the prefix
-        index); off, nothing accumulates. speculative_config: speculative decoding (None: off)."""
+        index); off, nothing accumulates. speculative_config: speculative decoding (None: off). kv_tier_config:
+        the host and disk tiers below the pool (None or sizes 0: none; they need prefix caching)."""
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
         self.hash_contract = HashContract(self.cache_config.block_size, model_config.model_id,
                                           self.cache_config.kv_dtype)
         self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
+        self.offloader = None
+        if kv_tier_config is not None and kv_tier_config.enabled and self.cache_config.enable_prefix_caching:
+            self.offloader = KVOffloader(kv_tier_config, self.model_runner.kv_caches, self.hash_contract, kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                                self.hash_contract if self.cache_config.enable_prefix_caching else None,
-                                               record_events=kv_events, sliding_window=self._kv_window())
+                                               record_events=kv_events, sliding_window=self._kv_window(),
+                                               offloader=self.offloader)  # fmt: skip
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step_stats: StepStats | None = None
@@ -228,6 +237,8 @@ class LLMEngine:
         start, start_wall = time.perf_counter(), time.monotonic()
         self.last_step_stats = None
         scheduler_output, queue_times = self._schedule(start_wall)
+        if not scheduler_output.scheduled_requests and self.kv_cache_manager.has_tier_loads:
+            self.offloader.wait_for_load(0.01)  # (nothing to compute until a prefix is loaded: no spinning)
         self._draft(scheduler_output)
         scheduler_output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
             scheduler_output.constrained_samples())
@@ -352,7 +363,7 @@ class LLMEngine:
             if r.status == RequestStatus.WAITING and r.num_computed_tokens == 0:
                 queued += r.num_tokens - kv.num_reusable_tokens(r, in_flight)
             elif r.status != RequestStatus.WAITING_FOR_KV:
-                queued += r.num_tokens - r.num_computed_tokens
+                queued += r.num_tokens - r.num_computed_tokens - kv.num_loading_tokens(r.request_id)
         return queued
 
     def stats(self) -> EngineStats:
@@ -378,7 +389,22 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        """EngineStats' kv_tier_* fields (empty dicts without tiers)."""
+        o = self.offloader
+        if o is None:
+            return {}
+        return dict(kv_tier_load_s=dict(o.load_s_per_block), kv_tier_blocks=o.num_blocks(),
+                    kv_tier_hits=dict(o.num_loaded), kv_tier_stores=dict(o.num_stored),
+                    kv_tier_evictions=dict(o.num_evicted), kv_tier_load_failures=dict(o.num_failed))
+
+    def close(self) -> None:
+        """Stop the tiers' threads (the disk tier's writes asked for so far are finished first)."""
+        if self.offloader is not None:
+            self.offloader.close()
 
 
 def replay_grammar(request: Request) -> None:

@@ -11,14 +11,25 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from tandem.shared.config import (AUTO, DTYPES, KV_DTYPES, NO_QUANTIZATION, SPECULATIVE_METHODS, CacheConfig,
-                                  ModelConfig, SchedulerConfig, SpeculativeConfig)
+from tandem.shared.config import (AUTO, DTYPES, KV_DTYPES, KV_TIER_EVICTION_POLICIES, NO_QUANTIZATION,
+                                  SPECULATIVE_METHODS, CacheConfig, KVTierConfig, ModelConfig, SchedulerConfig,
+                                  SpeculativeConfig)
+
+GIB = 1 << 30
 
 
 def positive_number(value: str) -> float:
     """A flag's type: a number above 0 (float flags are otherwise fractions in (0, 1])."""
     number = float(value)
     if not number > 0:
+        raise ValueError(value)
+    return number
+
+
+def non_negative_number(value: str) -> float:
+    """A flag's type: a number of 0 or more (a size where 0 means off)."""
+    number = float(value)
+    if not number >= 0:
         raise ValueError(value)
     return number
 
@@ -107,6 +118,19 @@ class EngineArgs:
                                             "product of its tokens' counts over their siblings') falls below this")
     suffix_cache_tokens: int = _setting(65536, "suffix: output tokens of finished requests kept in the global "
                                         "suffix tree (the oldest requests go first)")
+    kv_host_tier_gib: float = _setting(
+        0.0, "GiB of host memory for the KV tier below the pool: cached blocks the pool evicts are copied here and "
+        "loaded back on a prefix hit, beside the steps (0: off; docs/prefix-caching.md#tiers-below-the-pool)",
+        kind=non_negative_number)
+    kv_disk_tier_dir: str | None = _setting(
+        None, "directory of the disk KV tier below the host tier: blocks it evicts (or the pool's, without one) are "
+        "written here, one checksummed file each, in a subdirectory per instance id, and found again after a "
+        "restart (default: off)", str)
+    kv_disk_tier_gib: float = _setting(16.0, "GiB the disk KV tier may hold (its first blocks by --kv-tier-eviction "
+                                       "are deleted beyond that)", kind=non_negative_number)
+    kv_tier_eviction: str = _setting("lru", "which block the host and disk KV tiers evict first: lru (least "
+                                     "recently stored or hit) or lfu (fewest hits, then least recent)",
+                                     choices=KV_TIER_EVICTION_POLICIES)
 
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
@@ -167,6 +191,15 @@ class EngineArgs:
                                  self.prompt_lookup_max, self.speculative_adaptive,
                                  self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers,
                                  self.suffix_max_spec_factor, self.suffix_min_token_prob, self.suffix_cache_tokens)
+
+    def create_kv_tier_config(self, instance_id: str | None = None) -> KVTierConfig:
+        """The KVTierConfig of these settings; the disk tier's directory is kv_disk_tier_dir/instance_id (an
+        instance finds its own blocks again when it restarts under its id). ValueError on bad values."""
+        disk_dir = self.kv_disk_tier_dir
+        if disk_dir is not None and instance_id:
+            disk_dir = str(Path(disk_dir) / instance_id)
+        return KVTierConfig(int(self.kv_host_tier_gib * GIB), disk_dir, int(self.kv_disk_tier_gib * GIB),
+                            self.kv_tier_eviction)
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:
         """The ModelConfig of model (or model_dir), quantization and dtype, its context cut to max_model_len: the

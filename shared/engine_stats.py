@@ -2,7 +2,7 @@
 load that the registry publishes, Instance/GetLoad answers (one proto field per field) and metrics read."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -41,6 +41,15 @@ class EngineStats:
     num_preemptions: int = 0  # since start
     num_prompt_tokens: int = 0  # since start: prompt tokens computed here (cache hits, imported KV excluded)
     num_generation_tokens: int = 0  # since start: tokens sampled here
+    # The tiers below the pool (shared/kv_offload.py), by tier ("host", "disk"; a tier it lacks is absent):
+    kv_tier_load_s: dict[str, float] = field(default_factory=dict)  # measured seconds to load one block into the
+    # pool (a one-block probe at start, then a running mean of real loads)
+    kv_tier_blocks: dict[str, int] = field(default_factory=dict)  # blocks held now
+    kv_tier_hits: dict[str, int] = field(default_factory=dict)  # since start: blocks loaded back into the pool
+    kv_tier_stores: dict[str, int] = field(default_factory=dict)  # since start: blocks stored
+    kv_tier_evictions: dict[str, int] = field(default_factory=dict)  # since start: blocks evicted
+    kv_tier_load_failures: dict[str, int] = field(default_factory=dict)  # since start: loads cut short by a
+    # corrupt or missing block (a miss: the request computes from there)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -25,6 +25,13 @@ query position is past a block by more than the window, no layer reads that bloc
 then returns it to the pool (cached ones keep their hash, so a later prompt with the same prefix can still hit them
 until evicted) and sets its table entry to None; the attention kernels read no entry before the window. A model
 with some full-attention layers (Gemma's alternation) needs every block and frees none early.
+
+Tiers below the pool (shared/kv_offload.py, with a KVOffloader): a cached block the pool evicts is copied into the
+host tier, then the disk tier. On admission a request's run of cached blocks continues through them
+(get_tier_hits); start_tier_load gives those blocks fresh pool blocks that a loader thread fills beside the step,
+and finish_tier_loads publishes them in the prefix cache once loaded. Until then the request waits (LOADING_KV) and
+its blocks count as in flight, so a request with the same prefix waits for them too. Scheduler admissions only: the
+decode tier's reserve stays pool-only.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 
 from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
 from tandem.shared.kv_events import BlockRemoved, BlockStored
+from tandem.shared.kv_offload import KVOffloader, TierHit
 from tandem.shared.request import Request
 from tandem.shared.utils import cdiv
 
@@ -41,6 +49,17 @@ def kv_variant(request: Request) -> str | None:
     """What besides its tokens the request's KV depends on, hashed with its blocks (ModelConfig.kv_variant's
     values): "rope:long" for a longrope request computed with the long factors."""
     return "rope:long" if request.rope_long else None
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """A request's blocks being loaded from the tiers below the pool: logical blocks start.. of its block table."""
+
+    start: int
+    block_ids: list[int]  # the pool blocks being written, held by the request alone
+    hits: list[TierHit]
+    continuation_keys: list[tuple]  # (KVCacheManager.continuation_key of each, for publishing it)
+    cancelled: bool = False  # the request ended: its blocks are freed when the load ends
 
 
 @dataclass(slots=True)
@@ -55,11 +74,12 @@ class BlockPool:
     """num_blocks blocks: reference counts, the free queue (LRU first) and the prefix cache's hash -> block map.
 
     With record_events, cache changes are recorded as BlockStored / BlockRemoved events, taken with
-    take_events()."""
+    take_events(). With an offloader, an evicted cached block is copied into the tiers below the pool first."""
 
-    def __init__(self, num_blocks: int, record_events: bool = False):
+    def __init__(self, num_blocks: int, record_events: bool = False, offloader: KVOffloader | None = None):
         self.num_blocks = num_blocks
         self.record_events = record_events
+        self.offloader = offloader
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # NOTE: every block with ref_cnt 0 is here (cached or not); the front is evicted first.
         self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -171,13 +191,17 @@ class BlockPool:
         self._drop_continuation(block.block_id)
         if self.record_events:
             self._events.append(BlockRemoved((block.block_hash,)))
+        if self.offloader is not None:  # (its KV is intact until the next forward or import writes the block)
+            self.offloader.offload(block.block_id, block.block_hash, block.token_ids)
         block.block_hash = block.token_ids = None
         self.num_evictions += 1
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
-        """The cache changes since the last call, consecutive stores and removes of one tier merged, in order."""
+        """The cache changes since the last call, the tiers' below the pool after the pool's, consecutive stores
+        and removes of one tier merged, in order (the order of each tier's own events is kept)."""
+        events = self._events + (self.offloader.take_events() if self.offloader is not None else [])
         merged: list[BlockStored | BlockRemoved] = []
-        for event in self._events:
+        for event in events:
             if merged and type(merged[-1]) is type(event) and merged[-1].tier == event.tier:
                 merged[-1] = type(event)(merged[-1].block_hashes + event.block_hashes, event.tier)
             else:
@@ -191,16 +215,21 @@ class KVCacheManager:
     contract) runs the prefix cache: get_computed_blocks on admission, cache_full_blocks after each step."""
 
     def __init__(self, num_blocks: int, block_size: int, hash_contract: HashContract | None = None,
-                 record_events: bool = False, sliding_window: int | None = None):
+                 record_events: bool = False, sliding_window: int | None = None,
+                 offloader: KVOffloader | None = None):
         """sliding_window: the window of every layer of every model reading this pool's blocks (None: some layer
-        attends to the whole context; no block is freed before its request ends)."""
+        attends to the whole context; no block is freed before its request ends). offloader: the tiers below the
+        pool (None: none; ignored with caching off)."""
         if hash_contract is not None and hash_contract.block_size != block_size:
             raise ValueError(f"hash contract block size {hash_contract.block_size} != pool block size {block_size}")
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.num_freed_blocks: dict[str, int] = {}  # leading blocks of a request freed (None), by window
         self.hash_contract = hash_contract  # None: prefix caching off
-        self.block_pool = BlockPool(num_blocks, record_events)
+        self.offloader = offloader if hash_contract is not None and offloader is not None and offloader.enabled \
+            else None
+        self.block_pool = BlockPool(num_blocks, record_events, self.offloader)
+        self.tier_loads: dict[str, TierLoad] = {}  # request id -> its blocks being loaded from a tier
         self.block_tables: dict[str, list[int | None]] = {}  # None: freed, before the request's sliding window
         self.block_hashes: dict[str, list[BlockHash]] = {}  # full blocks' hashes per request, grown as it runs
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already published
@@ -306,20 +335,87 @@ class KVCacheManager:
             start = self.num_cached_blocks.get(r.request_id, 0)
             if r.num_computed_tokens < num_full * self.block_size and r.request_id in self.block_tables:
                 pending.update(self._hashes(r, num_full)[start:])
+        for load in self.tier_loads.values():  # (being loaded from a tier: published once loaded)
+            if not load.cancelled:
+                pending.update(hit.block_hash for hit in load.hits)
         return pending
 
     def num_reusable_tokens(self, request: Request, in_flight: set[BlockHash]) -> int:
         """Leading tokens of a request not admitted yet that it will not compute: its run of blocks that are
-        cached or in in_flight (blocks_in_flight). What the queue estimate leaves out."""
+        cached (in the pool or a tier below it) or in in_flight (blocks_in_flight). What the queue estimate leaves
+        out."""
         if not self.enable_caching:
             return 0
         num = 0
         for i, block_hash in enumerate(self._hashes(request, (request.num_tokens - 1) // self.block_size)):
-            if block_hash not in in_flight and self.block_pool.get_cached_block(
-                    block_hash, self._block_tokens(request, i)) is None:  # fmt: skip
-                break
+            if block_hash not in in_flight:
+                tokens = self._block_tokens(request, i)
+                if self.block_pool.get_cached_block(block_hash, tokens) is None and (
+                        self.offloader is None or self.offloader.find(block_hash, tokens) is None):
+                    break
             num += 1
         return num * self.block_size
+
+    def get_tier_hits(self, request: Request, num_pool_blocks: int) -> list[TierHit]:
+        """The run of blocks after the request's first num_pool_blocks (its pool hit: get_computed_blocks) that the
+        tiers below the pool hold, token ids checked, at most up to its second-to-last token. [] without tiers."""
+        if self.offloader is None:
+            return []
+        hits = []
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        for i in range(num_pool_blocks, len(hashes)):
+            hit = self.offloader.find(hashes[i], self._block_tokens(request, i))
+            if hit is None:
+                break
+            hits.append(hit)
+        return hits
+
+    def start_tier_load(self, request: Request, computed_block_ids: list[int], hits: list[TierHit]) -> bool:
+        """Admit a request with no blocks yet: take its pool hit (computed_block_ids) and fresh blocks for its tier
+        hits (get_tier_hits), which the offloader's loader thread fills. False (nothing taken) if the pool cannot
+        hold them. The request then waits for finish_tier_loads."""
+        start, n = len(computed_block_ids), len(hits)
+        if request.request_id in self.tier_loads:  # (a cancelled load of an earlier request of this id, still running)
+            return False
+        self.offloader.touch(hits)
+        if not self.allocate_slots(request, n * self.block_size, computed_block_ids):
+            return False
+        block_ids = self.block_tables[request.request_id][start : start + n]
+        keys = [self.continuation_key(request, i) for i in range(start, start + n)]
+        self.tier_loads[request.request_id] = TierLoad(start, block_ids, list(hits), keys)
+        self.offloader.start_load(request.request_id, block_ids, hits)
+        return True
+
+    @property
+    def has_tier_loads(self) -> bool:
+        return bool(self.tier_loads)
+
+    def num_loading_tokens(self, request_id: str) -> int:
+        """Tokens of the request whose KV is being loaded from a tier now."""
+        load = self.tier_loads.get(request_id)
+        return len(load.hits) * self.block_size if load is not None else 0
+
+    def finish_tier_loads(self) -> dict[str, int]:
+        """Publish the blocks of the loads finished since the last call in the prefix cache; a block that failed
+        and those after it are freed (the request computes them). Returns, per request whose load finished, its
+        tokens with KV now (its new num_computed_tokens). A cancelled load's blocks are freed."""
+        done = {}
+        for finished in self.offloader.take_finished_loads() if self.offloader is not None else ():
+            rid = finished.request_id
+            load = self.tier_loads.pop(rid)
+            if load.cancelled:
+                self.block_pool.free(load.block_ids[::-1])
+                continue
+            ok = finished.num_loaded
+            for block_id, hit, key in list(zip(load.block_ids, load.hits, load.continuation_keys))[:ok]:
+                self.block_pool.cache_block(block_id, hit.block_hash, hit.token_ids, key)
+            if ok < len(load.block_ids):
+                self.block_pool.free(load.block_ids[ok:][::-1])
+                del self.block_tables[rid][load.start + ok :]
+            self.num_cached_blocks[rid] = load.start + ok
+            self.num_hits += ok * self.block_size
+            done[rid] = (load.start + ok) * self.block_size
+        return done
 
     def next_block_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:
         """The hash of the request's full prompt block after its first num_cached_blocks (None: no such block,
@@ -384,8 +480,12 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return the request's blocks to the pool at once (finish, abort or preemption); cached ones stay
-        reusable until evicted."""
+        reusable until evicted. Blocks a tier is loading into are freed when their load ends."""
         block_table = self.block_tables.pop(request.request_id, None)
+        load = self.tier_loads.get(request.request_id)
+        if load is not None:
+            load.cancelled = True
+            block_table = block_table[: load.start]
         i, num_partial = divmod(request.num_computed_tokens, self.block_size)
         partial = None
         if self.enable_caching and block_table and num_partial and i < len(block_table):
@@ -403,5 +503,11 @@ class KVCacheManager:
         return self.block_tables[request_id]
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Every hash the prefix cache holds now (the snapshot the prefix index rebuilds from)."""
+        """Every hash the pool's prefix cache holds now."""
         return list(self.block_pool.cached_blocks)
+
+    def cached_block_tiers(self) -> list[tuple[BlockHash, str]]:
+        """Every hash held now and its tier ("pool", "host", "disk"; a block in several tiers appears once per
+        tier): the snapshot the prefix index rebuilds from."""
+        held = [(h, "pool") for h in self.block_pool.cached_blocks]
+        return held + (self.offloader.snapshot() if self.offloader is not None else [])

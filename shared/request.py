@@ -46,6 +46,7 @@ class Grammar(Protocol):
 
 class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # decode tier: blocks reserved, prompt KV still arriving from prefill
+    LOADING_KV = "loading_kv"  # waiting: its cached prefix is being loaded from a tier below the pool
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

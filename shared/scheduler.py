@@ -10,7 +10,10 @@ queues each step, stably, so equal priorities keep first-come-first-served: the 
 of the lowest priority, and a waiting request that finds no room preempts a running one of lower priority. A request admitted from scratch first takes its longest cached prefix
 (KVCacheManager.get_computed_blocks, then a copy of a block that continues it: get_partial_block) and is
 scheduled only for the rest; one whose next block a running
-request is computing right now waits for it (a step or two) instead of computing it again.
+request is computing right now waits for it (a step or two) instead of computing it again. A prefix that continues
+in the tiers below the pool (shared/kv_offload.py) is loaded into fresh blocks beside the steps: its request waits
+(LOADING_KV, in the waiting queue) until the load ends, then is admitted with those tokens computed, like one whose
+prefix was computed by another request.
 """
 from __future__ import annotations
 
@@ -90,7 +93,18 @@ class Scheduler:
         out.block_copies = self.kv_cache_manager.take_block_copies()
         return out
 
+    def _finish_tier_loads(self) -> None:
+        """Requests whose prefix finished loading from a tier wait to be admitted with it computed."""
+        done = self.kv_cache_manager.finish_tier_loads()
+        for request in self.waiting if done else ():
+            if request.request_id in done and request.status == RequestStatus.LOADING_KV:
+                request.num_computed_tokens = done[request.request_id]
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = request.num_computed_tokens
+                request.status = RequestStatus.WAITING
+
     def _schedule(self, out: SchedulerOutput) -> None:
+        self._finish_tier_loads()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=_priority)  # (stable: admission order within a priority)
         if len(self.waiting) > 1:
@@ -121,12 +135,17 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if request.status == RequestStatus.LOADING_KV:
+                continue
             computed_block_ids, num_cached, partial = [], 0, None
             # (prompt logprobs need the logits of every prompt position: such a prompt is computed in full)
             if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
                 if in_flight and self.kv_cache_manager.next_block_hash(request, len(computed_block_ids)) in in_flight:
                     continue  # its next block is being computed: take it from the cache when it is
+                if self._start_tier_load(request, computed_block_ids, num_cached):
+                    in_flight |= self.kv_cache_manager.blocks_in_flight([])
+                    continue
                 partial = self.kv_cache_manager.get_partial_block(request, len(computed_block_ids))
                 num_cached += partial[1] if partial else 0
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
@@ -147,6 +166,16 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             in_flight |= self.kv_cache_manager.blocks_in_flight([request])
+
+    def _start_tier_load(self, request: Request, computed_block_ids: list[int], num_cached: int) -> bool:
+        """Start loading the request's prefix after its pool hit from the tiers below the pool, if they hold some
+        and the pool has room: it waits (LOADING_KV) meanwhile."""
+        hits = self.kv_cache_manager.get_tier_hits(request, len(computed_block_ids))
+        if not hits or not self.kv_cache_manager.start_tier_load(request, computed_block_ids, hits):
+            return False
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.LOADING_KV
+        return True
 
     def lowest_priority_running(self) -> Request | None:
         """The running request to preempt for a request of better priority: the newest of the worst priority."""

@@ -55,6 +55,9 @@ class FakeEngine:
     def take_kv_events(self):
         return None
 
+    def close(self):
+        self.calls.append(("close",))
+
 
 async def scenario():
     fake = FakeEngine()

@@ -1,0 +1,314 @@
+"""The KV tiers below the block pool: host memory, then a disk directory (SGLang's HiCache and vLLM's offloading
+connector do the same; LMCache's local CPU and disk backends too).
+
+A cached block the pool evicts is copied, with its token ids, into the host tier (CPU tensors, bounded in bytes);
+the host tier's evictions go to the disk tier (one file per block, shared/kv_block_file.py, bounded in bytes). Each
+tier is a set of blocks by hash, independent of the others (inclusive: a block brought back into the pool stays
+in its tier, so evicting it again costs nothing). The order in which a tier evicts is EvictionOrder's: least
+recently used, or least frequently used. shared/kv_offload.py moves blocks between the pool and these tiers.
+
+The disk tier writes on a thread of its own, in order (write to a temporary name, fsync, rename), and reads on the
+loader's thread; its index is guarded by a lock. When it starts it deletes temporary files (a write a crash cut
+short), reads the header of every block file and indexes those written under its hash contract (others are
+deleted), oldest first, so a restarted instance finds its blocks by hash. A file that fails any check when read
+(checksum, header, size) or is gone is a miss: the block leaves the index, never serves wrong KV.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.shared.block_hash import BlockHash
+from tandem.shared.kv_block_file import (SUFFIX, TMP_SUFFIX, BlockFileHeader, CorruptBlockFile, block_file_name,
+                                         read_block_file, read_block_header, write_block_file)
+
+log = logging.getLogger(__name__)
+
+
+class EvictionOrder:
+    """The order a tier's blocks leave it in: "lru", least recently stored or hit first; "lfu", fewest hits since
+    stored first, the least recent of those first (SGLang's --radix-eviction-policy lfu). O(1) per operation (but
+    victim, O(distinct hit counts))."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.hits: dict[BlockHash, int] = {}
+        self.buckets: dict[int, OrderedDict[BlockHash, None]] = {}  # hit count -> blocks, least recent first
+
+    def __len__(self) -> int:
+        return len(self.hits)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self.hits
+
+    def __iter__(self):
+        for count in sorted(self.buckets):
+            yield from self.buckets[count]
+
+    def add(self, key: BlockHash) -> None:
+        assert key not in self.hits
+        self.hits[key] = 0
+        self.buckets.setdefault(0, OrderedDict())[key] = None
+
+    def touch(self, key: BlockHash) -> None:
+        """A hit: the block becomes the most recent (and, with lfu, counts one more hit)."""
+        count = self.hits[key]
+        if self.policy == "lru":
+            self.buckets[0].move_to_end(key)
+            return
+        self._unlink(key, count)
+        self.hits[key] = count + 1
+        self.buckets.setdefault(count + 1, OrderedDict())[key] = None
+
+    def remove(self, key: BlockHash) -> None:
+        self._unlink(key, self.hits.pop(key))
+
+    def victim(self) -> BlockHash:
+        """The block to evict next (the tier is not empty)."""
+        return next(iter(self.buckets[min(self.buckets)]))
+
+    def _unlink(self, key: BlockHash, count: int) -> None:
+        bucket = self.buckets[count]
+        del bucket[key]
+        if not bucket:
+            del self.buckets[count]
+
+
+@dataclass(slots=True)
+class TierBlock:
+    """A block held by a tier: its token ids, its data (host tier; disk tier: until its file is written) and size."""
+
+    token_ids: tuple[int, ...]
+    data: torch.Tensor | None
+    nbytes: int
+
+
+class HostTier:
+    """Blocks as CPU tensors, at most capacity_bytes of them. Engine thread only; the loader thread copies from a
+    block's tensor, which is never written after put."""
+
+    def __init__(self, capacity_bytes: int, eviction: str):
+        self.capacity_bytes = capacity_bytes
+        self.blocks: dict[BlockHash, TierBlock] = {}
+        self.order = EvictionOrder(eviction)
+        self.num_bytes = 0
+
+    def get(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> TierBlock | None:
+        """The block holding exactly these tokens under this hash, or None."""
+        block = self.blocks.get(block_hash)
+        return block if block is not None and block.token_ids == token_ids else None
+
+    def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], data: torch.Tensor
+            ) -> list[tuple[BlockHash, TierBlock]]:
+        """Hold a block (data: a CPU tensor no one else writes); returns the blocks evicted to make room, in
+        order (it may be the block itself, when it alone exceeds the capacity)."""
+        assert block_hash not in self.blocks
+        nbytes = data.numel() * data.element_size()
+        self.blocks[block_hash] = TierBlock(token_ids, data, nbytes)
+        self.order.add(block_hash)
+        self.num_bytes += nbytes
+        evicted = []
+        while self.num_bytes > self.capacity_bytes:
+            victim = self.order.victim()
+            evicted.append((victim, self.remove(victim)))
+        return evicted
+
+    def touch(self, block_hash: BlockHash) -> bool:
+        """A use of the block, if the tier holds it (False: it does not)."""
+        if block_hash not in self.blocks:
+            return False
+        self.order.touch(block_hash)
+        return True
+
+    def remove(self, block_hash: BlockHash) -> TierBlock:
+        block = self.blocks.pop(block_hash)
+        self.order.remove(block_hash)
+        self.num_bytes -= block.nbytes
+        return block
+
+
+class DiskTier:
+    """Block files in directory, at most capacity_bytes of them, for one hash contract (contract: its root hash
+    hex) and one block layout (dtype, shape: a pool block's, kv_caches[:, :, i]).
+
+    Engine thread: get, touch, put, take_removed, hashes. Loader thread: read. Its own writer thread writes
+    and deletes files, in the order asked."""
+
+    def __init__(self, directory: str | Path, capacity_bytes: int, eviction: str, contract: str,
+                 dtype: torch.dtype, shape: tuple[int, ...]):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.contract, self.dtype, self.shape = contract, dtype, tuple(shape)
+        self.blocks: dict[BlockHash, TierBlock] = {}
+        self.order = EvictionOrder(eviction)
+        self.num_bytes = 0
+        self.num_failures = 0  # reads that found a corrupt or missing file, and writes that failed, since start
+        self._lock = threading.Lock()  # guards blocks, order, num_bytes, _removed
+        self._removed: list[BlockHash] = []  # left the index off the engine thread (failed read or write)
+        self._jobs: queue.Queue = queue.Queue()
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
+        self._writer.start()
+
+    def path(self, block_hash: BlockHash) -> Path:
+        return self.directory / block_file_name(block_hash)
+
+    def _scan(self) -> None:
+        """Index the block files a previous run of this instance left, oldest first; delete temporary files,
+        unreadable ones, other contracts' and other layouts', and the oldest beyond the capacity."""
+        files = []
+        for path in self.directory.iterdir():
+            if path.name.endswith(TMP_SUFFIX):
+                path.unlink(missing_ok=True)
+            elif path.name.endswith(SUFFIX):
+                try:
+                    header, stat = read_block_header(path), path.stat()
+                except (CorruptBlockFile, OSError) as e:
+                    log.warning("disk KV tier: deleting %s: %s", path, e)
+                    path.unlink(missing_ok=True)
+                    continue
+                layout = (header.contract, header.dtype, header.shape, path.name)
+                if layout != (self.contract, str(self.dtype).removeprefix("torch."), self.shape,
+                              block_file_name(header.block_hash)):  # fmt: skip
+                    path.unlink(missing_ok=True)
+                    continue
+                files.append((stat.st_mtime, header))
+        itemsize = self.dtype.itemsize
+        for _, header in sorted(files, key=lambda f: f[0]):
+            size = itemsize * int(torch.Size(header.shape).numel())  # (the payload, as put counts it)
+            self.blocks[header.block_hash] = TierBlock(header.token_ids, None, size)
+            self.order.add(header.block_hash)
+            self.num_bytes += size
+        for block_hash in self._evict_to(self.capacity_bytes):
+            self.path(block_hash).unlink(missing_ok=True)
+        if self.blocks:
+            log.info("disk KV tier %s: %d blocks (%.1f MB) from an earlier run", self.directory, len(self.blocks),
+                     self.num_bytes / 1e6)
+
+    def hashes(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self.blocks)
+
+    def get(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Whether the tier holds exactly these tokens under this hash."""
+        with self._lock:
+            block = self.blocks.get(block_hash)
+            return block is not None and block.token_ids == token_ids
+
+    def touch(self, block_hash: BlockHash) -> bool:
+        """A use of the block, if the tier holds it (False: it does not)."""
+        with self._lock:
+            if block_hash not in self.order:
+                return False
+            self.order.touch(block_hash)
+            return True
+
+    def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], data: torch.Tensor) -> list[BlockHash]:
+        """Hold a block: indexed at once (reads serve data until the file is written), written by the writer
+        thread. Returns the hashes evicted to make room (maybe the block itself)."""
+        nbytes = data.numel() * data.element_size()  # (the payload; the file's header adds a little)
+        with self._lock:
+            assert block_hash not in self.blocks
+            block = TierBlock(token_ids, data, nbytes)
+            self.blocks[block_hash] = block
+            self.order.add(block_hash)
+            self.num_bytes += nbytes
+            evicted = self._evict_to(self.capacity_bytes)
+        if block_hash not in evicted:
+            self._jobs.put((block_hash, block))
+        for victim in evicted:
+            self._jobs.put((victim, None))
+        return evicted
+
+    def _evict_to(self, capacity_bytes: int) -> list[BlockHash]:
+        evicted = []
+        while self.num_bytes > capacity_bytes:
+            victim = self.order.victim()
+            self.order.remove(victim)
+            self.num_bytes -= self.blocks.pop(victim).nbytes
+            evicted.append(victim)
+        return evicted
+
+    def read(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """Loader thread: the block's data (checked: shared/kv_block_file.py), or None when its file is corrupt or
+        missing (then it leaves the index and take_removed reports it). A block evicted since it was found is
+        still read if its file is there yet (every check passes or it is a miss)."""
+        with self._lock:
+            block = self.blocks.get(block_hash)
+            if block is not None and block.token_ids == token_ids and block.data is not None:  # (not written yet)
+                return block.data
+        try:
+            return read_block_file(self.path(block_hash), self.contract, block_hash, token_ids, self.dtype,
+                                   self.shape)  # fmt: skip
+        except (CorruptBlockFile, OSError) as e:
+            if block is not None:
+                log.warning("disk KV tier: block %s unreadable (a miss): %s", block_hash.hex(), e)
+                self._drop(block_hash, block)
+            return None
+
+    def _drop(self, block_hash: BlockHash, block: TierBlock) -> None:
+        """Take a block whose file failed out of the index (if it is still that block) and delete its file."""
+        with self._lock:
+            self.num_failures += 1
+            if self.blocks.get(block_hash) is not block:
+                return
+            self.order.remove(block_hash)
+            self.num_bytes -= self.blocks.pop(block_hash).nbytes
+            self._removed.append(block_hash)
+        self._jobs.put((block_hash, None))
+
+    def take_removed(self) -> list[BlockHash]:
+        """The blocks that left the index off the engine thread since the last call (failed reads and writes)."""
+        with self._lock:
+            removed, self._removed = self._removed, []
+            return removed
+
+    def _write_loop(self) -> None:
+        """Writer thread: (hash, block) writes the block's file unless it left the index meanwhile; (hash, None)
+        deletes the file. None stops."""
+        while (job := self._jobs.get()) is not None:
+            block_hash, block = job
+            try:
+                if block is None:
+                    self.path(block_hash).unlink(missing_ok=True)
+                else:
+                    self._write(block_hash, block)
+            except Exception:  # (a bug must not stop the writer: the next jobs still run)
+                log.exception("disk KV tier: job for block %s failed", block_hash.hex())
+            finally:
+                self._jobs.task_done()
+
+    def _write(self, block_hash: BlockHash, block: TierBlock) -> None:
+        with self._lock:
+            if self.blocks.get(block_hash) is not block:
+                return  # evicted before it was written
+        header = BlockFileHeader(self.contract, block_hash, block.token_ids, str(self.dtype).removeprefix("torch."),
+                                 self.shape)  # fmt: skip
+        try:
+            write_block_file(self.path(block_hash), header, block.data)
+        except OSError as e:
+            log.warning("disk KV tier: cannot write block %s: %s", block_hash.hex(), e)
+            self._drop(block_hash, block)
+            return
+        with self._lock:
+            if self.blocks.get(block_hash) is block:
+                block.data = None  # (reads come from the file now)
+                return
+        # evicted while it was written: its delete ran before the file existed
+        self.path(block_hash).unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait until every write and delete asked for so far is done."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finish the writes asked for, then stop the writer thread."""
+        self._jobs.put(None)
+        self._writer.join(timeout=30)
