@@ -67,3 +67,37 @@ def test_max_model_len_cuts_the_context_of_gateway_and_engines_alike():
     model, cache, _ = EngineArgs(max_model_len=512).create_configs("prefill", default_model_dir())
     assert model.max_model_len == 512 and cache.num_blocks == 1024
     assert EngineArgs(max_model_len=512).create_model_config(default_model_dir()) == model
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_a_quantized_pool_counts_its_packed_rows_and_holds_about_3_8x_the_blocks(model_config, monkeypatch, kv_dtype):
+    """A quantized row is head_dim code bytes + a 4-byte fp32 scale: 68 bytes against fp32's 256 for head_dim 64,
+    so the same memory holds 256 / 68 = 3.76x the blocks."""
+    assert CacheConfig(16, 8, kv_dtype).block_bytes(model_config) == 2 * 2 * 16 * 3 * (64 + 4)
+    free = 10 * 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": free})())
+    fp32 = make_runner(model_config, CacheConfig(16, None, "float32", memory_utilization=0.01))
+    quantized = make_runner(model_config, CacheConfig(16, None, kv_dtype, memory_utilization=0.01))
+    assert quantized.kv_caches.dtype == torch.uint8 and quantized.kv_caches.shape[-1] == 68
+    assert quantized.cache_config.num_blocks == int(free * 0.01) // (2 * 2 * 16 * 3 * 68)
+    assert 3.7 < quantized.cache_config.num_blocks / fp32.cache_config.num_blocks < 3.8
+
+
+def test_kv_dtype_flags_and_the_hash_contract(monkeypatch):
+    """--kv-dtype takes the quantized names (and --kv-cache-dtype, vLLM's name, is the same flag); each KV dtype
+    gives its own prefix-cache contract, so instances of different KV dtypes never share a block."""
+    import argparse
+
+    from tandem.services.flags import add_engine_args
+    from tandem.shared.block_hash import HashContract
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, tier="decode")
+    assert parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_dtype == "fp8_e4m3"
+    assert parser.parse_args(["--kv-dtype", "int8"]).kv_dtype == "int8"
+    _, cache, _ = EngineArgs(kv_dtype="fp8_e5m2").create_configs("decode", default_model_dir())
+    assert cache.kv_dtype == "fp8_e5m2" and cache.kv_quant == "fp8_e5m2"
+    roots = {HashContract(16, "m:abc:fp32", kv).root_hash for kv in ("float32", "fp8_e4m3", "fp8_e5m2", "int8")}
+    assert len(roots) == 4
+    with pytest.raises(ValueError, match="unknown KV dtype 'fp8'"):
+        CacheConfig(16, 8, "fp8")
