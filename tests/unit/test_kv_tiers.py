@@ -1,0 +1,218 @@
+"""The KV tiers below the pool with small objects: exact spill order pool -> host -> disk and the tiers' bounds, a hit
+loaded beside the steps and published, atomic and checked block files (a crash mid-write and a corrupted file are
+misses), a restart that finds its blocks again, an abort during a load."""
+import os
+
+import pytest
+import torch
+
+from tandem.shared.block_hash import HashContract, hash_request_blocks
+from tandem.shared.config import KVTierConfig, SchedulerConfig
+from tandem.shared.engine_args import EngineArgs
+from tandem.shared.kv_block_file import block_file_name
+from tandem.shared.kv_cache_manager import KVCacheManager
+from tandem.shared.kv_offload import KVOffloader
+from tandem.shared.kv_tiers import EvictionOrder
+from tandem.shared.request import Request, RequestStatus, SamplingParams
+from tandem.shared.scheduler import Scheduler
+
+BS = 4
+CONTRACT = HashContract(BS, "m:abc:fp32", "fp32")
+A, B, C = range(1, 14), range(100, 113), range(200, 213)  # 3 full blocks + 1 token each
+
+
+def make_pool(num_blocks=6) -> torch.Tensor:
+    return torch.zeros(2, 2, num_blocks, BS, 1, 2)  # [layers, K/V, blocks, block_size, heads, row]
+
+
+def make_tiers(kv_caches, tmp_path, host_blocks=2, disk_blocks=2, eviction="lru", contract=CONTRACT):
+    block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
+    config = KVTierConfig(host_blocks * block_bytes, str(tmp_path / "disk"), disk_blocks * block_bytes, eviction)
+    return KVOffloader(config, kv_caches, contract, record_events=True)
+
+
+def make_scheduler(kv_caches, offloader) -> Scheduler:
+    kv = KVCacheManager(kv_caches.shape[2], BS, CONTRACT, record_events=True, offloader=offloader)
+    return Scheduler(SchedulerConfig(64, 8), kv)
+
+
+def step(scheduler, kv_caches):
+    """One schedule; 'computes' each scheduled token by writing its id into its slot (every layer, K and V)."""
+    out = scheduler.schedule()
+    kv = scheduler.kv_cache_manager
+    for r in out.scheduled_requests:
+        table = kv.get_block_table(r.request_id)
+        for p in range(r.num_computed_tokens, r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]):
+            kv_caches[:, :, table[p // BS], p % BS] = float(r.token_ids(p, p + 1)[0])
+        r.num_computed_tokens += out.num_scheduled_tokens[r.request_id]
+        kv.cache_full_blocks(r)
+    return out
+
+
+def run(scheduler, kv_caches, rid, tokens, finish=True):
+    """Admit a prompt, wait for any tier load, compute it; returns the request (freed unless finish is False)."""
+    request = Request(rid, list(tokens), SamplingParams(max_tokens=1))
+    scheduler.add_request(request)
+    while not step(scheduler, kv_caches).scheduled_requests:
+        assert request.status == RequestStatus.LOADING_KV
+        scheduler.kv_cache_manager.offloader.wait_for_load(5.0)
+    table = scheduler.kv_cache_manager.get_block_table(rid)
+    assert all(bool((kv_caches[:, :, table[p // BS], p % BS] == tokens[p]).all()) for p in range(len(tokens)))
+    if finish:
+        scheduler.remove_request(request)
+        scheduler.kv_cache_manager.free(request)
+    return request
+
+
+def hashes(tokens):
+    return hash_request_blocks(list(tokens), CONTRACT)
+
+
+def events(kv):
+    return [(type(e).__name__, e.tier, e.block_hashes) for e in kv.block_pool.take_events()]
+
+
+def test_eviction_order_lru_and_lfu():
+    for policy, expected in (("lru", [b"c", b"a", b"b"]), ("lfu", [b"c", b"b", b"a"])):
+        order = EvictionOrder(policy)
+        for key in (b"a", b"b", b"c"):
+            order.add(key)
+        order.touch(b"a")
+        order.touch(b"a")
+        order.touch(b"b")
+        assert list(order) == expected, policy
+        assert order.victim() == expected[0]
+        order.remove(expected[0])
+        assert order.victim() == expected[1]
+
+
+def test_evicted_blocks_spill_pool_to_host_to_disk_in_lru_order(tmp_path):
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path)
+    scheduler = make_scheduler(kv_caches, offloader)
+    kv = scheduler.kv_cache_manager
+    a, b, c = hashes(A), hashes(B), hashes(C)
+    run(scheduler, kv_caches, "a", A)
+    assert events(kv) == [("BlockStored", "pool", tuple(a))]
+    run(scheduler, kv_caches, "b", B)  # 6 blocks: a's never-full 4th and free ones go first, then a's tail
+    assert events(kv) == [("BlockRemoved", "pool", (a[2],)), ("BlockStored", "pool", tuple(b)),
+                          ("BlockStored", "host", (a[2],))]  # fmt: skip
+    run(scheduler, kv_caches, "c", C)  # the host tier holds 2: a[2] goes on to disk, then a[1]
+    assert events(kv) == [
+        ("BlockRemoved", "pool", (a[1], a[0], b[2])), ("BlockStored", "pool", tuple(c)),
+        ("BlockStored", "host", (a[1], a[0])), ("BlockRemoved", "host", (a[2],)), ("BlockStored", "disk", (a[2],)),
+        ("BlockStored", "host", (b[2],)), ("BlockRemoved", "host", (a[1],)), ("BlockStored", "disk", (a[1],))]
+    offloader.flush()
+    assert sorted(os.listdir(tmp_path / "disk")) == sorted(block_file_name(h) for h in (a[1], a[2]))
+    assert sorted(kv.cached_block_tiers()) == sorted([(h, "pool") for h in b[:2] + c] + [(a[0], "host"),
+                                                     (b[2], "host"), (a[1], "disk"), (a[2], "disk")])  # fmt: skip
+    assert offloader.num_stored == {"host": 4, "disk": 2} and offloader.num_evicted == {"host": 2, "disk": 0}
+    offloader.close()
+
+
+def test_a_hit_below_the_pool_loads_beside_the_step_and_is_published(tmp_path):
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=2, disk_blocks=4)
+    scheduler = make_scheduler(kv_caches, offloader)
+    kv = scheduler.kv_cache_manager
+    for rid, tokens in (("a", A), ("b", B), ("c", C)):
+        run(scheduler, kv_caches, rid, tokens)
+    events(kv)
+    # a's 3 full blocks: a[0] in the host tier, a[1] and a[2] on disk (maybe still being written)
+    first = Request("a2", list(A), SamplingParams(max_tokens=1))
+    second = Request("a3", list(A) + [7, 7, 7], SamplingParams(max_tokens=1))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    out = step(scheduler, kv_caches)  # first starts its load; second waits for those blocks (in flight)
+    assert out.scheduled_requests == [] and first.status == RequestStatus.LOADING_KV
+    assert second.status == RequestStatus.WAITING and kv.num_loading_tokens("a2") == 12
+    while not out.scheduled_requests:
+        offloader.wait_for_load(5.0)
+        out = step(scheduler, kv_caches)
+    assert out.scheduled_requests[0] is first and out.num_scheduled_tokens["a2"] == 1
+    assert first.num_cached_tokens == 12 and offloader.num_loaded == {"host": 1, "disk": 2}
+    a = hashes(A)
+    assert ("BlockStored", "pool", tuple(a)) in events(kv)
+    out = step(scheduler, kv_caches)  # second takes the loaded blocks from the pool
+    assert second.num_cached_tokens == 12 and kv.get_block_table("a3")[:3] == kv.get_block_table("a2")[:3]
+    assert set(offloader.load_s_per_block) == {"host", "disk"}  # (probed at start, then measured)
+    offloader.close()
+
+
+def test_block_files_are_atomic_and_checked_and_a_bad_one_is_a_miss(tmp_path):
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=0, disk_blocks=8)
+    scheduler = make_scheduler(kv_caches, offloader)
+    for rid, tokens in (("a", A), ("b", B), ("c", C)):
+        run(scheduler, kv_caches, rid, tokens)
+    offloader.flush()
+    a = hashes(A)
+    disk = tmp_path / "disk"
+    blob = bytearray((disk / block_file_name(a[1])).read_bytes())
+    blob[len(blob) // 2] ^= 1  # a flipped bit in a[1]'s KV
+    (disk / block_file_name(a[1])).write_bytes(blob)
+    # a's blocks are all on disk: a[0] loads, a[1] fails and ends the hit: a[1] and a[2] are computed again
+    assert run(scheduler, kv_caches, "a2", A).num_cached_tokens == 4  # (its KV checked against the tokens in run)
+    kv = scheduler.kv_cache_manager
+    assert offloader.num_failed["disk"] == 1 and ("BlockRemoved", "disk", (a[1],)) in events(kv)
+    offloader.flush()
+    assert not (disk / block_file_name(a[1])).exists()
+    offloader.close()
+    # a crash mid-write: a temporary file, and a final name holding half a file (a disk that lied about fsync)
+    good = (disk / block_file_name(a[0])).read_bytes()
+    (disk / (block_file_name(a[2]) + ".123.tmp")).write_bytes(good)
+    (disk / block_file_name(a[2])).write_bytes(good[: len(good) // 2])
+    restarted = make_tiers(kv_caches, tmp_path, host_blocks=0, disk_blocks=8)
+    assert a[2] not in restarted.disk.blocks and a[0] in restarted.disk.blocks
+    assert sorted(os.listdir(disk)) == sorted(block_file_name(h) for h in restarted.disk.blocks)
+    restarted.close()
+
+
+def test_a_restarted_instance_loads_its_disk_blocks(tmp_path):
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=1, disk_blocks=8)
+    scheduler = make_scheduler(kv_caches, offloader)
+    for rid, tokens in (("a", A), ("b", B), ("c", C)):
+        run(scheduler, kv_caches, rid, tokens)
+    offloader.close()
+    on_disk = set(offloader.disk.hashes())
+    kv_caches = make_pool()
+    restarted = make_tiers(kv_caches, tmp_path, host_blocks=1, disk_blocks=8)
+    scheduler = make_scheduler(kv_caches, restarted)
+    kv = scheduler.kv_cache_manager
+    assert events(kv) == [("BlockStored", "disk", tuple(restarted.disk.hashes()))]
+    assert set(restarted.disk.hashes()) == on_disk and set(kv.cached_block_tiers()) == {(h, "disk") for h in on_disk}
+    assert run(scheduler, kv_caches, "a2", A).num_cached_tokens == 12  # (its KV checked against the tokens in run)
+    restarted.close()
+    other = HashContract(BS, "m:other:fp32", "fp32")  # restarted with another model: no block of the old one is
+    assert make_tiers(make_pool(), tmp_path, contract=other).snapshot() == []  # served (the files are deleted)
+    assert os.listdir(tmp_path / "disk") == []
+
+
+def test_an_abort_during_a_load_frees_its_blocks_when_the_load_ends(tmp_path):
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=4, disk_blocks=0)
+    scheduler = make_scheduler(kv_caches, offloader)
+    kv = scheduler.kv_cache_manager
+    for rid, tokens in (("a", A), ("b", B), ("c", C)):
+        run(scheduler, kv_caches, rid, tokens)
+    request = Request("a2", list(A), SamplingParams(max_tokens=1))
+    scheduler.add_request(request)
+    step(scheduler, kv_caches)
+    assert request.status == RequestStatus.LOADING_KV
+    loading = kv.tier_loads["a2"].block_ids
+    scheduler.remove_request(request)
+    kv.free(request)
+    assert not set(loading) & set(kv.block_pool.free_block_queue)  # (the loader may still write them)
+    offloader.wait_for_load(5.0)
+    step(scheduler, kv_caches)
+    assert set(loading) <= set(kv.block_pool.free_block_queue) and not kv.tier_loads
+    assert kv.num_free_blocks == 6
+    offloader.close()
+
+
+@pytest.mark.parametrize("instance_id, expected", [("prefill-0", "/kv/prefill-0"), (None, "/kv")])
+def test_engine_args_make_the_tier_config(instance_id, expected):
+    args = EngineArgs(kv_host_tier_gib=0.5, kv_disk_tier_dir="/kv", kv_disk_tier_gib=2, kv_tier_eviction="lfu")
+    assert args.create_kv_tier_config(instance_id) == KVTierConfig(1 << 29, expected, 2 << 30, "lfu")
+    assert not EngineArgs().create_kv_tier_config("x").enabled
