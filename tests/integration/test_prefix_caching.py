@@ -3,7 +3,7 @@ at and around block boundaries, with requests sharing a prefix in flight beside 
 again and again, prompts extending a request that ended on a stop token, and under forced eviction."""
 import pytest
 
-from tandem.shared.config import CacheConfig, SchedulerConfig
+from tandem.shared.config import CacheConfig, KVTierConfig, SchedulerConfig
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
 from tests.prompts import LONG_TEXT
@@ -90,3 +90,29 @@ def test_forced_eviction_keeps_outputs_exact(model_config, base_ids, hf_greedy):
     assert engine.kv_cache_manager.block_pool.num_evictions > 0
     assert run.cached["r4"] < 80  # the first prompt's blocks were (partly) evicted
     assert engine.num_free_blocks == 14
+
+
+def test_hits_from_the_host_and_disk_tiers_and_after_a_restart_keep_outputs_exact(model_config, base_ids, hf_greedy,
+                                                                                 tmp_path):
+    """A pool of 14 blocks evicts prompts' blocks to a host tier of 8 blocks, whose evictions go to disk (tails
+    first): prompt 1 comes back from the host tier, prompt 0 from disk, then a new engine on the same directory (a
+    restarted instance) serves prompt 0 from its disk."""
+    block_bytes = CacheConfig(BS, 14).block_bytes(model_config)
+    tiers = KVTierConfig(8 * block_bytes, str(tmp_path / "kv"), 64 * block_bytes)
+    engine = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), kv_tier_config=tiers)
+    prompts = [base_ids[i * 40 : i * 40 + 90] for i in range(4)]  # (no block in common)
+    for i, ids in enumerate(prompts):
+        assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids, NUM_TOKENS), i
+    for i in (1, 0):
+        assert run(engine, {f"again{i}": prompts[i]})[f"again{i}"] == hf_greedy(prompts[i], NUM_TOKENS), i
+        assert run.cached[f"again{i}"] >= 80, i  # its 5 full prompt blocks (the last token is computed)
+    stats = engine.stats()
+    assert stats.kv_tier_hits == {"host": 5, "disk": 5} and stats.kv_tier_load_failures == {"host": 0, "disk": 0}
+    assert stats.kv_tier_load_s.keys() == {"host", "disk"}
+    engine.close()  # (its disk writes finish)
+    restarted = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), model=engine.model_runner.model,
+                          kv_tier_config=tiers)
+    assert restarted.stats().kv_tier_blocks["disk"] > 0
+    assert run(restarted, {"warm": prompts[0]})["warm"] == hf_greedy(prompts[0], NUM_TOKENS)
+    assert run.cached["warm"] >= 80 and restarted.stats().kv_tier_hits == {"host": 0, "disk": 5}
+    restarted.close()
