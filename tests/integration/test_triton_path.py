@@ -30,7 +30,8 @@ from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
 
-model_dir, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+model_dir, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "none" else None
+kv_dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
 config = ModelConfig.from_dir(model_dir, quantization)
 prompts = [list(range(100, 140)), list(range(300, 303))]  # 40 tokens: two chunks of 24 (extend over a prefix)
 calls = collections.Counter()
@@ -52,7 +53,7 @@ count_calls(tandem.kernels.prefill_attention, "paged_prefill_attention")
 count_calls(tandem.kernels.quant_gemm, "w8a16_gemm")
 count_calls(tandem.kernels.quant_gemm, "w4a16_gemm")
 
-engine = LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(24, 4))
+engine = LLMEngine(config, CacheConfig(16, 64, kv_dtype), SchedulerConfig(24, 4))
 tokens = {}
 for i, ids in enumerate(prompts):
     engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
@@ -123,6 +124,12 @@ def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
     subprocess.run([sys.executable, "-m", "tandem.services", "quantize", "--method", "rtn", *bits,
                     "--model", str(cut_model_dir), "--out", str(quantized)], check=True, timeout=300)
     compare_paths(cut_model_dir, quantized)
+
+
+def test_triton_path_reads_and_writes_a_quantized_kv_cache(cut_model_dir):
+    """fp8_e4m3 KV (kernels/kv_quant.py): the Triton write kernel quantizes (byte-exact to the torch path's), the
+    decode and prefill kernels read the codes in place; the same greedy tokens as the torch path."""
+    compare_paths(cut_model_dir, "none", "fp8_e4m3")
 
 
 def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_path):
