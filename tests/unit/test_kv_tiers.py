@@ -211,6 +211,24 @@ def test_an_abort_during_a_load_frees_its_blocks_when_the_load_ends(tmp_path):
     offloader.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
+def test_a_pool_of_any_element_type_round_trips_through_both_tiers(dtype, tmp_path):
+    """The tiers move a block's elements as they are (a quantized pool: uint8 rows of codes and scales)."""
+    kv_caches = (torch.arange(2 * 2 * 6 * BS * 68) % 251).reshape(2, 2, 6, BS, 1, 68).to(dtype)
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=1, disk_blocks=4)
+    h1, h2 = b"1" * 16, b"2" * 16
+    offloader.offload(1, h1, (1, 2, 3, 4))
+    offloader.offload(2, h2, (5, 6, 7, 8))  # (h1 goes on to disk)
+    offloader.flush()
+    hits = [offloader.find(h1, (1, 2, 3, 4)), offloader.find(h2, (5, 6, 7, 8))]
+    assert [hit.tier for hit in hits] == ["disk", "host"]
+    offloader.start_load("r", [4, 5], hits)
+    offloader.wait_for_load(5.0)
+    assert offloader.take_finished_loads()[0].num_loaded == 2
+    assert torch.equal(kv_caches[:, :, 4:6], kv_caches[:, :, 1:3])
+    offloader.close()
+
+
 @pytest.mark.parametrize("instance_id, expected", [("prefill-0", "/kv/prefill-0"), (None, "/kv")])
 def test_engine_args_make_the_tier_config(instance_id, expected):
     args = EngineArgs(kv_host_tier_gib=0.5, kv_disk_tier_dir="/kv", kv_disk_tier_gib=2, kv_tier_eviction="lfu")
