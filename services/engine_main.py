@@ -132,6 +132,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
             stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
         info.tokens_per_s = round(metrics.tokens_per_s, 1)
+        info.kv_tier_load_s = dict(stats.kv_tier_load_s)  # (measured by the engine: the router's price of a tier hit)
         return info
 
     metrics.stats.stats = await async_engine.stats()  # (the first registration carries the real load)
