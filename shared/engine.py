@@ -360,10 +360,10 @@ class LLMEngine:
         in_flight = kv.blocks_in_flight(self.scheduler.running) if self.scheduler.waiting else set()
         queued = 0
         for r in self.requests.values():
-            if r.status == RequestStatus.WAITING and r.num_computed_tokens == 0:
-                queued += r.num_tokens - kv.num_reusable_tokens(r, in_flight)
+            if r.status in (RequestStatus.WAITING, RequestStatus.LOADING_KV) and r.num_computed_tokens == 0:
+                queued += r.num_tokens - kv.num_reusable_tokens(r, in_flight)  # (a prefix being loaded is in flight)
             elif r.status != RequestStatus.WAITING_FOR_KV:
-                queued += r.num_tokens - r.num_computed_tokens - kv.num_loading_tokens(r.request_id)
+                queued += r.num_tokens - r.num_computed_tokens
         return queued
 
     def stats(self) -> EngineStats:

@@ -29,9 +29,9 @@ with some full-attention layers (Gemma's alternation) needs every block and free
 Tiers below the pool (shared/kv_offload.py, with a KVOffloader): a cached block the pool evicts is copied into the
 host tier, then the disk tier. On admission a request's run of cached blocks continues through them
 (get_tier_hits); start_tier_load gives those blocks fresh pool blocks that a loader thread fills beside the step,
-and finish_tier_loads publishes them in the prefix cache once loaded. Until then the request waits (LOADING_KV) and
-its blocks count as in flight, so a request with the same prefix waits for them too. Scheduler admissions only: the
-decode tier's reserve stays pool-only.
+and finish_tier_loads publishes them in the prefix cache once loaded and frees them, to be taken as a pool hit when
+the request is admitted. Until then the request waits (LOADING_KV) and its blocks count as in flight, so a request
+with the same prefix waits for them too. Scheduler admissions only: the decode tier's reserve stays pool-only.
 """
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def kv_variant(request: Request) -> str | None:
 
 @dataclass(slots=True)
 class TierLoad:
-    """A request's blocks being loaded from the tiers below the pool: logical blocks start.. of its block table."""
+    """A request's blocks being loaded from the tiers below the pool, after its pool hit."""
 
-    start: int
-    block_ids: list[int]  # the pool blocks being written, held by the request alone
+    held_block_ids: list[int]  # its pool hit, held meanwhile
+    block_ids: list[int]  # the pool blocks being written, held by the load alone
     hits: list[TierHit]
     continuation_keys: list[tuple]  # (KVCacheManager.continuation_key of each, for publishing it)
     cancelled: bool = False  # the request ended: its blocks are freed when the load ends
@@ -371,50 +371,42 @@ class KVCacheManager:
         return hits
 
     def start_tier_load(self, request: Request, computed_block_ids: list[int], hits: list[TierHit]) -> bool:
-        """Admit a request with no blocks yet: take its pool hit (computed_block_ids) and fresh blocks for its tier
-        hits (get_tier_hits), which the offloader's loader thread fills. False (nothing taken) if the pool cannot
-        hold them. The request then waits for finish_tier_loads."""
-        start, n = len(computed_block_ids), len(hits)
-        if request.request_id in self.tier_loads:  # (a cancelled load of an earlier request of this id, still running)
+        """Start loading a request's tier hits (get_tier_hits, after its pool hit computed_block_ids; the request
+        holds no blocks): its pool hit is held, and fresh blocks, which the offloader's loader thread fills, are
+        taken for the hits. False (nothing taken) if the pool cannot hold them. The request then waits for
+        finish_tier_loads, and is admitted afterwards like any other request, finding those blocks in the pool."""
+        rid = request.request_id
+        if rid in self.tier_loads:  # (a cancelled load of an earlier request of this id, still running)
             return False
-        self.offloader.touch(hits)
-        if not self.allocate_slots(request, n * self.block_size, computed_block_ids):
+        reusable = sum(self.block_pool.blocks[b].ref_cnt == 0 for b in computed_block_ids)
+        if len(hits) > self.block_pool.num_free_blocks - reusable:
             return False
-        block_ids = self.block_tables[request.request_id][start : start + n]
-        keys = [self.continuation_key(request, i) for i in range(start, start + n)]
-        self.tier_loads[request.request_id] = TierLoad(start, block_ids, list(hits), keys)
-        self.offloader.start_load(request.request_id, block_ids, hits)
+        self.offloader.touch(hits)  # (first: the evictions below push other blocks down the tiers)
+        self.block_pool.touch(list(computed_block_ids))
+        block_ids = self.block_pool.allocate(len(hits))
+        start = len(computed_block_ids)
+        keys = [self.continuation_key(request, i) for i in range(start, start + len(hits))]
+        self.tier_loads[rid] = TierLoad(list(computed_block_ids), block_ids, list(hits), keys)
+        self.offloader.start_load(rid, block_ids, hits)
         return True
 
     @property
     def has_tier_loads(self) -> bool:
         return bool(self.tier_loads)
 
-    def num_loading_tokens(self, request_id: str) -> int:
-        """Tokens of the request whose KV is being loaded from a tier now."""
-        load = self.tier_loads.get(request_id)
-        return len(load.hits) * self.block_size if load is not None else 0
-
-    def finish_tier_loads(self) -> dict[str, int]:
-        """Publish the blocks of the loads finished since the last call in the prefix cache; a block that failed
-        and those after it are freed (the request computes them). Returns, per request whose load finished, its
-        tokens with KV now (its new num_computed_tokens). A cancelled load's blocks are freed."""
-        done = {}
+    def finish_tier_loads(self) -> list[str]:
+        """Publish the blocks of the loads finished since the last call in the prefix cache, and return all their
+        blocks to the free queue, tail first (the loaded ones cached; a block that failed and those after it
+        not). Returns the ids of the requests whose load finished (an ended request's is not among them)."""
+        done = []
         for finished in self.offloader.take_finished_loads() if self.offloader is not None else ():
-            rid = finished.request_id
-            load = self.tier_loads.pop(rid)
-            if load.cancelled:
-                self.block_pool.free(load.block_ids[::-1])
-                continue
-            ok = finished.num_loaded
-            for block_id, hit, key in list(zip(load.block_ids, load.hits, load.continuation_keys))[:ok]:
+            load = self.tier_loads.pop(finished.request_id)
+            num_loaded = 0 if load.cancelled else finished.num_loaded
+            for block_id, hit, key in list(zip(load.block_ids, load.hits, load.continuation_keys))[:num_loaded]:
                 self.block_pool.cache_block(block_id, hit.block_hash, hit.token_ids, key)
-            if ok < len(load.block_ids):
-                self.block_pool.free(load.block_ids[ok:][::-1])
-                del self.block_tables[rid][load.start + ok :]
-            self.num_cached_blocks[rid] = load.start + ok
-            self.num_hits += ok * self.block_size
-            done[rid] = (load.start + ok) * self.block_size
+            self.block_pool.free((load.held_block_ids + load.block_ids)[::-1])
+            if not load.cancelled:
+                done.append(finished.request_id)
         return done
 
     def next_block_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:
@@ -482,10 +474,8 @@ class KVCacheManager:
         """Return the request's blocks to the pool at once (finish, abort or preemption); cached ones stay
         reusable until evicted. Blocks a tier is loading into are freed when their load ends."""
         block_table = self.block_tables.pop(request.request_id, None)
-        load = self.tier_loads.get(request.request_id)
-        if load is not None:
-            load.cancelled = True
-            block_table = block_table[: load.start]
+        if request.request_id in self.tier_loads:  # (its blocks are freed when the load ends)
+            self.tier_loads[request.request_id].cancelled = True
         i, num_partial = divmod(request.num_computed_tokens, self.block_size)
         partial = None
         if self.enable_caching and block_table and num_partial and i < len(block_table):

@@ -173,7 +173,12 @@ class KVOffloader:
             for hit in job.hits[: f.num_loaded]:
                 self.num_loaded[hit.tier] += 1
             if f.num_loaded < len(job.hits):
-                self.num_failed[job.hits[f.num_loaded].tier] += 1
+                failed = job.hits[f.num_loaded]
+                self.num_failed[failed.tier] += 1
+                if failed.tier == "host" and self.host.get(failed.block_hash, failed.token_ids) is not None:
+                    self.host.remove(failed.block_hash)  # (never tried again; a disk block left on its own)
+                    if self.record_events:
+                        self._events.append(BlockRemoved((failed.block_hash,), "host"))
         return finished
 
     def wait_for_load(self, timeout_s: float) -> None:

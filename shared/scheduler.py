@@ -12,8 +12,8 @@ of the lowest priority, and a waiting request that finds no room preempts a runn
 scheduled only for the rest; one whose next block a running
 request is computing right now waits for it (a step or two) instead of computing it again. A prefix that continues
 in the tiers below the pool (shared/kv_offload.py) is loaded into fresh blocks beside the steps: its request waits
-(LOADING_KV, in the waiting queue) until the load ends, then is admitted with those tokens computed, like one whose
-prefix was computed by another request.
+(LOADING_KV, in the waiting queue) until the load ends, then is admitted like one whose prefix another request
+computed: the loaded blocks are in the pool's prefix cache.
 """
 from __future__ import annotations
 
@@ -94,13 +94,10 @@ class Scheduler:
         return out
 
     def _finish_tier_loads(self) -> None:
-        """Requests whose prefix finished loading from a tier wait to be admitted with it computed."""
-        done = self.kv_cache_manager.finish_tier_loads()
+        """Requests whose prefix finished loading from a tier are admitted as any other, finding it in the pool."""
+        done = set(self.kv_cache_manager.finish_tier_loads())
         for request in self.waiting if done else ():
             if request.request_id in done and request.status == RequestStatus.LOADING_KV:
-                request.num_computed_tokens = done[request.request_id]
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = request.num_computed_tokens
                 request.status = RequestStatus.WAITING
 
     def _schedule(self, out: SchedulerOutput) -> None:
@@ -143,7 +140,7 @@ class Scheduler:
                 computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
                 if in_flight and self.kv_cache_manager.next_block_hash(request, len(computed_block_ids)) in in_flight:
                     continue  # its next block is being computed: take it from the cache when it is
-                if self._start_tier_load(request, computed_block_ids, num_cached):
+                if self._start_tier_load(request, computed_block_ids):
                     in_flight |= self.kv_cache_manager.blocks_in_flight([])
                     continue
                 partial = self.kv_cache_manager.get_partial_block(request, len(computed_block_ids))
@@ -167,13 +164,12 @@ class Scheduler:
             budget -= num_new
             in_flight |= self.kv_cache_manager.blocks_in_flight([request])
 
-    def _start_tier_load(self, request: Request, computed_block_ids: list[int], num_cached: int) -> bool:
+    def _start_tier_load(self, request: Request, computed_block_ids: list[int]) -> bool:
         """Start loading the request's prefix after its pool hit from the tiers below the pool, if they hold some
         and the pool has room: it waits (LOADING_KV) meanwhile."""
         hits = self.kv_cache_manager.get_tier_hits(request, len(computed_block_ids))
         if not hits or not self.kv_cache_manager.start_tier_load(request, computed_block_ids, hits):
             return False
-        request.num_computed_tokens = num_cached
         request.status = RequestStatus.LOADING_KV
         return True
 

@@ -125,7 +125,7 @@ def test_a_hit_below_the_pool_loads_beside_the_step_and_is_published(tmp_path):
     scheduler.add_request(second)
     out = step(scheduler, kv_caches)  # first starts its load; second waits for those blocks (in flight)
     assert out.scheduled_requests == [] and first.status == RequestStatus.LOADING_KV
-    assert second.status == RequestStatus.WAITING and kv.num_loading_tokens("a2") == 12
+    assert second.status == RequestStatus.WAITING and len(kv.tier_loads["a2"].block_ids) == 3
     while not out.scheduled_requests:
         offloader.wait_for_load(5.0)
         out = step(scheduler, kv_caches)
