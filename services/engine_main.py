@@ -109,8 +109,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         await check_redis_auth(args.redis_url)  # (a wrong password stops the start, before the model loads)
     registry = Registry(args.redis_url) if args.redis_url else None
     publish_index = registry is not None and engine_args.enable_prefix_caching
-    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index,
-                          instance_id=instance_id)
+    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
     model_config, scheduler_config = engine.model_config, engine.scheduler.config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     metrics = EngineMetrics(tier, model_config.name, instance_id)

@@ -303,9 +303,8 @@ class AsyncEngine:
 
 
 def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: bool = False,
-                 kv_events: bool = False, instance_id: str | None = None) -> LLMEngine:
-    """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None; instance_id names its disk
-    KV tier's subdirectory: EngineArgs.create_kv_tier_config), built to be stepped on
+                 kv_events: bool = False) -> LLMEngine:
+    """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None), built to be stepped on
     AsyncEngine's thread with engine_args.threads torch threads (set here, for that thread to take) and the tier's
     kernel threads (kernels/cpu_ext.py set_num_threads; they serve whichever thread calls the kernels).
 
@@ -320,7 +319,7 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
     torch.set_num_threads(1)
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
                        kv_events=kv_events, speculative_config=engine_args.create_speculative_config(),
-                       kv_tier_config=engine_args.create_kv_tier_config(instance_id))
+                       kv_tier_config=engine_args.create_kv_tier_config())
     torch.set_num_threads(engine_args.threads)
     if engine.model_runner.device.type == "cpu":
         cpu_ext.set_num_threads(kernel_threads)

@@ -124,8 +124,8 @@ class EngineArgs:
         kind=non_negative_number)
     kv_disk_tier_dir: str | None = _setting(
         None, "directory of the disk KV tier below the host tier: blocks it evicts (or the pool's, without one) are "
-        "written here, one checksummed file each, in a subdirectory per instance id, and found again after a "
-        "restart (default: off)", str)
+        "written here, one checksummed file each, in a slot of its own (DIR/<hash contract>/slot-N, locked while "
+        "it runs; a restarted instance takes over a free slot and its blocks) (default: off)", str)
     kv_disk_tier_gib: float = _setting(16.0, "GiB the disk KV tier may hold (its first blocks by --kv-tier-eviction "
                                        "are deleted beyond that)", kind=non_negative_number)
     kv_tier_eviction: str = _setting("lru", "which block the host and disk KV tiers evict first: lru (least "
@@ -192,13 +192,10 @@ class EngineArgs:
                                  self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers,
                                  self.suffix_max_spec_factor, self.suffix_min_token_prob, self.suffix_cache_tokens)
 
-    def create_kv_tier_config(self, instance_id: str | None = None) -> KVTierConfig:
-        """The KVTierConfig of these settings; the disk tier's directory is kv_disk_tier_dir/instance_id (an
-        instance finds its own blocks again when it restarts under its id). ValueError on bad values."""
-        disk_dir = self.kv_disk_tier_dir
-        if disk_dir is not None and instance_id:
-            disk_dir = str(Path(disk_dir) / instance_id)
-        return KVTierConfig(int(self.kv_host_tier_gib * GIB), disk_dir, int(self.kv_disk_tier_gib * GIB),
+    def create_kv_tier_config(self) -> KVTierConfig:
+        """The KVTierConfig of these settings (the disk tier claims a slot under kv_disk_tier_dir: DiskTier).
+        ValueError on bad values."""
+        return KVTierConfig(int(self.kv_host_tier_gib * GIB), self.kv_disk_tier_dir, int(self.kv_disk_tier_gib * GIB),
                             self.kv_tier_eviction)
 
     def create_model_config(self, model_dir: str | Path) -> ModelConfig:

@@ -8,14 +8,20 @@ in its tier, so evicting it again costs nothing). The order in which a tier evic
 recently used, or least frequently used. shared/kv_offload.py moves blocks between the pool and these tiers.
 
 The disk tier writes on a thread of its own, in order (write to a temporary name, fsync, rename), and reads on the
-loader's thread; its index is guarded by a lock. When it starts it deletes temporary files (a write a crash cut
-short), reads the header of every block file and indexes those written under its hash contract (others are
-deleted), oldest first, so a restarted instance finds its blocks by hash. A file that fails any check when read
-(checksum, header, size) or is gone is a miss: the block leaves the index, never serves wrong KV.
+loader's thread; its index is guarded by a lock. Its files live in a slot of the directory it is given,
+DIR/<hash contract id>/slot-N, locked (flock) while the process runs: instances sharing DIR never share a slot, and
+a restarted one (a new instance id) takes over the free slot of the one that is gone. When it starts it deletes
+temporary files (a write a crash cut short), reads the header of every block file and indexes those written under
+its hash contract (others are deleted), oldest first, so a restarted instance finds its blocks by hash. A file that
+fails any check when read (checksum, header, size) or is gone is a miss: the block leaves the index, never serves
+wrong KV.
 """
 from __future__ import annotations
 
+import fcntl
+import itertools
 import logging
+import os
 import queue
 import threading
 from collections import OrderedDict
@@ -133,17 +139,34 @@ class HostTier:
         return block
 
 
+def claim_slot(root: Path) -> tuple[Path, int]:
+    """The first directory root/slot-N (N = 0, 1, ...) whose lock file root/slot-N.lock this process can take, and
+    the lock's file descriptor (held until the process exits or closes it: the OS drops the lock of a dead process).
+    So instances sharing a root never share a slot, and a restarted instance (under a new instance id) takes over
+    the slot, and the blocks, of one that is gone."""
+    root.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count():
+        fd = os.open(root / f"slot-{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        (root / f"slot-{n}").mkdir(exist_ok=True)
+        return root / f"slot-{n}", fd
+
+
 class DiskTier:
-    """Block files in directory, at most capacity_bytes of them, for one hash contract (contract: its root hash
-    hex) and one block layout (dtype, shape: a pool block's, kv_caches[:, :, i]).
+    """Block files, at most capacity_bytes of them, for one hash contract (contract: its root hash hex) and one block
+    layout (dtype, shape: a pool block's, kv_caches[:, :, i]), in a slot of root (root/<contract[:16]>/slot-N,
+    claim_slot) that this instance holds while it runs.
 
     Engine thread: get, touch, put, take_removed, hashes. Loader thread: read. Its own writer thread writes
     and deletes files, in the order asked."""
 
-    def __init__(self, directory: str | Path, capacity_bytes: int, eviction: str, contract: str,
+    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str, contract: str,
                  dtype: torch.dtype, shape: tuple[int, ...]):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self._slot_lock = claim_slot(Path(root) / contract[:16])
         self.capacity_bytes = capacity_bytes
         self.contract, self.dtype, self.shape = contract, dtype, tuple(shape)
         self.blocks: dict[BlockHash, TierBlock] = {}
@@ -309,6 +332,9 @@ class DiskTier:
         self._jobs.join()
 
     def close(self) -> None:
-        """Finish the writes asked for, then stop the writer thread."""
+        """Finish the writes asked for, stop the writer thread, and give the slot up."""
         self._jobs.put(None)
         self._writer.join(timeout=30)
+        if self._slot_lock is not None:
+            os.close(self._slot_lock)  # (closing the descriptor drops the lock)
+            self._slot_lock = None

@@ -2,6 +2,8 @@
 loaded beside the steps and published, atomic and checked block files (a crash mid-write and a corrupted file are
 misses), a restart that finds its blocks again, an abort during a load."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from tandem.shared.engine_args import EngineArgs
 from tandem.shared.kv_block_file import block_file_name
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_offload import KVOffloader
-from tandem.shared.kv_tiers import EvictionOrder
+from tandem.shared.kv_tiers import EvictionOrder, claim_slot
 from tandem.shared.request import Request, RequestStatus, SamplingParams
 from tandem.shared.scheduler import Scheduler
 
@@ -103,7 +105,7 @@ def test_evicted_blocks_spill_pool_to_host_to_disk_in_lru_order(tmp_path):
         ("BlockStored", "host", (a[1], a[0])), ("BlockRemoved", "host", (a[2],)), ("BlockStored", "disk", (a[2],)),
         ("BlockStored", "host", (b[2],)), ("BlockRemoved", "host", (a[1],)), ("BlockStored", "disk", (a[1],))]
     offloader.flush()
-    assert sorted(os.listdir(tmp_path / "disk")) == sorted(block_file_name(h) for h in (a[1], a[2]))
+    assert sorted(os.listdir(offloader.disk.directory)) == sorted(block_file_name(h) for h in (a[1], a[2]))
     assert sorted(kv.cached_block_tiers()) == sorted([(h, "pool") for h in b[:2] + c] + [(a[0], "host"),
                                                      (b[2], "host"), (a[1], "disk"), (a[2], "disk")])  # fmt: skip
     assert offloader.num_stored == {"host": 4, "disk": 2} and offloader.num_evicted == {"host": 2, "disk": 0}
@@ -147,7 +149,7 @@ def test_block_files_are_atomic_and_checked_and_a_bad_one_is_a_miss(tmp_path):
         run(scheduler, kv_caches, rid, tokens)
     offloader.flush()
     a = hashes(A)
-    disk = tmp_path / "disk"
+    disk = offloader.disk.directory
     blob = bytearray((disk / block_file_name(a[1])).read_bytes())
     blob[len(blob) // 2] ^= 1  # a flipped bit in a[1]'s KV
     (disk / block_file_name(a[1])).write_bytes(blob)
@@ -183,10 +185,34 @@ def test_a_restarted_instance_loads_its_disk_blocks(tmp_path):
     assert events(kv) == [("BlockStored", "disk", tuple(restarted.disk.hashes()))]
     assert set(restarted.disk.hashes()) == on_disk and set(kv.cached_block_tiers()) == {(h, "disk") for h in on_disk}
     assert run(scheduler, kv_caches, "a2", A).num_cached_tokens == 12  # (its KV checked against the tokens in run)
-    restarted.close()
-    other = HashContract(BS, "m:other:fp32", "fp32")  # restarted with another model: no block of the old one is
-    assert make_tiers(make_pool(), tmp_path, contract=other).snapshot() == []  # served (the files are deleted)
-    assert os.listdir(tmp_path / "disk") == []
+    assert restarted.disk.directory == offloader.disk.directory  # (the slot the first one held)
+    other = HashContract(BS, "m:other:fp32", "fp32")  # beside it, another model: a slot of its own contract's,
+    beside = make_tiers(make_pool(), tmp_path, contract=other)  # serving none of the first one's blocks
+    assert beside.snapshot() == [] and beside.disk.directory.parent != restarted.disk.directory.parent
+    second = make_tiers(make_pool(), tmp_path)  # a second live instance of the first contract: the next slot
+    assert second.disk.directory.name == "slot-1" and second.snapshot() == []
+    for tiers in (restarted, beside, second):
+        tiers.close()
+    assert make_tiers(make_pool(), tmp_path).disk.directory.name == "slot-0"  # (closed: free again)
+
+
+def test_a_disk_slot_held_by_a_live_process_is_never_shared(tmp_path):
+    """The slot lock is the OS's (flock): a process that holds it keeps it from every other process until it
+    exits, however it exits."""
+    code = ("import sys, time; from pathlib import Path; from tandem.shared.kv_tiers import claim_slot; "
+            "print(claim_slot(Path(sys.argv[1]))[0].name, flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-P", "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "slot-0"
+        path, fd = claim_slot(tmp_path)
+        assert path.name == "slot-1"
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+    path, fd = claim_slot(tmp_path)  # (killed: its lock went with it)
+    assert path.name == "slot-0"
+    os.close(fd)
 
 
 def test_an_abort_during_a_load_frees_its_blocks_when_the_load_ends(tmp_path):
@@ -229,8 +255,7 @@ def test_a_pool_of_any_element_type_round_trips_through_both_tiers(dtype, tmp_pa
     offloader.close()
 
 
-@pytest.mark.parametrize("instance_id, expected", [("prefill-0", "/kv/prefill-0"), (None, "/kv")])
-def test_engine_args_make_the_tier_config(instance_id, expected):
+def test_engine_args_make_the_tier_config():
     args = EngineArgs(kv_host_tier_gib=0.5, kv_disk_tier_dir="/kv", kv_disk_tier_gib=2, kv_tier_eviction="lfu")
-    assert args.create_kv_tier_config(instance_id) == KVTierConfig(1 << 29, expected, 2 << 30, "lfu")
-    assert not EngineArgs().create_kv_tier_config("x").enabled
+    assert args.create_kv_tier_config() == KVTierConfig(1 << 29, "/kv", 2 << 30, "lfu")
+    assert not EngineArgs().create_kv_tier_config().enabled
