@@ -394,11 +394,12 @@ class KVCacheManager:
     def has_tier_loads(self) -> bool:
         return bool(self.tier_loads)
 
-    def finish_tier_loads(self) -> list[str]:
+    def finish_tier_loads(self) -> dict[str, dict[str, int]]:
         """Publish the blocks of the loads finished since the last call in the prefix cache, and return all their
         blocks to the free queue, tail first (the loaded ones cached; a block that failed and those after it
-        not). Returns the ids of the requests whose load finished (an ended request's is not among them)."""
-        done = []
+        not). Returns {request id: {tier: tokens loaded from it}} for the requests whose load finished (an ended
+        request's is not among them)."""
+        done = {}
         for finished in self.offloader.take_finished_loads() if self.offloader is not None else ():
             load = self.tier_loads.pop(finished.request_id)
             num_loaded = 0 if load.cancelled else finished.num_loaded
@@ -406,7 +407,9 @@ class KVCacheManager:
                 self.block_pool.cache_block(block_id, hit.block_hash, hit.token_ids, key)
             self.block_pool.free((load.held_block_ids + load.block_ids)[::-1])
             if not load.cancelled:
-                done.append(finished.request_id)
+                done[finished.request_id] = loaded = {}
+                for hit in load.hits[:num_loaded]:
+                    loaded[hit.tier] = loaded.get(hit.tier, 0) + self.block_size
         return done
 
     def next_block_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:

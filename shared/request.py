@@ -183,6 +183,8 @@ class Request:
     priority: int = 0  # lower is scheduled first (vLLM's priority policy); equal priorities: first come first
     arrival_seq: int = 0  # the scheduler's admission counter: the tie-break among equal priorities
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
+    # of those, tokens whose KV was loaded into the pool from a tier below it, by tier ("host", "disk")
+    num_tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     # leading blocks whose KV does not travel: the receiving decode holds them, or (every layer sliding) they lie
     # wholly before its first query's window. Decode tier: set by its reserve; prefill tier: from the request.
     kv_skip_blocks: int = 0

@@ -95,10 +95,13 @@ class Scheduler:
 
     def _finish_tier_loads(self) -> None:
         """Requests whose prefix finished loading from a tier are admitted as any other, finding it in the pool."""
-        done = set(self.kv_cache_manager.finish_tier_loads())
+        done = self.kv_cache_manager.finish_tier_loads()
         for request in self.waiting if done else ():
             if request.request_id in done and request.status == RequestStatus.LOADING_KV:
                 request.status = RequestStatus.WAITING
+                if request.num_cached_tokens is None:  # (its first admission: what it found is its cache hit)
+                    for tier, num in done[request.request_id].items():
+                        request.num_tier_cached_tokens[tier] = request.num_tier_cached_tokens.get(tier, 0) + num
 
     def _schedule(self, out: SchedulerOutput) -> None:
         self._finish_tier_loads()

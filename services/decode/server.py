@@ -60,6 +60,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                 error_is_invalid_request=out.error_is_invalid_request,
                                                 error_is_unavailable=kv_lost and not out.error_is_invalid_request,
                                                 num_cached_tokens=req.num_cached_tokens or 0,
+                                                num_cached_tokens_host=req.num_tier_cached_tokens.get("host", 0),
+                                                num_cached_tokens_disk=req.num_tier_cached_tokens.get("disk", 0),
                                                 num_draft_tokens=out.num_draft_tokens,
                                                 num_accepted_tokens=out.num_accepted_tokens,
                                                 logprobs=[logprobs_to_proto(lp) for lp in out.logprobs or ()])  # fmt: skip

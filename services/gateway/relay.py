@@ -27,7 +27,10 @@ class Relay:
         self.request, self.placement, self.text, self.metrics = request, placement, text, metrics
         self.arrival_time = arrival_time  # perf_counter seconds
         prefill_reply = placement.prefill_reply
+        # prompt tokens found cached where the prompt was computed: all, and of those, from the host and disk tiers
         self.num_cached_tokens = prefill_reply.num_cached_tokens if prefill_reply else 0
+        self.num_cached_tier_tokens = ((prefill_reply.num_cached_tokens_host, prefill_reply.num_cached_tokens_disk)
+                                       if prefill_reply else (0, 0))  # fmt: skip
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.migrations: list[str] = []  # "decode A -> decode B (reason)" for each time the request migrated
         self.finish_reason: int | None = None  # common_pb2.FinishReason
@@ -44,6 +47,7 @@ class Relay:
             self.finish_reason = reply.finish_reason
         if self.placement.prefill_reply is None and not self.migrations:  # (usage counts the first placement's)
             self.num_cached_tokens = reply.num_cached_tokens
+            self.num_cached_tier_tokens = (reply.num_cached_tokens_host, reply.num_cached_tokens_disk)
         text = self.text
         num_before = len(text.token_ids)
         delta = text.push(list(reply.token_ids))
@@ -113,6 +117,8 @@ class Relay:
             stop_string=self.text.stop_string or "",
             usage=gateway_pb2.Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
                                     cached_tokens=self.num_cached_tokens, num_draft_tokens=self.num_draft_tokens,
-                                    num_accepted_tokens=self.num_accepted_tokens),
+                                    num_accepted_tokens=self.num_accepted_tokens,
+                                    cached_tokens_host=self.num_cached_tier_tokens[0],
+                                    cached_tokens_disk=self.num_cached_tier_tokens[1]),
             timings=gateway_pb2.Timings(ttft_ms=self.ttft_ms, e2e_ms=e2e_ms),
         )

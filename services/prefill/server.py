@@ -102,6 +102,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         prefill_ms = (time.perf_counter() - start) * 1000
         return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
                                            num_cached_tokens=req.num_cached_tokens or 0,
+                                           num_cached_tokens_host=req.num_tier_cached_tokens.get("host", 0),
+                                           num_cached_tokens_disk=req.num_tier_cached_tokens.get("disk", 0),
                                            num_blocks_sent=num_blocks_sent, queue_ms=(req.queue_time_s or 0.0) * 1000,
                                            first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
                                            prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])

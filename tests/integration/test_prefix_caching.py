@@ -32,6 +32,7 @@ def run(engine, prompts: dict[str, list[int]], n=NUM_TOKENS, stop_token_ids=()) 
         for o in engine.step():
             outs[o.request_id] += o.new_token_ids
     run.cached = {rid: r.num_cached_tokens for rid, r in requests.items()}
+    run.tiers = {rid: r.num_tier_cached_tokens for rid, r in requests.items()}
     return outs
 
 
@@ -106,6 +107,7 @@ def test_hits_from_the_host_and_disk_tiers_and_after_a_restart_keep_outputs_exac
     for i in (1, 0):
         assert run(engine, {f"again{i}": prompts[i]})[f"again{i}"] == hf_greedy(prompts[i], NUM_TOKENS), i
         assert run.cached[f"again{i}"] >= 80, i  # its 5 full prompt blocks (the last token is computed)
+        assert run.tiers[f"again{i}"] == {("host" if i else "disk"): 80}, i  # (what Usage.cached_tokens_* report)
     stats = engine.stats()
     assert stats.kv_tier_hits == {"host": 5, "disk": 5} and stats.kv_tier_load_failures == {"host": 0, "disk": 0}
     assert stats.kv_tier_load_s.keys() == {"host", "disk"}

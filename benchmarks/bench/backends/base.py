@@ -36,6 +36,7 @@ class RequestResult:
     error: str | None = None
     reported_output_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None  # of cached_tokens, those from each KV tier (cluster only)
     output_text: str | None = None
 
     @property

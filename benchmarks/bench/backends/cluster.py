@@ -71,6 +71,8 @@ class ClusterBackend:
                 if reply.HasField("finish_reason"):
                     result.prompt_len = reply.usage.prompt_tokens
                     result.cached_tokens = reply.usage.cached_tokens
+                    below = {"host": reply.usage.cached_tokens_host, "disk": reply.usage.cached_tokens_disk}
+                    result.cached_tokens_by_tier = {"pool": result.cached_tokens - sum(below.values()), **below}
         except grpc.aio.AioRpcError as e:
             raise RuntimeError(f"{e.code().name}: {e.details()}") from None
         result.end_s = time.perf_counter()
