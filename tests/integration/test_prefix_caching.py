@@ -118,3 +118,73 @@ def test_hits_from_the_host_and_disk_tiers_and_after_a_restart_keep_outputs_exac
     assert run(restarted, {"warm": prompts[0]})["warm"] == hf_greedy(prompts[0], NUM_TOKENS)
     assert run.cached["warm"] >= 80 and restarted.stats().kv_tier_hits == {"host": 0, "disk": 5}
     restarted.close()
+
+
+def test_the_prefix_index_stays_true_through_tier_moves_loads_and_a_restart(model_config, base_ids, redis_server,
+                                                                            tmp_path):
+    """A real engine with host and disk tiers publishes its KV events to a real Redis. After every step of the way
+    the instance's entries there are exactly its cached_block_tiers(), and tiered_prefixes counts each prompt's run
+    at the fastest tier holding each block: through evictions pool -> host -> disk, loads back into the pool, and a
+    restart on the warm disk tier (a new incarnation, whose first batch publishes the disk blocks)."""
+    import asyncio
+
+    from tandem.shared.block_hash import hash_request_blocks
+    from tandem.shared.cluster_state.prefix_index import KVEventPublisher, PrefixIndex, _suffix
+    from tandem.shared.kv_events import KV_TIERS
+
+    block_bytes = CacheConfig(BS, 14).block_bytes(model_config)
+    tiers = KVTierConfig(4 * block_bytes, str(tmp_path / "kv"), 64 * block_bytes)
+    prompts = [base_ids[i * 40 : i * 40 + 90] for i in range(4)]  # (no block in common)
+
+    async def body():
+        def start(incarnation):
+            engine = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), kv_tier_config=tiers,
+                               kv_events=True)  # fmt: skip
+            return engine, KVEventPublisher(redis_server.url, "prefill-1", incarnation, engine.hash_contract,
+                                            _no_rebuild)  # fmt: skip
+
+        async def check(engine, publisher):
+            batch = engine.take_kv_events()
+            if batch is not None:
+                await publisher.publish(batch)
+            held = engine.kv_cache_manager.cached_block_tiers()
+            members = await index.redis.smembers(f"{index.ns}:inc:prefill-1:{publisher.incarnation}:blocks")
+            assert {m.decode() for m in members} == {h.hex() + _suffix(t) for h, t in held}
+            tiers_of = {}
+            for h, t in held:
+                tiers_of.setdefault(h, set()).add(t)
+            for ids in prompts:
+                expected = dict.fromkeys(KV_TIERS, 0)
+                for h in hash_request_blocks(ids[:80], engine.hash_contract):
+                    if h not in tiers_of:
+                        break
+                    expected[min(tiers_of[h], key=KV_TIERS.index)] += 1
+                live = {"prefill-1": publisher.incarnation}
+                assert (await index.tiered_prefixes(hash_request_blocks(ids[:80], engine.hash_contract), live))[
+                    "prefill-1"] == expected  # fmt: skip
+
+        engine, publisher = start("inc-a")
+        index = PrefixIndex(redis_server.url, engine.hash_contract)
+        for i, ids in enumerate(prompts):  # each evicts the one before it: pool -> host -> disk
+            run(engine, {f"r{i}": ids})
+            await check(engine, publisher)
+        for i in (1, 0):  # loaded back into the pool from the host and the disk tier
+            run(engine, {f"again{i}": prompts[i]})
+            assert sum(run.tiers[f"again{i}"].values()) == 80
+            await check(engine, publisher)
+        engine.close()
+        await publisher.close()
+        engine, publisher = start("inc-b")  # restarted: its disk blocks, published by its first batch
+        await check(engine, publisher)
+        assert engine.stats().kv_tier_blocks["disk"] > 0
+        assert await index.cleanup({"prefill-1": "inc-b"}) == 1
+        run(engine, {"warm": prompts[0]})
+        await check(engine, publisher)
+        engine.close()
+        await publisher.close(), await index.close()
+
+    asyncio.run(body())
+
+
+async def _no_rebuild():
+    raise AssertionError("no rebuild expected: every batch is published in order")

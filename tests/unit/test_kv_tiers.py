@@ -141,6 +141,36 @@ def test_a_hit_below_the_pool_loads_beside_the_step_and_is_published(tmp_path):
     offloader.close()
 
 
+def test_a_hit_the_pool_has_no_room_to_load_waits_for_room_instead_of_being_computed(tmp_path):
+    """Pool of 6 blocks, a's 3 blocks in the tiers, b (4 blocks) running: a's load cannot start, though a chunk of 8
+    tokens (2 blocks) of it could be computed. It waits, first in line (c, behind it, waits too), and is loaded,
+    not computed in chunks, once b ends."""
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=4, disk_blocks=4)
+    scheduler = make_scheduler(kv_caches, offloader)
+    kv = scheduler.kv_cache_manager
+    for rid, tokens in (("a", A), ("x", C)):  # (a's blocks go to the host tier)
+        run(scheduler, kv_caches, rid, tokens)
+    b = run(scheduler, kv_caches, "b", B, finish=False)  # holds 4 of the 6 blocks
+    scheduler.config = SchedulerConfig(8, 8)  # (a step's budget: 8 tokens)
+    again = Request("a2", list(A), SamplingParams(max_tokens=1))
+    behind = Request("c", [9] * 5, SamplingParams(max_tokens=1))
+    scheduler.add_request(again)
+    scheduler.add_request(behind)
+    for _ in range(3):
+        assert step(scheduler, kv_caches).scheduled_requests == [] and again.status == RequestStatus.WAITING
+    assert not kv.tier_loads and behind.status == RequestStatus.WAITING
+    scheduler.remove_request(b)
+    kv.free(b)
+    out = step(scheduler, kv_caches)
+    assert again.status == RequestStatus.LOADING_KV
+    while again.request_id not in out.num_scheduled_tokens:
+        offloader.wait_for_load(5.0)
+        out = step(scheduler, kv_caches)
+    assert out.num_scheduled_tokens["a2"] == 1 and again.num_tier_cached_tokens == {"host": 12}
+    offloader.close()
+
+
 def test_block_files_are_atomic_and_checked_and_a_bad_one_is_a_miss(tmp_path):
     kv_caches = make_pool()
     offloader = make_tiers(kv_caches, tmp_path, host_blocks=0, disk_blocks=8)
