@@ -122,7 +122,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     contract = engine.hash_contract if publish_index else None
     info = InstanceInfo(instance_id, tier, f"{args.advertise_host}:{server.port}", model_config.model_id,
                         cache_config.block_size, cache_config.num_blocks, incarnation=incarnation,
-                        hash_contract=contract.to_dict() if contract else None)  # fmt: skip
+                        hash_contract=contract.to_dict() if contract else None,
+                        kv_dtype=cache_config.kv_dtype)  # fmt: skip
 
     async def current_info() -> InstanceInfo:
         # The last snapshot, never a wait on the engine: a long step must not stop the heartbeat (the instance

@@ -8,6 +8,8 @@ and the prefix index (shared/cluster_state/prefix_index.py). docs/prefix-caching
   tokens it could have computed meanwhile. So a pool hit beats a host hit, which beats a disk hit, which beats
   computing, by measured costs; before a rate is measured a tier hit costs nothing extra and ties go to the
   instance holding more in its pool.
+- Pairs: a prefill and a decode only when they share a KV format (InstanceInfo.shares_kv_format: KV dtype and block
+  size; a fleet changing --kv-dtype mixes them). A decode no prefill pairs with computes prompts itself.
 - Decode: among instances with room for the request, the highest score: prompt tokens it already holds in its
   pool (not shipped: received KV is reserved in the pool alone) minus DECODE_LOAD_TOKENS per request it serves or
   holds.
@@ -101,6 +103,7 @@ class Router:
         self.kv_variant = kv_variant or (lambda num_prompt_tokens: None)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._mismatch_logged: set[str] = set()
+        self._unpaired_logged: set[tuple[str, str]] = set()  # (prefill, decode) whose KV formats differ
         self._index_down = False
         # (instance id, incarnation) -> {block hash: when the hint expires}, oldest first
         self._routed: dict[tuple[str, str], OrderedDict[BlockHash, float]] = {}
@@ -133,9 +136,12 @@ class Router:
         decodes = await self.instances("decode", skip)
         prefills = await self.instances("prefill", skip)
         roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens] or decodes
+        # (a fleet mid-way through a change of --kv-dtype or --block-size: only pairs that can move KV)
+        roomy = [d for d in roomy if any(p.shares_kv_format(d) for p in prefills)] or roomy
         if self.policy == "round-robin":
-            return Route(self._turn("decode", roomy), self._turn("prefill", prefills), explanation=["round-robin"],
-                         reason="round_robin")  # fmt: skip
+            decode = self._turn("decode", roomy)
+            return Route(decode, self._turn("prefill", self._paired(decode, prefills)),
+                         explanation=["round-robin"], reason="round_robin")  # fmt: skip
         bs = self.contract.block_size
         hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt,
                                      variant=self.kv_variant(len(prompt_ids)))
@@ -159,6 +165,12 @@ class Router:
                        f"{d.num_running + d.num_waiting} requests -> {decode_score(d)}" for d in roomy]  # fmt: skip
         decode = self._turn("decode", _best(roomy, decode_score, max))
         uncached = n - cached[decode.instance_id]
+        if local and not any(p.shares_kv_format(decode) for p in prefills):
+            explanation.append(f"-> decode {decode.instance_id} computes the prompt itself: no prefill shares its KV "
+                               f"format ({decode.kv_dtype}, blocks of {decode.block_size})")
+            self._add_queued(decode, uncached)
+            return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
+        prefills = self._paired(decode, prefills)
         if local and uncached <= self.local_prefill_tokens:
             explanation.append(f"-> decode {decode.instance_id} computes the {uncached} uncached tokens itself "
                                f"(<= {self.local_prefill_tokens})")
@@ -204,6 +216,22 @@ class Router:
         self._remember(prefill, hashes)
         self._add_queued(prefill, len(prompt_ids) - cached[prefill.instance_id])
         return prefill
+
+    def _paired(self, decode: InstanceInfo, prefills: list[InstanceInfo]) -> list[InstanceInfo]:
+        """The prefills whose KV the decode can take (InstanceInfo.shares_kv_format), logged once per prefill that
+        cannot. NoInstanceError when there is none."""
+        paired = [p for p in prefills if p.shares_kv_format(decode)]
+        for p in prefills:
+            if p not in paired and (p.instance_id, decode.instance_id) not in self._unpaired_logged:
+                self._unpaired_logged.add((p.instance_id, decode.instance_id))
+                log.warning("prefill %s (KV %s, blocks of %d) cannot send KV to decode %s (KV %s, blocks of %d): not "
+                            "paired", p.instance_id, p.kv_dtype, p.block_size, decode.instance_id, decode.kv_dtype,
+                            decode.block_size)  # fmt: skip
+        if not paired:
+            raise NoInstanceError(f"no live prefill shares decode {decode.instance_id}'s KV format ({decode.kv_dtype},"
+                                  f" blocks of {decode.block_size}): start every engine with the same --kv-dtype and "
+                                  "--block-size")
+        return paired
 
     def _load_tokens(self, instance: InstanceInfo, held: dict[str, int]) -> float:
         """What bringing the cached tokens held in its host and disk tiers back into its pool costs the instance,

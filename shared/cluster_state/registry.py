@@ -37,6 +37,13 @@ class InstanceInfo:
     # measured seconds to bring one KV block from each tier below its pool back into it ({"host": s, "disk": s};
     # a tier it lacks or has not measured is absent)
     kv_tier_load_s: dict[str, float] = field(default_factory=dict)
+    kv_dtype: str = ""  # its KV cache element type (CacheConfig.kv_dtype; "": a record of an older instance)
+
+    def shares_kv_format(self, other: InstanceInfo) -> bool:
+        """Whether KV blocks can move between the two: the same KV dtype and block size (the KV transfer refuses
+        any other pair). A record without kv_dtype (an older instance) is taken to match."""
+        return self.block_size == other.block_size and (not self.kv_dtype or not other.kv_dtype
+                                                        or self.kv_dtype == other.kv_dtype)
     incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
 

@@ -6,11 +6,14 @@ import asyncio
 import dataclasses
 import logging
 
+import pytest
+
 from tandem.services.gateway.router import DECODE_LOAD_TOKENS, Router
 from tandem.shared.block_hash import HashContract, hash_request_blocks
 from tandem.shared.kv_events import BlockStored, KVEventBatch
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher, PrefixIndex
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
+from tandem.shared.errors import NoInstanceError
 
 MODEL_ID = "smollm2:abc:fp32"
 CONTRACT = HashContract(block_size=16, model_id=MODEL_ID, kv_dtype="float32")
@@ -332,5 +335,30 @@ def test_a_hit_is_priced_by_the_tier_holding_it(redis_server):
                                for i in (pool, host, disk)))  # fmt: skip
         for _ in range(3):
             assert (await place()).prefill.instance_id == "prefill-pool"
+
+    in_world(redis_server, body)
+
+
+def test_only_a_prefill_sharing_the_decodes_kv_format_is_paired_with_it(redis_server, caplog):
+    """A fleet mid-way through a change of --kv-dtype: the cheaper prefill of another KV dtype is never paired
+    with the decode (the transfer would be refused); a decode no prefill pairs with computes the prompt itself."""
+    async def body(world):
+        int8 = {"kv_dtype": "int8"}
+        await world.register(instance("decode-a", "decode", **int8), instance("prefill-int8", "prefill",
+                             num_queued_tokens=900, **int8), instance("prefill-fp8", "prefill", kv_dtype="fp8_e4m3"))
+        with caplog.at_level(logging.WARNING):
+            route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert route.prefill.instance_id == "prefill-int8", route.explain()
+        assert "prefill prefill-fp8" not in route.explain()
+        assert "prefill-fp8 (KV fp8_e4m3, blocks of 16) cannot send KV to decode decode-a (KV int8" in caplog.text
+        await world.registry.remove(instance("prefill-int8", "prefill"))
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert route.prefill is None and route.reason == "decode_local", route.explain()
+        assert "no prefill shares its KV format (int8, blocks of 16)" in route.explain()
+        with pytest.raises(NoInstanceError, match="shares decode decode-a's KV format"):
+            await world.router(local_prefill_tokens=0).route(PROMPT, 300, local=False)
+        await world.register(instance("decode-b", "decode", kv_dtype="fp8_e4m3"))  # (now a pair: decode-b's)
+        route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
+        assert (route.decode.instance_id, route.prefill.instance_id) == ("decode-b", "prefill-fp8"), route.explain()
 
     in_world(redis_server, body)
