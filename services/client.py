@@ -106,6 +106,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    cached_tokens_host: int = 0  # of those, loaded from an instance's host-memory / disk KV tier
+    cached_tokens_disk: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted
     num_accepted_tokens: int = 0
     ttft_ms: float = 0.0
@@ -130,7 +132,8 @@ class Completion:
             self.finish_reason = finish_name(msg.finish_reason)
             u = msg.usage
             self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
-            self.cached_tokens = u.cached_tokens
+            self.cached_tokens, self.cached_tokens_host, self.cached_tokens_disk = (
+                u.cached_tokens, u.cached_tokens_host, u.cached_tokens_disk)  # fmt: skip
             self.num_draft_tokens, self.num_accepted_tokens = u.num_draft_tokens, u.num_accepted_tokens
             self.ttft_ms, self.e2e_ms = msg.timings.ttft_ms, msg.timings.e2e_ms
 
@@ -140,7 +143,8 @@ class Completion:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                      "cached_tokens": self.cached_tokens, "num_draft_tokens": self.num_draft_tokens,
+                      "cached_tokens": self.cached_tokens, "cached_tokens_host": self.cached_tokens_host,
+                      "cached_tokens_disk": self.cached_tokens_disk, "num_draft_tokens": self.num_draft_tokens,
                       "num_accepted_tokens": self.num_accepted_tokens},
             "timings": {"ttft_ms": round(self.ttft_ms, 2), "e2e_ms": round(self.e2e_ms, 2)},
         }

@@ -20,7 +20,8 @@ Engines (prefill, decode) - EngineMetrics:
            tandem:kv_tier_load_seconds_per_block{kv_tier} (measured; the registry publishes it to the router);
            counters tandem:kv_tier_hits_total{kv_tier} (blocks loaded back into the pool),
            tandem:kv_tier_stores_total{kv_tier}, tandem:kv_tier_evictions_total{kv_tier},
-           tandem:kv_tier_load_failures_total{kv_tier} (a corrupt or missing block: a miss)
+           tandem:kv_tier_load_failures_total{kv_tier} (a corrupt or missing block: a miss),
+           tandem:kv_tier_store_failures_total{kv_tier} (a failed disk write: the block is dropped)
   KV transfer (ours) tandem:kv_transfer_bytes_total{peer}, tandem:kv_transfer_messages_total{peer},
            tandem:kv_transfer_duration_seconds{peer} (prefill: per request, first message to the decode's
            answer; decode: bytes and messages received, peer = the sending request's prefill is not known, "any")
@@ -75,7 +76,9 @@ class StatsCollector:
                      ("kv_tier_stores", "Blocks stored in a KV tier", lambda s: s.kv_tier_stores),
                      ("kv_tier_evictions", "Blocks evicted from a KV tier", lambda s: s.kv_tier_evictions),
                      ("kv_tier_load_failures", "Loads from a KV tier cut short by a corrupt or missing block",
-                      lambda s: s.kv_tier_load_failures))  # fmt: skip
+                      lambda s: s.kv_tier_load_failures),
+                     ("kv_tier_store_failures", "Blocks a KV tier could not store (a failed disk write), dropped",
+                      lambda s: s.kv_tier_store_failures))  # fmt: skip
 
     def __init__(self, labels: dict[str, str]):
         self.labels = labels

@@ -399,7 +399,8 @@ class LLMEngine:
             return {}
         return dict(kv_tier_load_s=dict(o.load_s_per_block), kv_tier_blocks=o.num_blocks(),
                     kv_tier_hits=dict(o.num_loaded), kv_tier_stores=dict(o.num_stored),
-                    kv_tier_evictions=dict(o.num_evicted), kv_tier_load_failures=dict(o.num_failed))
+                    kv_tier_evictions=dict(o.num_evicted), kv_tier_load_failures=dict(o.num_failed),
+                    kv_tier_store_failures={"disk": o.disk.num_write_failures} if o.disk is not None else {})
 
     def close(self) -> None:
         """Stop the tiers' threads (the disk tier's writes asked for so far are finished first)."""

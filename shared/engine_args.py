@@ -7,6 +7,7 @@ Imports neither torch nor the engine, so the `tandem` CLI can build its parser q
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -29,7 +30,7 @@ def positive_number(value: str) -> float:
 def non_negative_number(value: str) -> float:
     """A flag's type: a number of 0 or more (a size where 0 means off)."""
     number = float(value)
-    if not number >= 0:
+    if not 0 <= number < math.inf:
         raise ValueError(value)
     return number
 

@@ -48,6 +48,8 @@ class EngineStats:
     kv_tier_hits: dict[str, int] = field(default_factory=dict)  # since start: blocks loaded back into the pool
     kv_tier_stores: dict[str, int] = field(default_factory=dict)  # since start: blocks stored
     kv_tier_evictions: dict[str, int] = field(default_factory=dict)  # since start: blocks evicted
+    kv_tier_store_failures: dict[str, int] = field(default_factory=dict)  # since start: blocks a tier could not
+    # store (a failed disk write: a full or vanished filesystem), dropped
     kv_tier_load_failures: dict[str, int] = field(default_factory=dict)  # since start: loads cut short by a
     # corrupt or missing block (a miss: the request computes from there)
 

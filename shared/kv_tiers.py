@@ -18,11 +18,13 @@ wrong KV.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
 import os
 import queue
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -139,6 +141,32 @@ class HostTier:
         return block
 
 
+def _locked(lock_file: Path) -> bool:
+    """Whether a live process holds this slot lock (claim_slot)."""
+    try:
+        fd = os.open(lock_file, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (drops the lock if this took it)
+
+
+def remove_other_contracts(root: Path, contract_dir: str) -> None:
+    """Delete the directories under root of other hash contracts (another model, weight format, KV dtype or block
+    size: their blocks can never match) whose slots no live process holds: what an instance started under another
+    configuration left, which would otherwise fill the disk forever."""
+    for other in root.iterdir() if root.is_dir() else ():
+        if other.name == contract_dir or not other.is_dir() or any(map(_locked, other.glob("slot-*.lock"))):
+            continue
+        log.info("disk KV tier: deleting %s, left by instances of another hash contract", other)
+        shutil.rmtree(other, ignore_errors=True)
+
+
 def claim_slot(root: Path) -> tuple[Path, int]:
     """The first directory root/slot-N (N = 0, 1, ...) whose lock file root/slot-N.lock this process can take, and
     the lock's file descriptor (held until the process exits or closes it: the OS drops the lock of a dead process).
@@ -166,6 +194,7 @@ class DiskTier:
 
     def __init__(self, root: str | Path, capacity_bytes: int, eviction: str, contract: str,
                  dtype: torch.dtype, shape: tuple[int, ...]):
+        remove_other_contracts(Path(root), contract[:16])
         self.directory, self._slot_lock = claim_slot(Path(root) / contract[:16])
         self.capacity_bytes = capacity_bytes
         self.contract, self.dtype, self.shape = contract, dtype, tuple(shape)
@@ -173,6 +202,7 @@ class DiskTier:
         self.order = EvictionOrder(eviction)
         self.num_bytes = 0
         self.num_failures = 0  # reads that found a corrupt or missing file, and writes that failed, since start
+        self.num_write_failures = 0  # of those, writes
         self._lock = threading.Lock()  # guards blocks, order, num_bytes, _removed
         self._removed: list[BlockHash] = []  # left the index off the engine thread (failed read or write)
         self._jobs: queue.Queue = queue.Queue()
@@ -209,6 +239,11 @@ class DiskTier:
             self.blocks[header.block_hash] = TierBlock(header.token_ids, None, size)
             self.order.add(header.block_hash)
             self.num_bytes += size
+        free = shutil.disk_usage(self.directory).free
+        if self.capacity_bytes > self.num_bytes + free:  # (a logical bound the filesystem cannot hold)
+            log.warning("disk KV tier %s: %.2f GiB asked for, %.2f GiB free there: the tier holds at most that",
+                        self.directory, self.capacity_bytes / 2**30, (self.num_bytes + free) / 2**30)
+            self.capacity_bytes = self.num_bytes + free
         for block_hash in self._evict_to(self.capacity_bytes):
             self.path(block_hash).unlink(missing_ok=True)
         if self.blocks:
@@ -276,10 +311,12 @@ class DiskTier:
                 self._drop(block_hash, block)
             return None
 
-    def _drop(self, block_hash: BlockHash, block: TierBlock) -> None:
-        """Take a block whose file failed out of the index (if it is still that block) and delete its file."""
+    def _drop(self, block_hash: BlockHash, block: TierBlock, write: bool = False) -> None:
+        """Take a block whose file failed (to be read, or with write to be written) out of the index (if it is still
+        that block) and delete its file."""
         with self._lock:
             self.num_failures += 1
+            self.num_write_failures += write
             if self.blocks.get(block_hash) is not block:
                 return
             self.order.remove(block_hash)
@@ -315,10 +352,15 @@ class DiskTier:
         header = BlockFileHeader(self.contract, block_hash, block.token_ids, str(self.dtype).removeprefix("torch."),
                                  self.shape)  # fmt: skip
         try:
-            write_block_file(self.path(block_hash), header, block.data)
+            try:
+                write_block_file(self.path(block_hash), header, block.data)
+            except OSError as e:
+                if not self._make_room_for_retry(e, block.nbytes):
+                    raise
+                write_block_file(self.path(block_hash), header, block.data)
         except OSError as e:
             log.warning("disk KV tier: cannot write block %s: %s", block_hash.hex(), e)
-            self._drop(block_hash, block)
+            self._drop(block_hash, block, write=True)
             return
         with self._lock:
             if self.blocks.get(block_hash) is block:
@@ -326,6 +368,27 @@ class DiskTier:
                 return
         # evicted while it was written: its delete ran before the file existed
         self.path(block_hash).unlink(missing_ok=True)
+
+    def _make_room_for_retry(self, error: OSError, nbytes: int) -> bool:
+        """Writer thread, after a write failed: whether one more try may succeed. The directory deleted under the
+        tier: made again. The filesystem full (its space shared with other files, or other instances): the tier's
+        capacity drops to what it holds now, and its least recently used blocks are deleted to free twice the
+        block's size (the others' files stay, the tier stops growing into them). Anything else: no retry."""
+        if error.errno == errno.ENOENT and not self.directory.is_dir():
+            log.warning("disk KV tier %s was deleted: made again", self.directory)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return True
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return False
+        with self._lock:
+            self.capacity_bytes = min(self.capacity_bytes, max(0, self.num_bytes - 2 * nbytes))
+            evicted = self._evict_to(self.capacity_bytes)
+            self._removed += evicted
+        log.warning("disk KV tier %s: the filesystem is full; the tier now holds at most %.1f MB (%d blocks evicted)",
+                    self.directory, self.capacity_bytes / 1e6, len(evicted))  # fmt: skip
+        for victim in evicted:
+            self.path(victim).unlink(missing_ok=True)
+        return bool(evicted)
 
     def flush(self) -> None:
         """Wait until every write and delete asked for so far is done."""

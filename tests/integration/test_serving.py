@@ -81,8 +81,8 @@ def test_cli_generate_json(cluster, hf_references):
     assert "Paris" in result["text"]
     num_prompt = len(hf_references["capital"][0])
     assert result["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": len(result["token_ids"]),
-                               "cached_tokens": num_prompt - 1, "num_draft_tokens": 0,
-                               "num_accepted_tokens": 0}  # (this cluster does not speculate)
+                               "cached_tokens": num_prompt - 1, "cached_tokens_host": 0, "cached_tokens_disk": 0,
+                               "num_draft_tokens": 0, "num_accepted_tokens": 0}  # (no speculation, no KV tiers)
     assert result["timings"]["ttft_ms"] > 0 and result["timings"]["e2e_ms"] >= result["timings"]["ttft_ms"]
 
 

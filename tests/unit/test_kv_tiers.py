@@ -2,6 +2,7 @@
 loaded beside the steps and published, atomic and checked block files (a crash mid-write and a corrupted file are
 misses), a restart that finds its blocks again, an abort during a load."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from tandem.shared.engine_args import EngineArgs
 from tandem.shared.kv_block_file import block_file_name
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_offload import KVOffloader
-from tandem.shared.kv_tiers import EvictionOrder, claim_slot
+from tandem.shared.kv_tiers import DiskTier, EvictionOrder, claim_slot
 from tandem.shared.request import Request, RequestStatus, SamplingParams
 from tandem.shared.scheduler import Scheduler
 
@@ -289,3 +290,66 @@ def test_engine_args_make_the_tier_config():
     args = EngineArgs(kv_host_tier_gib=0.5, kv_disk_tier_dir="/kv", kv_disk_tier_gib=2, kv_tier_eviction="lfu")
     assert args.create_kv_tier_config() == KVTierConfig(1 << 29, "/kv", 2 << 30, "lfu")
     assert not EngineArgs().create_kv_tier_config().enabled
+
+
+def make_disk_tier(root, capacity_blocks=8, contract=CONTRACT):
+    data = torch.zeros(2, 2, BS, 1, 2)
+    tier = DiskTier(root, capacity_blocks * data.numel() * 4, "lru", contract.root_hash.hex(), torch.float32,
+                    tuple(data.shape))  # fmt: skip
+    return tier, data
+
+
+def test_a_full_filesystem_shrinks_the_disk_tier_and_a_deleted_directory_is_made_again(tmp_path, monkeypatch):
+    import errno
+
+    from tandem.shared import kv_tiers
+
+    tier, data = make_disk_tier(tmp_path)
+    h = hashes(list(range(1, 4 * BS + 1)))
+    for i in range(3):
+        tier.put(h[i], (i,), data + i)
+    tier.flush()
+    real_write, calls = kv_tiers.write_block_file, []
+
+    def full_once(path, header, payload):  # the filesystem is full for one write
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, header, payload)
+
+    monkeypatch.setattr(kv_tiers, "write_block_file", full_once)
+    tier.put(h[3], (3,), data + 3)
+    tier.flush()
+    assert len(calls) == 2 and tier.capacity_bytes == 2 * tier.blocks[h[3]].nbytes  # (held 4, freed twice a block)
+    assert set(tier.hashes()) == {h[2], h[3]} and set(tier.take_removed()) == {h[0], h[1]}
+    assert sorted(os.listdir(tier.directory)) == sorted(block_file_name(x) for x in (h[2], h[3]))
+    assert tier.num_write_failures == 0 and tier.read(h[3], (3,)) is not None
+    monkeypatch.setattr(kv_tiers, "write_block_file", real_write)
+    shutil.rmtree(tier.directory)  # deleted under a running instance: made again at the next write
+    tier.put(h[0], (0,), data)
+    tier.flush()
+    assert (tier.directory / block_file_name(h[0])).exists() and tier.num_write_failures == 0
+    tier.close()
+
+
+def test_another_contracts_directory_is_deleted_once_no_live_instance_holds_it(tmp_path):
+    other = HashContract(BS, "m:other:fp32", "fp32")
+    old, _ = make_disk_tier(tmp_path, contract=other)  # a live instance of another model
+    new, _ = make_disk_tier(tmp_path)
+    assert old.directory.exists()  # (held: kept)
+    old.close()
+    newer, _ = make_disk_tier(tmp_path)  # (old's slot is free now: its contract's directory goes)
+    assert not old.directory.parent.exists() and newer.directory.parent == new.directory.parent
+    new.close(), newer.close()
+
+
+def test_an_infinite_or_negative_tier_size_is_refused_by_name():
+    import argparse
+
+    from tandem.services.flags import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for value in ("inf", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-host-tier-gib", value])
