@@ -35,6 +35,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # (deploy/k8s gives pods 45 s to stop: the drain
 DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS = 256, 1024  # gateway admission (TGI's default: 128)
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_MAX_MIGRATIONS = 3  # times a completion whose decode fails mid-stream is placed again (gateway)
+DEFAULT_SESSION_MAX_LOAD = 2048  # tokens a session's instance may be loaded above its tier's least loaded (gateway)
+DEFAULT_SESSION_TTL_S = 600.0  # seconds a gateway remembers a session's pair after its last request
+MAX_SESSIONS = 100_000  # sessions one gateway remembers (each entry about 0.5 KB)
 # Flags read from an environment variable of another name than TANDEM_<FLAG> (names the ecosystem uses)
 ENV_NAMES = {"redis_url": "REDIS_URL", "otlp_traces_endpoint": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -286,6 +289,14 @@ def add_gateway_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=non_negative_int, default=64,
                         help="when the chosen decode lacks at most this many prompt tokens, it computes them itself "
                              "and no prefill is called (0: only fully cached prompts)")  # fmt: skip
+    parser.add_argument("--session-affinity-max-load", type=non_negative_int, default=DEFAULT_SESSION_MAX_LOAD,
+                        help="a request naming a session (X-Session-Id header, GenerateRequest.session_id) stays on "
+                             "its session's prefill/decode pair while each is at most this many tokens more loaded "
+                             "than its tier's least loaded instance (prefill: queued tokens; decode: queued tokens + "
+                             "256 per request); beyond it the cost model places it and the session moves")
+    parser.add_argument("--session-affinity-ttl", type=positive_float, default=DEFAULT_SESSION_TTL_S,
+                        help="seconds the gateway remembers a session's pair after its last request (at most "
+                             f"{MAX_SESSIONS} sessions, least recently used forgotten first)")  # fmt: skip
     parser.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "mistral", "json"),
                         default="auto", help="how answers to requests with tools are read for tool calls "
                         "(docs/api.md); auto: the format the chat template shows")  # fmt: skip

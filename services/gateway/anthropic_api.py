@@ -159,7 +159,7 @@ class AnthropicMessages(ChatEndpoint):
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=params)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         constrained = body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
-        num_prompt, shape, stream = await self.start(grpc_request, message_id,
+        num_prompt, shape, stream = await self.start(grpc_request, message_id, request,
                                                      {"structured_output": "tools"} if constrained else None)
         base = {"id": message_id, "type": "message", "role": "assistant", "model": self.model_name}
         if body.stream:

@@ -7,7 +7,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import APIError, param_named
+from tandem.services.gateway.openai_protocol import APIError, param_named, session_id
 from tandem.services.gateway.openai_responses import ResponseShape
 from tandem.services.gateway.openai_serving import ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline
@@ -33,19 +33,22 @@ class ChatEndpoint:
             raise APIError(400, f"{extra[0]} is not supported by this server{(why or {}).get(extra[0], '')}",
                            extra[0])  # fmt: skip
 
-    async def start(self, grpc_request: gateway_pb2.GenerateRequest, request_id: str,
+    async def start(self, grpc_request: gateway_pb2.GenerateRequest, request_id: str, request: Request,
                     params_named: dict[str, str] | None = None):
         """Tokenize, apply the tool choice (GatewayPipeline.answer_format) and validate; returns (the prompt's
         token count, the ResponseShape of the answer's parsers, the completion's message stream). APIError 400
-        naming the field (params_named renames the gRPC API's names to the endpoint's)."""
+        naming the field (params_named renames the gRPC API's names to the endpoint's) or the X-Session-Id header
+        of request."""
+        session = session_id(request.headers)
         try:
             prompt_ids = await self.pipeline.tokenize(grpc_request)
             params, parsers = self.pipeline.answer_format(grpc_request)
-            request = await self.pipeline.validate(GatewayRequest(request_id, prompt_ids, params, **parsers))
+            validated = await self.pipeline.validate(GatewayRequest(request_id, prompt_ids, params, **parsers,
+                                                                    session_id=session))  # fmt: skip
         except InvalidRequestError as e:
             named = param_named(str(e))
             raise APIError(400, str(e), (params_named or {}).get(named, named)) from None
-        return len(prompt_ids), ResponseShape(chat=True, n=1, **parsers), self.pipeline.run(request)
+        return len(prompt_ids), ResponseShape(chat=True, n=1, **parsers), self.pipeline.run(validated)
 
     async def whole(self, stream, request: Request) -> tuple[str, gateway_pb2.GenerateResponse] | None:
         """The completion's whole text and its last message, or None when the client disconnected first (the

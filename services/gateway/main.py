@@ -45,7 +45,8 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     contract = HashContract(args.block_size, model_config.model_id, engine_args.resolved_kv_dtype(model_config))
     index = PrefixIndex(args.redis_url, contract) if args.routing == "cache-aware" else None
     router = Router(Registry(args.redis_url), model_config.model_id, contract, index, args.routing,
-                    args.local_prefill_tokens, kv_variant=model_config.kv_variant)
+                    args.local_prefill_tokens, kv_variant=model_config.kv_variant,
+                    session_max_load=args.session_affinity_max_load, session_ttl_s=args.session_affinity_ttl)
     # The engines are called with the same certificate and CA (mutual TLS when they require it); API keys guard
     # the public API, not health or reflection.
     server = Server("gateway", instance_id, args.host, args.port, args.drain_timeout, ("/tandem.v1.Gateway/",),

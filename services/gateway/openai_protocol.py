@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.services.gateway.session_affinity import SESSION_HEADER, check_session_id
 from tandem.services.gateway.validation import MAX_ID_CHARS, MAX_N
+from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
@@ -27,6 +29,20 @@ class APIError(Exception):
     def body(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def session_id(headers) -> str | None:
+    """The request's session affinity key: its X-Session-Id header (headers: Starlette's), or None without one.
+    APIError 400 naming the header when it is repeated or not 1-256 printable ASCII characters without spaces."""
+    values = headers.getlist(SESSION_HEADER)
+    if len(values) > 1:
+        raise APIError(400, f"{SESSION_HEADER} is given {len(values)} times; send it once", SESSION_HEADER)
+    try:
+        for value in values:
+            check_session_id(value, SESSION_HEADER)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), SESSION_HEADER) from None
+    return values[0] if values else None
 
 
 # -- request bodies ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.services.gateway.openai_errors import api_error, counted, http_param
 from tandem.services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                                      chat_messages, completion_sampling_params, param_named, prompts,
-                                                     sampling_params)
+                                                     sampling_params, session_id)
 from tandem.services.gateway.openai_responses import ResponseShape, collect, sse
 from tandem.services.gateway.pipeline import STREAM_BUFFER, GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest
@@ -113,7 +113,7 @@ class OpenAIServing:
         """Run every prompt's completions; answer with one JSON body or an SSE stream of chunks."""
         kind = "chat.completion" if shape.chat else "text_completion"
         response_id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
-        requests = await self._validated(body, prompts, params, shape, response_id)
+        requests = await self._validated(body, prompts, params, shape, response_id, session_id(request.headers))
         streams = [self.pipeline.run(r) for r in requests]
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name}
         if body.stream:
@@ -129,9 +129,9 @@ class OpenAIServing:
         return JSONResponse(base | {"choices": choices, "usage": usage.as_json()})
 
     async def _validated(self, body: SamplingFields, prompts: list[list[int]], params: common_pb2.SamplingParams,
-                         shape: ResponseShape, response_id: str) -> list[GatewayRequest]:
-        """Each prompt's request record (prompt p's id: response_id-p), validated before any runs: bad
-        parameters are a 400 naming the body's field."""
+                         shape: ResponseShape, response_id: str, session: str | None) -> list[GatewayRequest]:
+        """Each prompt's request record (prompt p's id: response_id-p; session: its X-Session-Id), validated
+        before any runs: bad parameters are a 400 naming the body's field."""
         admission = self.pipeline.admission  # (a slot per prompt: more than it can ever hold would be refused forever)
         if len(prompts) > (room := admission.max_running + admission.max_waiting):
             raise APIError(400, f"{len(prompts)} prompts: this gateway holds at most {room} at once "
@@ -140,7 +140,8 @@ class OpenAIServing:
         for i, prompt_ids in enumerate(prompts):
             request = GatewayRequest(request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
                                      sampling_params=params, cache_salt=body.cache_salt, priority=body.priority,
-                                     tool_parser=shape.tool_parser, reasoning_parser=shape.reasoning_parser)
+                                     tool_parser=shape.tool_parser, reasoning_parser=shape.reasoning_parser,
+                                     session_id=session)
             try:
                 requests.append(await self.pipeline.validate(request))
             except InvalidRequestError as e:

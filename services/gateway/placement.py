@@ -122,8 +122,10 @@ class Placer:
         if pinned is not None:
             return Route(pinned, None, explanation=[f"decode {pinned.instance_id}: holds this prompt"], reason="pinned")
         params = request.sampling_params
+        # (a migrated request's session moves to wherever the cost model sends it: its decode just failed)
         return await self.router.route(request.token_ids, request.num_prompt_tokens + params.max_tokens,
-                                       request.cache_salt, skipped, local=not params.HasField("prompt_logprobs"))
+                                       request.cache_salt, skipped, local=not params.HasField("prompt_logprobs"),
+                                       session_id=request.session_id, keep_session=not request.output_token_ids)
 
     async def _wait_for_room(self, started: float, room_wait_s: float, timeout: float | None,
                              last_error: UpstreamError) -> None:

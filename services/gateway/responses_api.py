@@ -171,7 +171,7 @@ class Responses(ChatEndpoint):
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=sampling_params(body))
         response_id = _id("resp")
         constrained = body.tool_choice is not None and body.tool_choice not in ("auto", "none")
-        _, shape, stream = await self.start(grpc_request, response_id,
+        _, shape, stream = await self.start(grpc_request, response_id, request,
                                             {"structured_output": "tools" if constrained else "text"})
         base = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,

@@ -24,6 +24,12 @@ The index learns of a prompt's blocks only as they are computed, so for ROUTED_H
 prefill the router also counts its blocks as held there: the next prompts sharing that prefix follow it instead
 of computing it elsewhere (SGLang's router does the same with its approximate radix tree). Not for decodes: a
 decode must not be asked to compute a prompt whose KV is still on its way to it.
+Session affinity (session_affinity.py): a request naming a session the gateway knows goes to the pair its last
+request used while each is live (registered with the same incarnation, not marked down, not skipped), the decode
+has room, they share a KV format and each one's load (prefill: queued tokens; decode: queued tokens plus
+DECODE_LOAD_TOKENS per request) is at most session_max_load tokens above the least loaded of its tier's
+candidates; the rules above then run on that pair alone (the decode may still compute the prompt itself).
+Otherwise the rules above place it, and the session moves to the pair they chose.
 Ties go round-robin. Instances whose hash contract differs from the gateway's are never looked up in the index
 (logged once each). If Redis cannot answer, routing is load-only until it can: after one failed lookup no request
 waits for the index until a background probe finds it answering, and instances come from the registry's last
@@ -40,6 +46,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.services.flags import DEFAULT_SESSION_MAX_LOAD, DEFAULT_SESSION_TTL_S, MAX_SESSIONS
+from tandem.services.gateway.session_affinity import SessionTable
 from tandem.services.tracing import traced
 from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
 from tandem.shared.errors import NoInstanceError
@@ -74,7 +82,8 @@ class Route:
     prefill_cached_tokens: int = 0  # per the index, in any tier
     decode_cached_tokens: int = 0  # in its pool
     explanation: list[str] = field(default_factory=list)  # each candidate's score, then the winners
-    reason: str = "cache_aware"  # the rule that chose: cache_aware, round_robin, decode_local, pinned
+    # the rule that chose: cache_aware, round_robin, decode_local, decode_local_cost, pinned, session_affinity
+    reason: str = "cache_aware"
     # of prefill_cached_tokens, those in each tier (KV_TIERS; the routing hints count as "pool")
     prefill_cached_tiers: dict[str, int] = field(default_factory=dict)
 
@@ -93,7 +102,9 @@ def route_attributes(route: Route) -> dict:
 class Router:
     def __init__(self, registry: Registry, model_id: str, contract: HashContract, index: PrefixIndex | None,
                  policy: str = "cache-aware", local_prefill_tokens: int = 64,
-                 kv_variant: Callable[[int], str | None] | None = None):
+                 kv_variant: Callable[[int], str | None] | None = None,
+                 session_max_load: int = DEFAULT_SESSION_MAX_LOAD, session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+                 max_sessions: int = MAX_SESSIONS):
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         self.registry, self.model_id, self.contract, self.index = registry, model_id, contract, index
@@ -110,6 +121,8 @@ class Router:
         self._down: dict[str, float] = {}  # instance id -> until when routing avoids it (mark_down)
         # (instance id, incarnation) -> [(until when, prompt tokens a decode was given to compute)]
         self._queued: dict[tuple[str, str], list[tuple[float, int]]] = {}
+        self.sessions = SessionTable(session_ttl_s, max_sessions)  # session affinity: each session's last pair
+        self.session_max_load = session_max_load
 
     async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
         """Live instances of tier for this model, leaving out skip, and those marked down unless no other is
@@ -129,15 +142,76 @@ class Router:
 
     @traced("route", result_attributes=route_attributes)
     async def route(self, prompt_ids: list[int], max_total_tokens: int, cache_salt: str | None = None,
-                    skip: set[str] = frozenset(), local: bool = True) -> Route:
+                    skip: set[str] = frozenset(), local: bool = True, session_id: str | None = None,
+                    keep_session: bool = True) -> Route:
         """Pick a decode (with room for max_total_tokens when one has it) and a prefill (or none) for a prompt;
         local False: always a prefill (the request needs what only the prefill computes: prompt logprobs).
-        NoInstanceError when a tier has no live instance outside skip."""
+        session_id: the request's session (the module's docstring), which then moves to the pair chosen;
+        keep_session False: the cost model places it even when its pair qualifies (a migrated request, whose
+        decode just failed). NoInstanceError when a tier has no live instance outside skip."""
         decodes = await self.instances("decode", skip)
         prefills = await self.instances("prefill", skip)
-        roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens] or decodes
+        roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens]
         # (a fleet mid-way through a change of --kv-dtype or --block-size: only pairs that can move KV)
-        roomy = [d for d in roomy if any(p.shares_kv_format(d) for p in prefills)] or roomy
+        paired = [d for d in roomy or decodes if any(p.shares_kv_format(d) for p in prefills)] or roomy or decodes
+        if session_id is None:
+            return await self._route(prompt_ids, paired, prefills, cache_salt, local)
+        kept, note = (None, f"session {session_id}: migrated, placed by the cost model") if not keep_session else (
+            self._session_pair(session_id, decodes, roomy, paired, prefills, skip))  # fmt: skip
+        if kept is not None:
+            paired, prefills = [kept[0]], [kept[1]] if kept[1] is not None else prefills
+        route = await self._route(prompt_ids, paired, prefills, cache_salt, local)
+        route.explanation.insert(0, note)
+        if kept is not None:
+            route.reason = "session_affinity"
+        self.sessions.remember(session_id, route.decode, route.prefill)
+        return route
+
+    def _session_pair(self, session_id: str, decodes: list[InstanceInfo], roomy: list[InstanceInfo],
+                      paired: list[InstanceInfo], prefills: list[InstanceInfo],
+                      skip: set[str]) -> tuple[tuple[InstanceInfo, InstanceInfo | None] | None, str]:
+        """((decode, prefill or None) the session stays on, or None: the cost model places it; the decision
+        log's line saying why), by the rule of the module's docstring."""
+        pin = self.sessions.get(session_id)
+        if pin is None:
+            return None, f"session {session_id}: new here, placed by the cost model"
+        now, kept, loads = time.monotonic(), {}, []
+        for tier, key, candidates in (("decode", pin.decode, paired), ("prefill", pin.prefill, prefills)):
+            if key is None:
+                kept[tier] = None
+                continue
+            moves = f"session {session_id}: moves from {tier} {key[0]}, which"
+            if key[0] in skip:
+                return None, f"{moves} failed this request"
+            if self._down.get(key[0], 0) > now:
+                return None, f"{moves} is marked down"
+            found = next((i for i in candidates if (i.instance_id, i.incarnation) == key), None)
+            if found is None:
+                if tier == "decode" and any((d.instance_id, d.incarnation) == key for d in decodes):
+                    why = "has no room for the request" if key[0] not in {d.instance_id for d in roomy} else (
+                        "shares no prefill's KV format")  # fmt: skip
+                    return None, f"{moves} {why}"
+                return None, f"{moves} is gone or restarted"
+            load = self._decode_load if tier == "decode" else self._queued_tokens
+            excess = load(found) - min(load(c) for c in candidates)
+            if excess > self.session_max_load:
+                return None, (f"{moves} is {excess} tokens above the least loaded {tier} "
+                              f"(> {self.session_max_load}, --session-affinity-max-load)")
+            kept[tier] = found
+            loads.append(f"{tier} {found.instance_id} +{excess}")
+        decode, prefill = kept["decode"], kept["prefill"]
+        if prefill is not None and not prefill.shares_kv_format(decode):
+            return None, f"session {session_id}: moves: prefill {prefill.instance_id} no longer shares its KV format"
+        return (decode, prefill), (f"session {session_id}: stays ({', '.join(loads)} tokens above the least loaded, "
+                                   f"<= {self.session_max_load})")
+
+    def _decode_load(self, decode: InstanceInfo) -> int:
+        """A decode's load in tokens, for session affinity's bound: its queue and DECODE_LOAD_TOKENS per request."""
+        return self._queued_tokens(decode) + DECODE_LOAD_TOKENS * (decode.num_running + decode.num_waiting)
+
+    async def _route(self, prompt_ids: list[int], roomy: list[InstanceInfo], prefills: list[InstanceInfo],
+                     cache_salt: str | None, local: bool) -> Route:
+        """route's cost model over the candidate decodes (roomy) and prefills."""
         if self.policy == "round-robin":
             decode = self._turn("decode", roomy)
             return Route(decode, self._turn("prefill", self._paired(decode, prefills)),
@@ -355,6 +429,7 @@ class Router:
         now = time.monotonic()
         self._down = {i: until for i, until in self._down.items() if until > now}
         self._queued = {key: hints for key, hints in self._queued.items() if live.get(key[0]) == key[1]}
+        self.sessions.expire()
         try:
             await self.index.cleanup(live)
         except IndexUnavailableError:

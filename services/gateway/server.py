@@ -32,6 +32,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 sampling_params=params,
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                 priority=request.priority,
+                session_id=request.session_id if request.HasField("session_id") else None,
                 time_remaining=deadline_clock(context.time_remaining,
                                               request.deadline_ms if request.HasField("deadline_ms") else None),
                 arrival_time=arrival_time,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tandem.services.convert import sampling_params_from_proto
 from tandem.services.gateway.beam_search import check_beam_params
+from tandem.services.gateway.session_affinity import check_session_id
 from tandem.services.gateway.tool_calls import check_tools, render_messages
 from tandem.shared.config import ModelConfig
 from tandem.shared.errors import InvalidRequestError
@@ -64,6 +65,8 @@ def tokenize_request(tokenizer, request: gateway_pb2.GenerateRequest, max_model_
     for name in ("request_id", "cache_salt"):
         if len(getattr(request, name)) > MAX_ID_CHARS:
             raise InvalidRequestError(f"{name} has {len(getattr(request, name))} characters; at most {MAX_ID_CHARS}")
+    if request.HasField("session_id"):
+        check_session_id(request.session_id)
     kind = request.WhichOneof("input")
     if kind == "chat":
         chat = request.chat
