@@ -47,6 +47,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     p.add_argument("--cache-salt", default=None, help="prefix-cache salt: requests with different salts never share "
                    "cached KV (e.g. one per tenant)")
+    p.add_argument("--session-id", default=None, help="session affinity key: requests naming one session stay on "
+                   "one prefill/decode pair while their load is within the gateway's bound (docs/api.md)")
 
 
 def _request(args, prompt: str, history=None):
@@ -54,7 +56,8 @@ def _request(args, prompt: str, history=None):
 
     return make_request(prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, history=history,
-                        ignore_eos=args.ignore_eos, cache_salt=args.cache_salt)  # fmt: skip
+                        ignore_eos=args.ignore_eos, cache_salt=args.cache_salt,
+                        session_id=args.session_id)  # fmt: skip
 
 
 def _print_text(text: str) -> None:

@@ -14,7 +14,7 @@ from tandem.services.security import TLSConfig, bearer_metadata, open_channel
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-REQUEST_FIELDS = ("cache_salt", "deadline_ms", "priority")  # GenerateRequest's own optional fields
+REQUEST_FIELDS = ("cache_salt", "deadline_ms", "priority", "session_id")  # GenerateRequest's own optional fields
 STRUCTURED_OUTPUT_KINDS = tuple(common_pb2.StructuredOutput.DESCRIPTOR.fields_by_name)
 
 
@@ -26,8 +26,8 @@ def finish_name(reason: int) -> str:
 def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
                   **fields: Any) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest from raw text `prompt` or chat `messages` ([{"role", "content"}], chat-templated by the
-    gateway), the request's own fields cache_salt, deadline_ms and priority (gateway.proto), and SamplingParams
-    fields by name (common.proto; None means the server's default). `stop` may be one string;
+    gateway), the request's own fields cache_salt, deadline_ms, priority and session_id (gateway.proto), and
+    SamplingParams fields by name (common.proto; None means the server's default). `stop` may be one string;
     `structured_output` is a dict with one key, e.g. {"regex": "[0-9]+"}, {"choice": ["yes", "no"]} or
     {"json_schema": schema} (schema as JSON text or a dict).
 
@@ -79,15 +79,17 @@ def make_request(
     history: list[tuple[str, str]] | None = None,
     ignore_eos: bool = False,
     cache_salt: str | None = None,
+    session_id: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest: raw text, or a chat (history of (role, content) turns + this user prompt);
-    cache_salt: requests with different salts never share prefix-cache blocks."""
+    cache_salt: requests with different salts never share prefix-cache blocks; session_id: session affinity's
+    routing key (requests of one session stay on one prefill/decode pair while their load is within a bound)."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     stop=stop, ignore_eos=ignore_eos)  # fmt: skip
     if raw:
-        return build_request(prompt, cache_salt=cache_salt, **sampling)
+        return build_request(prompt, cache_salt=cache_salt, session_id=session_id, **sampling)
     turns = [{"role": r, "content": c} for r, c in (history or [])] + [{"role": "user", "content": prompt}]
-    return build_request(messages=turns, cache_salt=cache_salt, **sampling)
+    return build_request(messages=turns, cache_salt=cache_salt, session_id=session_id, **sampling)
 
 
 def _check_single(request: gateway_pb2.GenerateRequest) -> None:

@@ -9,7 +9,7 @@ gateway_id (this gateway's instance id; instance_id in router_decisions names th
              tandem:router_decisions_total{target_tier, instance_id, reason} (ours: where each request went and
              why: cache_aware, round_robin, decode_local (the decode computes the prompt: few tokens),
              decode_local_cost (the decode computes it: cheaper by measured cost), pinned (n completions
-             and beams follow their prompt)), tandem:router_expected_cached_tokens_total{target_tier} (ours: the
+             and beams follow their prompt), session_affinity (the request's session kept its pair)), tandem:router_expected_cached_tokens_total{target_tier} (ours: the
              prompt tokens the prefix index said the chosen instance held),
              tandem:request_migrations_total{reason} (ours: completions placed again with their output so far
              after their decode failed mid-stream: decode_failed, kv_transfer_failed; pipeline.py)
