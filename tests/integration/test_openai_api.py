@@ -344,3 +344,40 @@ def test_disconnect_before_the_answer_frees_the_request_on_both_tiers(cluster, c
     assert all(l.num_free_blocks == l.num_blocks for l in loads.values())
     r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+
+
+def test_session_header_routes_by_affinity_and_a_bad_one_is_refused(cluster, client):
+    """X-Session-Id (and the gRPC API's session_id): a session's second request stays on its pair (counted as
+    reason="session_affinity"); a bad key is a 400 naming the header, on every endpoint (INVALID_ARGUMENT)."""
+    import grpc
+
+    base = cluster.openai_base_url.removesuffix("/v1")
+
+    def stayed() -> float:
+        text = httpx.get(base + "/metrics", timeout=60).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tandem:router_decisions_total{") and 'reason="session_affinity"' in line)
+
+    before = stayed()
+    for _ in range(2):
+        r = client.with_options(default_headers={"X-Session-Id": "conv-42"}).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": CAPITAL}], max_tokens=4, temperature=0)
+        assert r.choices[0].message.content
+    assert stayed() > before  # (the second request kept the first one's pair)
+    chat = {"messages": [{"role": "user", "content": CAPITAL}], "max_tokens": 4}
+    for path, body in (("/chat/completions", chat), ("/completions", {"prompt": STORY, "max_tokens": 4}),
+                       ("/responses", {"input": CAPITAL, "max_output_tokens": 4})):  # fmt: skip
+        for bad in ("has space", "x" * 257, "caf\u00e9"):
+            r = httpx.post(cluster.openai_base_url + path, json=body, timeout=60,
+                           headers={"X-Session-Id": bad.encode()})  # fmt: skip
+            assert r.status_code == 400, (path, bad, r.text)
+            assert r.json()["error"]["param"] == "X-Session-Id" and "X-Session-Id" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/messages", json={"model": MODEL, "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": CAPITAL}]},
+                   headers={"X-Session-Id": "has space"}, timeout=60)  # fmt: skip
+    assert r.status_code == 400 and "X-Session-Id" in r.text, r.text
+    assert generate(cluster.gateway_address, make_request(CAPITAL, max_tokens=4, session_id="conv-42"),
+                    timeout=300).text  # fmt: skip
+    with pytest.raises(grpc.RpcError) as e:
+        generate(cluster.gateway_address, make_request(CAPITAL, max_tokens=4, session_id=""), timeout=300)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in e.value.details()
