@@ -1,9 +1,9 @@
 """The gateway's Router (services/gateway/router.py) on a real redis-server: instance records in the registry and
 block events in the prefix index, as engines write them; exact costs decide the route. Covers a cached prefix
 winning, a deep queue winning over it (on either side of the break-even point), a restarted instance's stale
-entries, a killed instance, a mismatched hash contract, the decode's choice and the local-prefill threshold, and session affinity (a
-session's pair kept within the load bound, left when an instance is gone, restarted, down, skipped or full; the
-session table's LRU bound and TTL)."""
+entries, a killed instance, a mismatched hash contract, the decode's choice and the local-prefill threshold, and
+session affinity (a session's pair kept within the load bound, left when an instance is gone, restarted, down,
+skipped or full; the session table's LRU bound and TTL)."""
 import asyncio
 import dataclasses
 import logging
