@@ -76,6 +76,9 @@ class LLMEngine:
         kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the prefix
         index); off, nothing accumulates. speculative_config: speculative decoding (None: off). kv_tier_config:
         the host and disk tiers below the pool (None or sizes 0: none; they need prefix caching)."""
+        if kv_tier_config is not None and kv_tier_config.enabled and not cache_config.enable_prefix_caching:
+            raise ValueError("the KV tiers below the pool (--kv-host-tier-gib, --kv-disk-tier-dir) hold the prefix "
+                             "cache's blocks: they need prefix caching (drop --no-enable-prefix-caching)")
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
@@ -83,7 +86,7 @@ class LLMEngine:
                                           self.cache_config.kv_dtype)
         self.drafter = Drafter(speculative_config, self.model_runner) if speculative_config is not None else None
         self.offloader = None
-        if kv_tier_config is not None and kv_tier_config.enabled and self.cache_config.enable_prefix_caching:
+        if kv_tier_config is not None and kv_tier_config.enabled:
             self.offloader = KVOffloader(kv_tier_config, self.model_runner.kv_caches, self.hash_contract, kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                                self.hash_contract if self.cache_config.enable_prefix_caching else None,
@@ -403,8 +406,10 @@ class LLMEngine:
                     kv_tier_store_failures={"disk": o.disk.num_write_failures} if o.disk is not None else {})
 
     def close(self) -> None:
-        """Stop the tiers' threads (the disk tier's writes asked for so far are finished first)."""
+        """A clean stop: the pool's and host tier's cached blocks are written to the disk tier, if there is one (so a
+        restart finds them), then the tiers' threads stop (their writes finished first)."""
         if self.offloader is not None:
+            self.offloader.save_to_disk(self.kv_cache_manager.block_pool.cached_blocks_coldest_first())
             self.offloader.close()
 
 

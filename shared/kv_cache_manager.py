@@ -196,6 +196,13 @@ class BlockPool:
         block.block_hash = block.token_ids = None
         self.num_evictions += 1
 
+    def cached_blocks_coldest_first(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
+        """(block id, hash, token ids) of every cached block: those in the free queue in eviction order, then
+        those in use."""
+        order = [b for b in self.free_block_queue if self.blocks[b].block_hash is not None]
+        order += [b.block_id for b in self.blocks if b.ref_cnt > 0 and b.block_hash is not None]
+        return [(b, self.blocks[b].block_hash, self.blocks[b].token_ids) for b in order]
+
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """The cache changes since the last call, the tiers' below the pool after the pool's, consecutive stores
         and removes of one tier merged, in order (the order of each tier's own events is kept)."""

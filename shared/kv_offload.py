@@ -34,6 +34,7 @@ from tandem.shared.kv_tiers import DiskTier, HostTier
 log = logging.getLogger(__name__)
 TIERS = ("host", "disk")  # below the pool, fastest first (shared/kv_events.py KV_TIERS[1:])
 LOAD_EWMA_ALPHA = 0.2  # weight of a new load in the running mean of seconds per block
+SAVE_ON_STOP_S = 10.0  # at most this long, at a clean stop, writing the pool's and host tier's blocks to disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,12 @@ class KVOffloader:
                                  kv_caches.dtype, self.block_shape)  # fmt: skip
         if config.enabled and self.host is None and self.disk is None:
             log.warning("KV tiers smaller than one block (%d bytes): off", self.block_bytes)
+        if self.host is not None:
+            log.info("host KV tier: %d blocks of %.2f MB (%.2f GiB), evicting %s", config.host_bytes // self.block_bytes,
+                     self.block_bytes / 1e6, config.host_bytes / 2**30, config.eviction)  # fmt: skip
+        if self.disk is not None:
+            log.info("disk KV tier %s: %.2f GiB, %d blocks held, evicting %s", self.disk.directory,
+                     self.disk.capacity_bytes / 2**30, len(self.disk.blocks), config.eviction)  # fmt: skip
         self.record_events = record_events
         self._events: list[BlockStored | BlockRemoved] = []
         self.num_stored, self.num_evicted, self.num_loaded, self.num_failed = ({t: 0 for t in self.tiers}
@@ -270,6 +277,29 @@ class KVOffloader:
         """Wait for the disk tier's writes asked for so far (a test's clean restart)."""
         if self.disk is not None:
             self.disk.flush()
+
+    def save_to_disk(self, pool_blocks: list[tuple[int, BlockHash, tuple[int, ...]]]) -> int:
+        """A clean stop: write the blocks the host tier holds, then pool_blocks ((block id, hash, token ids) of the
+        pool's cached blocks), coldest first, to the disk tier, so that a restart finds them too (the hottest last:
+        the disk tier's bound evicts the coldest). At most SAVE_ON_STOP_S. Returns the blocks written."""
+        if self.disk is None:
+            return 0
+        host = [(None, h, self.host.blocks[h].token_ids) for h in self.host.order] if self.host is not None else []
+        start, num_written = time.perf_counter(), 0
+        for block_id, block_hash, token_ids in host + pool_blocks:
+            if time.perf_counter() - start > SAVE_ON_STOP_S:
+                break
+            if self.disk.touch(block_hash):
+                continue
+            data = self.host.blocks[block_hash].data if block_id is None else self._copy_out(block_id)
+            self._put_disk(block_hash, token_ids, data)
+            num_written += 1
+            if num_written % 64 == 0:
+                self.disk.flush()  # (bounds the copies waiting for the writer)
+        self.disk.flush()
+        log.info("disk KV tier: %d blocks of the pool and host tier written for the next start in %.1f s",
+                 num_written, time.perf_counter() - start)
+        return num_written
 
     def close(self) -> None:
         """Stop the loader thread; finish the disk tier's writes and stop its writer."""

@@ -186,5 +186,11 @@ def test_the_prefix_index_stays_true_through_tier_moves_loads_and_a_restart(mode
     asyncio.run(body())
 
 
+def test_kv_tiers_without_prefix_caching_are_refused_by_name(model_config, tmp_path):
+    with pytest.raises(ValueError, match="need prefix caching"):
+        LLMEngine(model_config, CacheConfig(BS, 14, enable_prefix_caching=False), SchedulerConfig(64, 8),
+                  kv_tier_config=KVTierConfig(1 << 30))
+
+
 async def _no_rebuild():
     raise AssertionError("no rebuild expected: every batch is published in order")

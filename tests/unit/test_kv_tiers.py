@@ -353,3 +353,22 @@ def test_an_infinite_or_negative_tier_size_is_refused_by_name():
     for value in ("inf", "-1", "nan"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--kv-host-tier-gib", value])
+
+
+def test_a_clean_stop_writes_the_pools_and_host_tiers_blocks_to_disk_for_the_next_start(tmp_path):
+    kv_caches = make_pool()
+    offloader = make_tiers(kv_caches, tmp_path, host_blocks=1, disk_blocks=8)
+    scheduler = make_scheduler(kv_caches, offloader)
+    for rid, tokens in (("a", A), ("b", B)):  # b evicts a's tail to the host tier; the rest stays in the pool
+        run(scheduler, kv_caches, rid, tokens)
+    held = scheduler.kv_cache_manager.cached_block_tiers()
+    assert {t for _, t in held} == {"pool", "host"} and not offloader.disk.blocks
+    assert offloader.save_to_disk(scheduler.kv_cache_manager.block_pool.cached_blocks_coldest_first()) == len(held)
+    offloader.close()
+    kv_caches = make_pool()
+    restarted = make_tiers(kv_caches, tmp_path, host_blocks=1, disk_blocks=8)
+    assert set(restarted.disk.hashes()) == {h for h, _ in held}
+    scheduler = make_scheduler(kv_caches, restarted)
+    assert run(scheduler, kv_caches, "a2", A).num_tier_cached_tokens == {"disk": 12}  # (token ids checked in run)
+    assert run(scheduler, kv_caches, "b2", B).num_tier_cached_tokens == {"disk": 12}
+    restarted.close()
