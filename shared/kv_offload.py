@@ -81,8 +81,9 @@ class KVOffloader:
         if config.enabled and self.host is None and self.disk is None:
             log.warning("KV tiers smaller than one block (%d bytes): off", self.block_bytes)
         if self.host is not None:
-            log.info("host KV tier: %d blocks of %.2f MB (%.2f GiB), evicting %s", config.host_bytes // self.block_bytes,
-                     self.block_bytes / 1e6, config.host_bytes / 2**30, config.eviction)  # fmt: skip
+            log.info("host KV tier: %d blocks of %.2f MB (%.2f GiB), evicting %s",
+                     config.host_bytes // self.block_bytes, self.block_bytes / 1e6, config.host_bytes / 2**30,
+                     config.eviction)  # fmt: skip
         if self.disk is not None:
             log.info("disk KV tier %s: %.2f GiB, %d blocks held, evicting %s", self.disk.directory,
                      self.disk.capacity_bytes / 2**30, len(self.disk.blocks), config.eviction)  # fmt: skip
