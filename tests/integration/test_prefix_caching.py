@@ -93,39 +93,14 @@ def test_forced_eviction_keeps_outputs_exact(model_config, base_ids, hf_greedy):
     assert engine.num_free_blocks == 14
 
 
-def test_hits_from_the_host_and_disk_tiers_and_after_a_restart_keep_outputs_exact(model_config, base_ids, hf_greedy,
-                                                                                 tmp_path):
+def test_tier_hits_and_a_restart_keep_outputs_exact_and_the_prefix_index_true(model_config, base_ids, hf_greedy,
+                                                                              redis_server, tmp_path):
     """A pool of 14 blocks evicts prompts' blocks to a host tier of 8 blocks, whose evictions go to disk (tails
     first): prompt 1 comes back from the host tier, prompt 0 from disk, then a new engine on the same directory (a
-    restarted instance) serves prompt 0 from its disk."""
-    block_bytes = CacheConfig(BS, 14).block_bytes(model_config)
-    tiers = KVTierConfig(8 * block_bytes, str(tmp_path / "kv"), 64 * block_bytes)
-    engine = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), kv_tier_config=tiers)
-    prompts = [base_ids[i * 40 : i * 40 + 90] for i in range(4)]  # (no block in common)
-    for i, ids in enumerate(prompts):
-        assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids, NUM_TOKENS), i
-    for i in (1, 0):
-        assert run(engine, {f"again{i}": prompts[i]})[f"again{i}"] == hf_greedy(prompts[i], NUM_TOKENS), i
-        assert run.cached[f"again{i}"] >= 80, i  # its 5 full prompt blocks (the last token is computed)
-        assert run.tiers[f"again{i}"] == {("host" if i else "disk"): 80}, i  # (what Usage.cached_tokens_* report)
-    stats = engine.stats()
-    assert stats.kv_tier_hits == {"host": 5, "disk": 5} and stats.kv_tier_load_failures == {"host": 0, "disk": 0}
-    assert stats.kv_tier_load_s.keys() == {"host", "disk"}
-    engine.close()  # (its disk writes finish)
-    restarted = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), model=engine.model_runner.model,
-                          kv_tier_config=tiers)
-    assert restarted.stats().kv_tier_blocks["disk"] > 0
-    assert run(restarted, {"warm": prompts[0]})["warm"] == hf_greedy(prompts[0], NUM_TOKENS)
-    assert run.cached["warm"] >= 80 and restarted.stats().kv_tier_hits == {"host": 0, "disk": 5}
-    restarted.close()
-
-
-def test_the_prefix_index_stays_true_through_tier_moves_loads_and_a_restart(model_config, base_ids, redis_server,
-                                                                            tmp_path):
-    """A real engine with host and disk tiers publishes its KV events to a real Redis. After every step of the way
-    the instance's entries there are exactly its cached_block_tiers(), and tiered_prefixes counts each prompt's run
-    at the fastest tier holding each block: through evictions pool -> host -> disk, loads back into the pool, and a
-    restart on the warm disk tier (a new incarnation, whose first batch publishes the disk blocks)."""
+    restarted instance) serves prompt 0 from its disk; every output equals HF's. The engine publishes its KV events
+    to a real Redis: after every step its entries there are exactly its cached_block_tiers(), and tiered_prefixes
+    counts each prompt's run at the fastest tier holding each block (the restart's first batch publishes the disk
+    blocks of the new incarnation)."""
     import asyncio
 
     from tandem.shared.block_hash import hash_request_blocks
@@ -133,13 +108,13 @@ def test_the_prefix_index_stays_true_through_tier_moves_loads_and_a_restart(mode
     from tandem.shared.kv_events import KV_TIERS
 
     block_bytes = CacheConfig(BS, 14).block_bytes(model_config)
-    tiers = KVTierConfig(4 * block_bytes, str(tmp_path / "kv"), 64 * block_bytes)
+    tiers = KVTierConfig(8 * block_bytes, str(tmp_path / "kv"), 64 * block_bytes)
     prompts = [base_ids[i * 40 : i * 40 + 90] for i in range(4)]  # (no block in common)
 
     async def body():
-        def start(incarnation):
-            engine = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), kv_tier_config=tiers,
-                               kv_events=True)  # fmt: skip
+        def start(incarnation, model=None):
+            engine = LLMEngine(model_config, CacheConfig(BS, 14), SchedulerConfig(64, 8), model=model,
+                               kv_tier_config=tiers, kv_events=True)  # fmt: skip
             return engine, KVEventPublisher(redis_server.url, "prefill-1", incarnation, engine.hash_contract,
                                             _no_rebuild)  # fmt: skip
 
@@ -166,19 +141,24 @@ def test_the_prefix_index_stays_true_through_tier_moves_loads_and_a_restart(mode
         engine, publisher = start("inc-a")
         index = PrefixIndex(redis_server.url, engine.hash_contract)
         for i, ids in enumerate(prompts):  # each evicts the one before it: pool -> host -> disk
-            run(engine, {f"r{i}": ids})
+            assert run(engine, {f"r{i}": ids})[f"r{i}"] == hf_greedy(ids, NUM_TOKENS), i
             await check(engine, publisher)
         for i in (1, 0):  # loaded back into the pool from the host and the disk tier
-            run(engine, {f"again{i}": prompts[i]})
-            assert sum(run.tiers[f"again{i}"].values()) == 80
+            assert run(engine, {f"again{i}": prompts[i]})[f"again{i}"] == hf_greedy(prompts[i], NUM_TOKENS), i
+            assert run.cached[f"again{i}"] >= 80, i  # its 5 full prompt blocks (the last token is computed)
+            assert run.tiers[f"again{i}"] == {("host" if i else "disk"): 80}, i  # (what Usage.cached_tokens_* say)
             await check(engine, publisher)
-        engine.close()
+        stats = engine.stats()
+        assert stats.kv_tier_hits == {"host": 5, "disk": 5} and stats.kv_tier_load_failures == {"host": 0, "disk": 0}
+        assert stats.kv_tier_load_s.keys() == {"host", "disk"}
+        engine.close()  # (a clean stop: the pool's and host tier's blocks go to disk, and the writes finish)
         await publisher.close()
-        engine, publisher = start("inc-b")  # restarted: its disk blocks, published by its first batch
+        engine, publisher = start("inc-b", model=engine.model_runner.model)  # restarted on the warm disk tier
         await check(engine, publisher)
         assert engine.stats().kv_tier_blocks["disk"] > 0
         assert await index.cleanup({"prefill-1": "inc-b"}) == 1
-        run(engine, {"warm": prompts[0]})
+        assert run(engine, {"warm": prompts[0]})["warm"] == hf_greedy(prompts[0], NUM_TOKENS)
+        assert run.cached["warm"] >= 80 and engine.stats().kv_tier_hits == {"host": 0, "disk": 5}
         await check(engine, publisher)
         engine.close()
         await publisher.close(), await index.close()
