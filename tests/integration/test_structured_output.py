@@ -255,7 +255,7 @@ def test_a_grammar_past_llguidance_limits_fails_alone(model_config, tokenizer, r
     engine.add_request(Request("plain", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                             structured_output=CASES["person"][1])))  # fmt: skip
     engine.add_request(Request("huge", prompt_token_ids(tokenizer, "chat", "Pick a number."), SamplingParams(
-        max_tokens=8, structured_output=StructuredOutputParams(
+        max_tokens=8, temperature=0.0, structured_output=StructuredOutputParams(
             grammar="start: " + " | ".join(f'"{i}"' for i in range(2500))))))
     outs, errors = {"plain": [], "huge": []}, {}
     while engine.has_unfinished_requests():
