@@ -104,8 +104,8 @@ def test_avx2_build_matches_reference_too():
 
     env = dict(os.environ, TANDEM_CPU_ARCH="x86-64-v3")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "test_matches_reference or long_context or bf16"], env=env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+                          "test_matches_reference or long_context or bf16 or quantized"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
