@@ -1,6 +1,7 @@
 import pytest
 
-from tandem.shared.kv_cache_manager import BlockPool, KVCacheManager
+from tandem.shared.block_pool import BlockPool
+from tandem.shared.kv_cache_manager import KVCacheManager
 from tests.unit.factories import make_request
 
 
