@@ -97,6 +97,30 @@ async def _refresh_metrics(engine: AsyncEngine, metrics: EngineMetrics) -> None:
         await asyncio.sleep(STATS_REFRESH_S)
 
 
+def _with_load(info: InstanceInfo, metrics: EngineMetrics) -> InstanceInfo:
+    """The instance's registry record with the load of the metrics' last EngineStats snapshot: never a wait on the
+    engine, so a long step does not stop the heartbeat (the instance would drop out of the registry while it
+    works)."""
+    stats = metrics.stats.stats
+    info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
+        stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
+    info.tokens_per_s = round(metrics.tokens_per_s, 1)
+    info.kv_tier_load_s = dict(stats.kv_tier_load_s)  # (measured by the engine: the router's price of a tier hit)
+    return info
+
+
+def _serving_line(engine, engine_args: EngineArgs, info: InstanceInfo, registered: bool, metrics_at: str) -> str:
+    """The start-up line saying what this instance serves, where, and with which settings and weights."""
+    model_config, cache_config, scheduler_config = engine.model_config, engine.cache_config, engine.scheduler.config
+    return (f"{info.tier} {info.instance_id} serving {model_config.model_id} on {info.address}"
+            f"{'' if registered else ' (standalone)'}: {cache_config.num_blocks} KV blocks of "
+            f"{cache_config.block_size} tokens ({cache_config.kv_dtype}), {scheduler_config.max_num_batched_tokens} "
+            f"tokens and {scheduler_config.max_num_seqs} requests per step, {engine_args.threads} torch threads, "
+            f"{engine_args.resolved_kernel_threads(info.tier)} kernel threads, {engine_args.device}, "
+            f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}; metrics on {metrics_at}; "
+            f"weights: {engine_args.weights_line(model_config)}")
+
+
 async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> None:
     import torch
 
@@ -110,7 +134,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     registry = Registry(args.redis_url) if args.redis_url else None
     publish_index = registry is not None and engine_args.enable_prefix_caching
     engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
-    model_config, scheduler_config = engine.model_config, engine.scheduler.config
+    model_config = engine.model_config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     metrics = EngineMetrics(tier, model_config.name, instance_id)
     async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
@@ -126,14 +150,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
                         kv_dtype=cache_config.kv_dtype)  # fmt: skip
 
     async def current_info() -> InstanceInfo:
-        # The last snapshot, never a wait on the engine: a long step must not stop the heartbeat (the instance
-        # would drop out of the registry while it works).
-        stats = metrics.stats.stats
-        info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
-            stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
-        info.tokens_per_s = round(metrics.tokens_per_s, 1)
-        info.kv_tier_load_s = dict(stats.kv_tier_load_s)  # (measured by the engine: the router's price of a tier hit)
-        return info
+        return _with_load(info, metrics)
 
     metrics.stats.stats = await async_engine.stats()  # (the first registration carries the real load)
     await server.start()
@@ -166,14 +183,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
             except Exception as e:
                 log.warning("could not remove this instance's prefix index entries: %s", e)
 
-    print(f"{tier} {instance_id} serving {model_config.model_id} on {info.address}"
-          f"{'' if registry else ' (standalone)'}: {cache_config.num_blocks} KV blocks of {cache_config.block_size} "
-          f"tokens ({cache_config.kv_dtype}), {scheduler_config.max_num_batched_tokens} tokens and "
-          f"{scheduler_config.max_num_seqs} requests per step, {engine_args.threads} torch threads, "
-          f"{engine_args.resolved_kernel_threads(tier)} kernel threads, {engine_args.device}, "
-          f"prefix caching {'on' if cache_config.enable_prefix_caching else 'off'}; "
-          f"metrics on {metrics_url(args.advertise_host, metrics_port)}; weights: "
-          f"{engine_args.weights_line(model_config)}", flush=True)  # fmt: skip
+    print(_serving_line(engine, engine_args, info, registry is not None,
+                        metrics_url(args.advertise_host, metrics_port)), flush=True)
     try:
         await server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy)
     finally:
