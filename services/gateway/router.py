@@ -157,7 +157,8 @@ class Router:
         if session_id is None:
             return await self._route(prompt_ids, paired, prefills, cache_salt, local)
         kept, note = (None, f"session {session_id}: migrated, placed by the cost model") if not keep_session else (
-            self._session_pair(session_id, decodes, roomy, paired, prefills, skip))  # fmt: skip
+            self.sessions.stay(session_id, decodes, roomy, paired, prefills, skip, self._down, self._session_load,
+                               self.session_max_load))  # fmt: skip
         if kept is not None:
             paired, prefills = [kept[0]], [kept[1]] if kept[1] is not None else prefills
         route = await self._route(prompt_ids, paired, prefills, cache_salt, local)
@@ -167,47 +168,11 @@ class Router:
         self.sessions.remember(session_id, route.decode, route.prefill)
         return route
 
-    def _session_pair(self, session_id: str, decodes: list[InstanceInfo], roomy: list[InstanceInfo],
-                      paired: list[InstanceInfo], prefills: list[InstanceInfo],
-                      skip: set[str]) -> tuple[tuple[InstanceInfo, InstanceInfo | None] | None, str]:
-        """((decode, prefill or None) the session stays on, or None: the cost model places it; the decision
-        log's line saying why), by the rule of the module's docstring."""
-        pin = self.sessions.get(session_id)
-        if pin is None:
-            return None, f"session {session_id}: new here, placed by the cost model"
-        now, kept, loads = time.monotonic(), {}, []
-        for tier, key, candidates in (("decode", pin.decode, paired), ("prefill", pin.prefill, prefills)):
-            if key is None:
-                kept[tier] = None
-                continue
-            moves = f"session {session_id}: moves from {tier} {key[0]}, which"
-            if key[0] in skip:
-                return None, f"{moves} failed this request"
-            if self._down.get(key[0], 0) > now:
-                return None, f"{moves} is marked down"
-            found = next((i for i in candidates if (i.instance_id, i.incarnation) == key), None)
-            if found is None:
-                if tier == "decode" and any((d.instance_id, d.incarnation) == key for d in decodes):
-                    why = "has no room for the request" if key[0] not in {d.instance_id for d in roomy} else (
-                        "shares no prefill's KV format")  # fmt: skip
-                    return None, f"{moves} {why}"
-                return None, f"{moves} is gone or restarted"
-            load = self._decode_load if tier == "decode" else self._queued_tokens
-            excess = load(found) - min(load(c) for c in candidates)
-            if excess > self.session_max_load:
-                return None, (f"{moves} is {excess} tokens above the least loaded {tier} "
-                              f"(> {self.session_max_load}, --session-affinity-max-load)")
-            kept[tier] = found
-            loads.append(f"{tier} {found.instance_id} +{excess}")
-        decode, prefill = kept["decode"], kept["prefill"]
-        if prefill is not None and not prefill.shares_kv_format(decode):
-            return None, f"session {session_id}: moves: prefill {prefill.instance_id} no longer shares its KV format"
-        return (decode, prefill), (f"session {session_id}: stays ({', '.join(loads)} tokens above the least loaded, "
-                                   f"<= {self.session_max_load})")
-
-    def _decode_load(self, decode: InstanceInfo) -> int:
-        """A decode's load in tokens, for session affinity's bound: its queue and DECODE_LOAD_TOKENS per request."""
-        return self._queued_tokens(decode) + DECODE_LOAD_TOKENS * (decode.num_running + decode.num_waiting)
+    def _session_load(self, instance: InstanceInfo) -> int:
+        """An instance's load in tokens, for session affinity's bound: its queue, and for a decode DECODE_LOAD_TOKENS
+        per request it serves or holds."""
+        requests = instance.num_running + instance.num_waiting if instance.tier == "decode" else 0
+        return self._queued_tokens(instance) + DECODE_LOAD_TOKENS * requests
 
     async def _route(self, prompt_ids: list[int], roomy: list[InstanceInfo], prefills: list[InstanceInfo],
                      cache_salt: str | None, local: bool) -> Route:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.services.flags import DEFAULT_SESSION_TTL_S, MAX_SESSIONS
@@ -78,6 +79,47 @@ class SessionTable:
         self._pins[session_id] = SessionPin(instance_key(decode), prefill_key, time.monotonic() + self.ttl_s)
         while len(self._pins) > self.max_sessions:
             self._pins.popitem(last=False)
+
+    def stay(self, session_id: str, decodes: list[InstanceInfo], roomy: list[InstanceInfo],
+             paired: list[InstanceInfo], prefills: list[InstanceInfo], skip: set[str], down: dict[str, float],
+             load: Callable[[InstanceInfo], int],
+             max_load: int) -> tuple[tuple[InstanceInfo, InstanceInfo | None] | None, str]:
+        """((decode, prefill or None) the session stays on, or None: the cost model places it; the decision
+        log's line saying why), by the rule of services/gateway/router.py's docstring: decodes, the live ones;
+        roomy, those with room for the request; paired, those a prefill shares a KV format with; skip, instances
+        this request must not use; down, instance id -> until when routing avoids it; load, an instance's load in
+        tokens; max_load, the bound above its tier's least loaded (--session-affinity-max-load)."""
+        pin = self.get(session_id)
+        if pin is None:
+            return None, f"session {session_id}: new here, placed by the cost model"
+        now, kept, loads = time.monotonic(), {}, []
+        for tier, key, candidates in (("decode", pin.decode, paired), ("prefill", pin.prefill, prefills)):
+            if key is None:
+                kept[tier] = None
+                continue
+            moves = f"session {session_id}: moves from {tier} {key[0]}, which"
+            if key[0] in skip:
+                return None, f"{moves} failed this request"
+            if down.get(key[0], 0) > now:
+                return None, f"{moves} is marked down"
+            found = next((i for i in candidates if (i.instance_id, i.incarnation) == key), None)
+            if found is None:
+                if tier == "decode" and any((d.instance_id, d.incarnation) == key for d in decodes):
+                    why = "has no room for the request" if key[0] not in {d.instance_id for d in roomy} else (
+                        "shares no prefill's KV format")  # fmt: skip
+                    return None, f"{moves} {why}"
+                return None, f"{moves} is gone or restarted"
+            excess = load(found) - min(load(c) for c in candidates)
+            if excess > max_load:
+                return None, (f"{moves} is {excess} tokens above the least loaded {tier} "
+                              f"(> {max_load}, --session-affinity-max-load)")
+            kept[tier] = found
+            loads.append(f"{tier} {found.instance_id} +{excess}")
+        decode, prefill = kept["decode"], kept["prefill"]
+        if prefill is not None and not prefill.shares_kv_format(decode):
+            return None, f"session {session_id}: moves: prefill {prefill.instance_id} no longer shares its KV format"
+        return (decode, prefill), (f"session {session_id}: stays ({', '.join(loads)} tokens above the least loaded, "
+                                   f"<= {max_load})")
 
     def expire(self) -> None:
         """Drop expired sessions (the router's periodic cleanup)."""
