@@ -1,0 +1,63 @@
+"""The batched LoRA delta of a mixed-adapter batch: each segment of rows adds its adapter's low-rank update.
+
+A step's flat batch holds requests of different adapters (and of the base model, which add nothing). Each
+adapter-carrying request's rows form one segment; the delta of a linear is, per segment s with slot a_s:
+
+    y[rows of s] += (x[rows of s] @ lora_a[a_s].T) @ lora_b[a_s].T     (shrink to rank R, then expand)
+
+lora_a / lora_b are the stacks of the adapters resident in the batch's slots, zero-padded to the stack's rank R,
+with the adapter's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) folded into lora_b at load. Method: Punica's
+SGMV (Chen et al. 2023, arXiv 2310.18547) and S-LoRA (Sheng et al. 2023): one shrink and one expand per segment.
+
+add_lora_ref is the pure-torch reference; add_lora dispatches to the fastest implementation that takes the
+tensors (the reference for now).
+Torch only: nothing here imports triton or shared/.
+"""
+from __future__ import annotations
+
+import torch
+
+LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_lora_args(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots) -> None:
+    """ValueError unless the tensors have the shapes and dtypes add_lora documents."""
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"x [T, K] and y [T, N] must be 2-D with one T, got {tuple(x.shape)} and {tuple(y.shape)}")
+    if x.dtype not in LORA_DTYPES or not x.dtype == y.dtype == lora_a.dtype == lora_b.dtype:
+        raise ValueError(f"x, y, lora_a and lora_b must share one of {LORA_DTYPES}, got {x.dtype}, {y.dtype}, "
+                         f"{lora_a.dtype}, {lora_b.dtype}")
+    if lora_a.dim() != 3 or lora_b.dim() != 3:
+        raise ValueError(f"lora_a [L, R, K] and lora_b [L, N, R] must be 3-D, got {tuple(lora_a.shape)} and "
+                         f"{tuple(lora_b.shape)}")
+    (num_slots, rank, k), n = lora_a.shape, y.shape[1]
+    if k != x.shape[1] or lora_b.shape != (num_slots, n, rank):
+        raise ValueError(f"lora_a must be [L, R, {x.shape[1]}] and lora_b [L, {n}, R], got {tuple(lora_a.shape)} "
+                         f"and {tuple(lora_b.shape)}")
+    for name, t in (("seg_starts", seg_starts), ("seg_lens", seg_lens), ("seg_slots", seg_slots)):
+        if t.dtype != torch.int64 or t.dim() != 1 or t.shape != seg_starts.shape:
+            raise ValueError(f"{name} must be [S] int64 like seg_starts, got {t.dtype} {tuple(t.shape)}")
+
+
+def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    """The reference of add_lora: per segment, the shrink and the expand in fp32, the delta rounded once to y's
+    dtype and added (in y's dtype, as PEFT adds lora_B(lora_A(x)) * scaling to the base output)."""
+    for start, length, slot in zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist()):
+        rows = slice(start, start + length)
+        h = x[rows].float() @ lora_a[slot].float().T  # [length, R]
+        y[rows] += (h @ lora_b[slot].float().T).to(y.dtype)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    """y [T, N] += the LoRA delta of each segment, in place.
+
+    x [T, K] and y [T, N]: the linear's input and base output, one dtype of LORA_DTYPES. lora_a [L, R, K] and
+    lora_b [L, N, R] (x's dtype): the stacks of L adapter slots at rank R (zero-padded; lora_b holds the scaling).
+    seg_starts, seg_lens, seg_slots [S] int64 (CPU): segment s is rows seg_starts[s] .. + seg_lens[s] of x and y,
+    adapter slot seg_slots[s] in [0, L). Rows in no segment (base-model requests) are left as they are; segments
+    do not overlap. ValueError for shapes or dtypes that do not fit (check_lora_args).
+    """
+    check_lora_args(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots)
+    add_lora_ref(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots)
