@@ -29,7 +29,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0, query heads grouped
     consecutively per KV head), all fp32 or all bf16; with kv_quant (kernels/kv_quant.py) the caches are uint8
-    [num_blocks, block_size, Hkv, D + 4] rows of codes and scale, read in place; block_tables int32
+    [num_blocks, block_size, Hkv, row_size] rows of codes (int8: and scale), read in place; block_tables int32
     [S, max_blocks]; context_lens int32 [S];
     softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2). Exact softmax (two-pass,
     fp32); bf16 is widened to fp32 as it is read and the output rounded once (as the reference computes it).

@@ -1,9 +1,10 @@
 """Write new tokens' keys and values into the paged KV cache (PagedAttention, Kwon et al. 2023).
 
 Each token's key/value row goes to slot = block_id * block_size + offset of one layer's block pool. With a
-quantized cache (kv_quant: kernels/kv_quant.py) each row is quantized on the way: scale = absmax / qmax per token and
-head, codes rounded to nearest even (fp8 encoded with integer bit operations, as the interpreter has no fp8 type),
-the scale stored after the codes; the bytes equal kv_quant.quantize's.
+quantized cache (kv_quant: kernels/kv_quant.py) each row is quantized on the way: fp8 codes of the values clamped to
+qmax; int8 codes of the values over scale = absmax / qmax per token and head, the scale stored after the codes.
+Codes round to nearest even (fp8 encoded with integer bit operations, as the interpreter has no fp8 type); the bytes
+equal kv_quant.quantize's.
 """
 
 import torch
@@ -11,7 +12,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.checks import FLOAT_DTYPES, check_devices, check_shape, check_tensor
-from tandem.kernels.kv_quant import KV_QUANT_IDS, QMAX, quantize, row_size
+from tandem.kernels.kv_quant import KV_QUANT_IDS, QMAX, ROW_SCALED, quantize, row_size
 
 # 1.5 * 2^23: (x + RNE_MAGIC) - RNE_MAGIC rounds fp32 |x| < 2^22 to the nearest integer, ties to even (no fast-math
 # reassociation in Triton's fp32 adds, so it is not folded away)
@@ -52,12 +53,13 @@ def encode_codes(y, KV_QUANT: tl.constexpr):
 @triton.jit
 def _store_quantized(cache_ptr, rows, offs_d, x, mask, mask_h, head_dim, qmax, KV_QUANT: tl.constexpr):
     """Quantize x [H, D] (fp32; masked lanes 0) into the rows starting at cache_ptr + rows [H]: the codes, then
-    each row's fp32 scale after its head_dim codes."""
-    scale = tl.max(tl.abs(x), 1) / qmax  # [H]
-    y = x / tl.where(scale > 0.0, scale, 1.0)[:, None]
-    y = tl.minimum(tl.maximum(y, -qmax), qmax)
+    (int8, KV_QUANT 3) each row's fp32 scale after its head_dim codes."""
+    if KV_QUANT == 3:
+        scale = tl.max(tl.abs(x), 1) / qmax  # [H]
+        x = x / tl.where(scale > 0.0, scale, 1.0)[:, None]
+        tl.store((cache_ptr + rows + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=mask_h)
+    y = tl.minimum(tl.maximum(x, -qmax), qmax)
     tl.store(cache_ptr + rows[:, None] + offs_d[None, :], encode_codes(y, KV_QUANT), mask=mask)
-    tl.store((cache_ptr + rows + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=mask_h)
 
 
 @triton.jit
@@ -115,8 +117,8 @@ def _check_args(key, value, key_cache, value_cache, slot_mapping, kv_quant) -> N
     dtypes = {key.dtype, value.dtype} | ({key_cache.dtype, value_cache.dtype} if kv_quant is None else set())
     if len(dtypes) != 1:
         raise ValueError(f"key, value, key_cache and value_cache must share one dtype, got {dtypes}")
-    if kv_quant is not None and any(s % 4 for s in key_cache.stride()[:3] + value_cache.stride()[:3]):
-        raise ValueError("a quantized cache's strides must be multiples of 4 bytes (its fp32 scales are aligned)")
+    if kv_quant in ROW_SCALED and any(s % 4 for s in key_cache.stride()[:3] + value_cache.stride()[:3]):
+        raise ValueError(f"a {kv_quant} cache's strides must be multiples of 4 bytes (its fp32 scales are aligned)")
     check_devices(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
 
 
@@ -136,7 +138,8 @@ def write_kv_cache(
             any strides with a unit last-dim stride, e.g. kv[layer, 0]).
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a slot < 0 skips the token.
         kv_quant: a quantized format (kernels/kv_quant.py): the caches are uint8 [num_blocks, block_size,
-            num_kv_heads, head_dim + 4] and each row is quantized as it is written; None: float caches.
+            num_kv_heads, row_size] (head_dim; int8's head_dim + 4) and each row is quantized as it is written;
+            None: float caches.
     Raises:
         ValueError: on mismatched shapes, dtypes or devices. Slots are not range-checked (that would sync).
     """

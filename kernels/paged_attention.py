@@ -5,9 +5,9 @@ FlashAttention-2 (Dao 2023) streams them in tiles; flash-decoding (Dao et al. 20
 across programs and merges the partial results by their log-sum-exp. One program handles all query heads of
 one KV head (GQA), so each key/value tile is read once per KV head. A sliding window starts each sequence's
 loop at its window (earlier blocks are never read); soft-capping (Gemma 2) maps scores through cap * tanh(s / cap).
-A quantized cache (kv_quant: kernels/kv_quant.py, uint8 rows of head_dim codes + the fp32 scale) is read in place:
-codes are decoded to fp32 with integer bit operations (no fp8 type needed, so the interpreter and pre-Hopper GPUs
-run it), and each row's scale multiplies its score (keys) or its softmax weight (values).
+A quantized cache (kv_quant: kernels/kv_quant.py, uint8 rows of head_dim codes, int8's followed by the fp32 scale)
+is read in place: codes are decoded to fp32 with integer bit operations (no fp8 type needed, so the interpreter and
+pre-Hopper GPUs run it), and an int8 row's scale multiplies its score (keys) or its softmax weight (values).
 """
 
 import torch
@@ -17,7 +17,7 @@ import triton.language as tl
 from tandem.kernels.checks import (
     FLOAT_DTYPES, check_devices, check_shape, check_tensor, dot_dtype, dot_precision, multiprocessor_count,
 )
-from tandem.kernels.kv_quant import KV_QUANT_IDS, dequantize, row_size
+from tandem.kernels.kv_quant import KV_QUANT_IDS, ROW_SCALED, dequantize, row_size
 from tandem.kernels.masks import soft_cap
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -62,13 +62,15 @@ def decode_codes(codes, KV_QUANT: tl.constexpr):
 @triton.jit
 def load_kv_tile(cache_ptr, row_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT: tl.constexpr):
     """Rows [N, D] of a K or V tile whose rows start at cache_ptr + row_offs [N], and their scales [N]: a float
-    cache's values (scales 1, unused), or a quantized cache's codes as fp32 and the fp32 scale after each row."""
+    cache's values or fp8 codes as fp32 (scales 1, unused), or int8 codes as fp32 and the fp32 scale after each
+    row (KV_QUANT 3: the one format whose rows carry a scale, kv_quant.ROW_SCALED)."""
     x = tl.load(cache_ptr + row_offs[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0)
-    if KV_QUANT == 0:
-        scale = tl.zeros_like(row_offs).to(tl.float32) + 1.0
-    else:
+    if KV_QUANT != 0:
         x = decode_codes(x, KV_QUANT)
+    if KV_QUANT == 3:
         scale = tl.load((cache_ptr + row_offs + head_dim).to(tl.pointer_type(tl.float32)), mask=mask_n, other=0.0)
+    else:
+        scale = tl.zeros_like(row_offs).to(tl.float32) + 1.0
     return x, scale
 
 
@@ -119,7 +121,7 @@ def _decode_kernel(
         v, v_scale = load_kv_tile(v_cache_ptr, v_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT)
 
         dot = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
-        if KV_QUANT != 0:
+        if KV_QUANT == 3:  # (int8's row scales)
             dot = dot * k_scale[None, :]
         s = scores_log2(dot, scale, softcap, SOFTCAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -128,7 +130,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        if KV_QUANT != 0:
+        if KV_QUANT == 3:
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m = m_new
@@ -181,8 +183,8 @@ def _merge_splits_kernel(
 
 def check_caches(query, key_cache, value_cache, kv_quant: str | None) -> None:
     """The caches of one layer against the query [num_tokens, num_q_heads, head_dim]: [num_blocks, block_size,
-    num_kv_heads, row], the query's dtype and row head_dim, or with kv_quant uint8 and row head_dim + 4 (also used
-    by prefill_attention). ValueError naming the argument."""
+    num_kv_heads, row], the query's dtype and row head_dim, or with kv_quant uint8 and row kv_quant.row_size (also
+    used by prefill_attention). ValueError naming the argument."""
     if kv_quant is not None and kv_quant not in KV_QUANT_IDS:
         raise ValueError(f"kv_quant must be one of {[k for k in KV_QUANT_IDS if k]} or None, got {kv_quant!r}")
     cache_dtypes = FLOAT_DTYPES if kv_quant is None else (torch.uint8,)
@@ -197,8 +199,8 @@ def check_caches(query, key_cache, value_cache, kv_quant: str | None) -> None:
     if kv_quant is None and not query.dtype == key_cache.dtype == value_cache.dtype:
         raise ValueError(f"query, key_cache, value_cache dtypes differ: "
                          f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
-    if kv_quant is not None and any(s % 4 for s in key_cache.stride()[:3] + value_cache.stride()[:3]):
-        raise ValueError("a quantized cache's strides must be multiples of 4 bytes (its fp32 scales are aligned)")
+    if kv_quant in ROW_SCALED and any(s % 4 for s in key_cache.stride()[:3] + value_cache.stride()[:3]):
+        raise ValueError(f"a {kv_quant} cache's strides must be multiples of 4 bytes (its fp32 scales are aligned)")
 
 
 def _check_args(query, key_cache, value_cache, block_tables, context_lens, kv_quant) -> None:
@@ -248,7 +250,7 @@ def paged_decode_attention(
             None: all.
         softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
         kv_quant: the caches' quantized format (kernels/kv_quant.py: uint8 [num_blocks, block_size,
-            num_kv_heads, head_dim + 4]); None: float caches of query's dtype.
+            num_kv_heads, row_size]: head_dim, int8's head_dim + 4); None: float caches of query's dtype.
     Returns:
         [num_seqs, num_q_heads, head_dim] in query's dtype.
     Raises:

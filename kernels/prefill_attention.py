@@ -53,7 +53,7 @@ def _attend_tile(
     v, v_scale = load_kv_tile(v_cache_ptr, v_offs, offs_d, mask_n, mask_d, head_dim, KV_QUANT)
 
     dot = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [M, N]
-    if KV_QUANT != 0:
+    if KV_QUANT == 3:  # (int8's row scales)
         dot = dot * k_scale[None, :]
     s = scores_log2(dot, scale, softcap, SOFTCAP)
     if CAUSAL:
@@ -66,7 +66,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
-    if KV_QUANT != 0:
+    if KV_QUANT == 3:
         p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_new, l
@@ -179,7 +179,7 @@ def paged_prefill_attention(
         window: the query at position p attends keys p - window + 1 .. p only (kernels/masks.causal_mask); None: all.
         softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
         kv_quant: the caches' quantized format (kernels/kv_quant.py: uint8 [num_blocks, block_size,
-            num_kv_heads, head_dim + 4]); None: float caches of query's dtype.
+            num_kv_heads, row_size]: head_dim, int8's head_dim + 4); None: float caches of query's dtype.
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype; rows past query_start_loc[-1] (padding) are
         left unwritten.

@@ -31,7 +31,7 @@ def kv_to_messages(
 ) -> list[decode_pb2.KVBlocksMessage]:
     """Split exported blocks (all layers) into messages of at most max_bytes of tensor data (at least one
     block of one layer each). kv_dtype: the pool's KV dtype name (CacheConfig.kv_dtype; None: the data's float
-    type's name); a quantized pool's data is uint8 rows of head_dim + 4 bytes."""
+    type's name); a quantized pool's data is uint8 rows (kernels/kv_quant.row_size)."""
     data = kv.data.contiguous()
     num_layers, _, num_blocks, block_size, num_kv_heads, row = data.shape
     kv_dtype = kv_dtype or dtype_name(data.dtype)
@@ -112,7 +112,7 @@ class KVTransferTally:
 def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, cache_config: CacheConfig) -> KVBlocks:
     """Check a data message (num_blocks > 0) against this instance and its checksum, and view its bytes as a
     tensor [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, row] in the pool's element type (row:
-    head_dim, or head_dim + 4 bytes for a quantized KV dtype).
+    head_dim; a quantized KV dtype's kernels/kv_quant.row_size bytes).
     InvalidRequestError naming the field on any mismatch (the block range is checked on import, against the
     request's reserved blocks: KVConnector.import_kv)."""
     want = {

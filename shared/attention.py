@@ -56,7 +56,7 @@ class AttentionMetadata:
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_quant: str | None = None) -> None:
     """Scatter new K/V rows [num_tokens, num_kv_heads, head_dim] into one layer's pool by slot; with kv_quant,
-    quantized as they are written (each token and head its own scale; the caches' rows are head_dim + 4 bytes)."""
+    quantized as they are written (kernels/kv_quant.py: fp8 rows of head_dim codes; int8 rows with their scale)."""
     if use_triton(key):
         from tandem.kernels.kv_cache_write import write_kv_cache as kernel
 
@@ -73,7 +73,7 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     """Causal attention of new query rows over each request's paged context.
 
     query [num_tokens, num_q_heads, head_dim]; key_cache/value_cache [num_blocks, block_size, num_kv_heads,
-    head_dim] (already holding this step's K/V; with meta.kv_quant, uint8 rows of head_dim + 4); window: a sliding
+    head_dim] (already holding this step's K/V; with meta.kv_quant, uint8 rows of kv_quant.row_size); window: a sliding
     window (None: the whole context); softcap: the scores' tanh cap (None: none); returns [num_tokens, num_q_heads,
     head_dim].
     CUDA: Triton kernels (decode and extend). CPU: decode batches and short queries in the C++ kernel (fp32, bf16;
@@ -118,7 +118,7 @@ def _per_request_cpu(query, key_cache, value_cache, meta: AttentionMetadata, sca
 
 
 def _dequantized(rows: torch.Tensor, kv_quant: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache rows as the query's dtype: quantized rows [..., head_dim + 4] dequantized; float ones as
+    """Gathered cache rows as the query's dtype: quantized rows [..., row_size] dequantized; float ones as
     they are."""
     return rows if kv_quant is None else dequantize(rows, kv_quant, dtype)
 

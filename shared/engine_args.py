@@ -84,7 +84,8 @@ class EngineArgs:
                                          "max_position_embeddings; at most that)", int, group="model")
     kv_dtype: str = _setting(AUTO, "KV cache element type (part of the prefix-cache hash contract, and of the KV "
                              "transfer: prefill and decode must agree); auto: the model's --dtype; fp8_e4m3, fp8_e5m2, "
-                             "int8: quantized KV, per token and head scales (docs/quantization.md#quantized-kv-cache)",
+                             "int8: quantized KV (fp8 unscaled as vLLM's, int8 scaled per token and head; "
+                             "docs/quantization.md#quantized-kv-cache)",
                              choices=(AUTO, *KV_DTYPES), group="model", aliases=("kv_cache_dtype",))
     enable_prefix_caching: bool = _setting(True, "keep computed blocks by their hash and reuse them for prompts "
                                            "that share a prefix (docs/prefix-caching.md)")

@@ -102,7 +102,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim] fp32; kv_cache [2, num_blocks, block_size,
-        num_kv_heads, head_dim] (this layer; with meta.kv_quant, uint8 rows of head_dim + 4)."""
+        num_kv_heads, head_dim] (this layer; with meta.kv_quant, uint8 rows of kv_quant.row_size)."""
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)

@@ -14,9 +14,10 @@
 // of KV head h are h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as in HF's repeat_kv); D % LANES == 0.
 //
 // Quantized KV (kernels/kv_quant.py; kv_format 1 fp8 e4m3, 2 fp8 e5m2, 3 int8): the caches are uint8
-// [num_blocks, block_size, Hkv, D + 4], each row D codes then the fp32 scale of that token and head. The codes are
-// widened to fp32 in registers as they are read (fp8 by bit manipulation, int8 by sign extension; no dequantized
-// copy); the scale factors out of each row: score = scale * (q . codes_k), and V's weight is p * scale_v.
+// [num_blocks, block_size, Hkv, row]: fp8 rows are D codes (scale 1), int8 rows D codes then the fp32 scale of that
+// token and head (row D + 4). The codes are widened to fp32 in registers as they are read (fp8 by bit
+// manipulation, int8 by sign extension; no dequantized copy); an int8 row's scale factors out of it: score =
+// scale * (q . codes_k), and V's weight is p * scale_v.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -35,6 +36,9 @@ using namespace tandem_simd;
 constexpr int MAX_DV = 256 / LANES;  // head_dim up to 256
 enum KVFormat : int64_t { KV_FLOAT = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2, KV_INT8 = 3 };  // kv_quant.KV_QUANT_IDS
 constexpr int64_t SCALE_BYTES = 4;
+// Elements of one cache row: D for a float cache and fp8, D + the fp32 scale for int8 (kv_quant.row_size).
+constexpr bool row_scaled(int64_t fmt) { return fmt == KV_INT8; }
+inline int64_t row_elems(int64_t fmt, int64_t D) { return row_scaled(fmt) ? D + SCALE_BYTES : D; }
 
 // LANES bytes widened to int32 lanes (zero- or sign-extended), and the integer ops the fp8 decoding needs.
 #ifdef __AVX512F__
@@ -93,10 +97,10 @@ inline V load_row(const C* p) {
   else return load_codes<FMT>(p);
 }
 
-// The scale of a quantized row of D codes (1 for a float cache).
+// The scale of a row of D codes (int8; 1 for a float cache and fp8).
 template <int FMT, typename C>
 inline float row_scale(const C* row, int64_t D) {
-  if constexpr (FMT == KV_FLOAT) {
+  if constexpr (!row_scaled(FMT)) {
     return 1.0f;
   } else {
     float scale;
@@ -107,7 +111,7 @@ inline float row_scale(const C* row, int64_t D) {
 
 // out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h, over its
 // tokens first..ctx-1 (blocks before first's are never read). T: float or at::BFloat16; C: the caches' element
-// type, T (FMT KV_FLOAT) or uint8_t (a quantized format, rows of D + SCALE_BYTES).
+// type, T (FMT KV_FLOAT) or uint8_t (a quantized format, rows of row_elems(FMT, D)).
 template <typename T, int FMT, typename C>
 void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_cache, const int32_t* block_table,
                 int64_t first, int64_t ctx, int64_t block_size, int64_t num_kv_heads, int64_t h, int64_t D,
@@ -115,7 +119,7 @@ void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_ca
   const int64_t dv = D / LANES;
   const int64_t n = ctx - first;
   const int64_t padded = (n + LANES - 1) / LANES * LANES;
-  const int64_t row_size = FMT == KV_FLOAT ? D : D + SCALE_BYTES;
+  const int64_t row_size = row_elems(FMT, D);
   scores.resize(group * padded);
   auto row = [&](const C* cache, int64_t i) {
     const int64_t t = first + i;
@@ -131,7 +135,7 @@ void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_ca
       const C* k = row(key_cache, t);
       V acc = vmul(qv[0], load_row<FMT>(k));
       for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], load_row<FMT>(k + d * LANES), acc);
-      s[t] = FMT == KV_FLOAT ? hsum(acc) * scale : hsum(acc) * (row_scale<FMT>(k, D) * scale);
+      s[t] = row_scaled(FMT) ? hsum(acc) * (row_scale<FMT>(k, D) * scale) : hsum(acc) * scale;
       if (softcap > 0.0f) s[t] = softcap * std::tanh(s[t] / softcap);
       m = std::max(m, s[t]);
     }
@@ -145,7 +149,7 @@ void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_ca
     for (int64_t d = 0; d < dv; ++d) acc[d] = vzero();
     for (int64_t t = 0; t < n; ++t) {
       const C* v = row(value_cache, t);
-      const V p = vbroadcast_value(FMT == KV_FLOAT ? s[t] : s[t] * row_scale<FMT>(v, D));
+      const V p = vbroadcast_value(row_scaled(FMT) ? s[t] * row_scale<FMT>(v, D) : s[t]);
       for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, load_row<FMT>(v + d * LANES), acc[d]);
     }
     const V iv = vbroadcast_value(inv);
@@ -156,7 +160,7 @@ void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_ca
 }  // namespace
 
 // query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] (all fp32 or all bf16; with kv_format
-// 1-3, uint8 [num_blocks, block_size, Hkv, D + 4]); block_tables int32 [S, max_blocks]; context_lens int32 [S];
+// 1-3, uint8 [num_blocks, block_size, Hkv, D], int8's D + 4); block_tables int32 [S, max_blocks]; context_lens int32 [S];
 // window: attend to the last `window` tokens only (0: all); softcap: cap the scores (0: none) -> out [S, Hq, D] of
 // the query's dtype (zeros for a context of 0 tokens). Block-table entries before the window are never read (nor
 // checked).
@@ -178,9 +182,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
               "block_tables and context_lens must be contiguous int32");
   const int64_t S = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t block_size = key_cache.size(1), Hkv = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == (kv_format == KV_FLOAT ? D : D + SCALE_BYTES) && D % LANES == 0 &&
-                  D <= MAX_DV * LANES,
-              "head_dim must match (+ 4 scale bytes for quantized KV), be a multiple of the SIMD width and at most 256");
+  TORCH_CHECK(key_cache.size(3) == row_elems(kv_format, D) && D % LANES == 0 && D <= MAX_DV * LANES,
+              "head_dim must match (+ 4 scale bytes for int8 KV), be a multiple of the SIMD width and at most 256");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a positive multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && context_lens.numel() == S,
               "block_tables [S, max_blocks] and context_lens [S] must match query");

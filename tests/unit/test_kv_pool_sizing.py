@@ -69,18 +69,18 @@ def test_max_model_len_cuts_the_context_of_gateway_and_engines_alike():
     assert EngineArgs(max_model_len=512).create_model_config(default_model_dir()) == model
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
-def test_a_quantized_pool_counts_its_packed_rows_and_holds_about_3_8x_the_blocks(model_config, monkeypatch, kv_dtype):
-    """A quantized row is head_dim code bytes + a 4-byte fp32 scale: 68 bytes against fp32's 256 for head_dim 64,
-    so the same memory holds 256 / 68 = 3.76x the blocks."""
-    assert CacheConfig(16, 8, kv_dtype).block_bytes(model_config) == 2 * 2 * 16 * 3 * (64 + 4)
+@pytest.mark.parametrize("kv_dtype, row, ratio", [("fp8_e4m3", 64, 4.0), ("fp8_e5m2", 64, 4.0), ("int8", 68, 3.76)])
+def test_a_quantized_pool_counts_its_packed_rows(model_config, monkeypatch, kv_dtype, row, ratio):
+    """An fp8 row is head_dim code bytes (64 against fp32's 256 for head_dim 64: 4x the blocks); an int8 row adds
+    its 4-byte fp32 scale (68: 256 / 68 = 3.76x the blocks)."""
+    assert CacheConfig(16, 8, kv_dtype).block_bytes(model_config) == 2 * 2 * 16 * 3 * row
     free = 10 * 2**30
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": free})())
     fp32 = make_runner(model_config, CacheConfig(16, None, "float32", memory_utilization=0.01))
     quantized = make_runner(model_config, CacheConfig(16, None, kv_dtype, memory_utilization=0.01))
-    assert quantized.kv_caches.dtype == torch.uint8 and quantized.kv_caches.shape[-1] == 68
-    assert quantized.cache_config.num_blocks == int(free * 0.01) // (2 * 2 * 16 * 3 * 68)
-    assert 3.7 < quantized.cache_config.num_blocks / fp32.cache_config.num_blocks < 3.8
+    assert quantized.kv_caches.dtype == torch.uint8 and quantized.kv_caches.shape[-1] == row
+    assert quantized.cache_config.num_blocks == int(free * 0.01) // (2 * 2 * 16 * 3 * row)
+    assert quantized.cache_config.num_blocks / fp32.cache_config.num_blocks == pytest.approx(ratio, abs=0.01)
 
 
 def test_kv_dtype_flags_and_the_hash_contract(monkeypatch):

@@ -127,7 +127,7 @@ def test_checksum_costs_little_per_message():
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
 def test_quantized_kv_round_trips_byte_exact_and_names_its_dtype(model_config, kv_dtype):
-    """A quantized pool's blocks (uint8 rows: head_dim codes + the fp32 scale) go as raw bytes: dtype is the KV
+    """A quantized pool's blocks (uint8 rows: head_dim codes, int8's + the fp32 scale) go as raw bytes: dtype is the KV
     dtype's name, head_dim the model's, the byte count the packed rows'; a decode of that dtype rebuilds them bit
     for bit."""
     from tandem.kernels.kv_quant import quantize
@@ -137,7 +137,8 @@ def test_quantized_kv_round_trips_byte_exact_and_names_its_dtype(model_config, k
     data = quantize(torch.randn(shape), kv_dtype)
     msgs = kv_to_messages("r", KVBlocks(5, data), model_config, max_bytes=100_000, kv_dtype=kv_dtype)
     assert len(msgs) > 1 and {(m.dtype, m.head_dim) for m in msgs} == {(kv_dtype, model_config.head_dim)}
-    assert sum(len(m.data) for m in msgs) == data.numel()  # (1 byte per code, 4 per scale)
+    assert sum(len(m.data) for m in msgs) == data.numel()  # (1 byte per code, 4 per int8 scale)
+    assert data.numel() == torch.Size(shape).numel() * (1 if kv_dtype.startswith("fp8") else 68 / 64)
     rebuilt = torch.zeros_like(data)
     for m in msgs:
         kv = kv_from_message(m, model_config, cache_config)

@@ -113,7 +113,7 @@ def test_avx2_build_matches_reference_too():
 @pytest.mark.parametrize("dtype, window, softcap", [(torch.float32, None, None), (torch.float32, 20, 5.0),
                                                     (torch.bfloat16, None, None)], ids=str)
 def test_quantized_kv_matches_reference(kv_quant, dtype, window, softcap):
-    """Quantized caches (uint8 rows of codes + fp32 scale) read in place, the fp8 codes decoded by bit
+    """Quantized caches (uint8 rows of codes, int8's + fp32 scale) read in place, the fp8 codes decoded by bit
     manipulation, against the reference that dequantizes them; subnormal and negative codes included (the keys
     spread over 2^-12 .. 2^4 of their row's absmax)."""
     from tandem.kernels.kv_quant import quantize

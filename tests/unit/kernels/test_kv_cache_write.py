@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tandem.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from tandem.kernels.kv_quant import row_size
 
 
 def _tokens(num_tokens, num_kv_heads, head_dim, dtype, device, seed=0):
@@ -92,20 +93,23 @@ def test_bad_arguments_raise(device, on_device, index, bad, match):
 @pytest.mark.parametrize("kv_quant", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_quantized_write_matches_reference_byte_for_byte(device, kv_quant, dtype):
-    """Quantized on write (kernels/kv_quant.py): the same codes and scales as kv_quant.quantize, bit for bit, for
-    rows spanning fp8's subnormals, rounding ties and an all-zero row; a layer view of a packed pool."""
+    """Quantized on write (kernels/kv_quant.py): the same codes (and int8's scales) as kv_quant.quantize, bit for
+    bit, for rows spanning fp8's subnormals, values past fp8's qmax (saturated), rounding ties and an all-zero row; a
+    layer view of a packed pool."""
     num_kv_heads, head_dim, block_size = 3, 64, 16
     key, value = _tokens(6, num_kv_heads, head_dim, dtype, device)
-    key[0, 0] = 0  # scale 0, codes 0
-    key[1] *= torch.logspace(-6, 0, head_dim, device=device).to(dtype)  # fp8 subnormals after scaling
+    key[0, 0] = 0  # codes 0 (int8: scale 0)
+    key[1] *= torch.logspace(-6, 0, head_dim, device=device).to(dtype)  # fp8 subnormals
+    value[3] *= 1e5  # past e4m3's 448 (and int8's rows: one large scale)
     value[2, 1] = torch.arange(head_dim, device=device).to(dtype) - 31.5  # int8 ties (x.5 * 127 / 32.5 ...)
-    pool = torch.zeros(2, 2, 4, block_size, num_kv_heads, head_dim + 4, dtype=torch.uint8, device=device)
+    pool = torch.zeros(2, 2, 4, block_size, num_kv_heads, row_size(head_dim, kv_quant), dtype=torch.uint8,
+                       device=device)
     ref = pool.clone()
     slots = torch.tensor([17, 3, 63, -1, 40, 0], device=device)
     write_kv_cache(key, value, pool[1, 0], pool[1, 1], slots, kv_quant=kv_quant)
     write_kv_cache_ref(key, value, ref[1, 0], ref[1, 1], slots, kv_quant=kv_quant)
     assert torch.equal(pool, ref)
-    assert torch.all(pool[0] == 0) and torch.all(pool[1, 0, 1, 1, 0] == 0)  # (slot 17: the zero row, scale 0)
+    assert torch.all(pool[0] == 0) and torch.all(pool[1, 0, 1, 1, 0] == 0)  # (slot 17: the zero row)
 
 
 def test_quantized_write_refuses_a_float_cache(device):

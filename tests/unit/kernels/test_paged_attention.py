@@ -150,4 +150,7 @@ def test_quantized_kv_refuses_a_cache_without_scales(device):
     query, cache, _, tables, lens, scale = _valid_args(device)
     codes = torch.zeros(*cache.shape, dtype=torch.uint8, device=device)  # rows of head_dim: no room for the scale
     with pytest.raises(ValueError, match="key_cache must have shape"):
-        paged_decode_attention(query, codes, codes.clone(), tables, lens, scale, kv_quant="fp8_e4m3")
+        paged_decode_attention(query, codes, codes.clone(), tables, lens, scale, kv_quant="int8")
+    scaled = torch.zeros(*cache.shape[:3], cache.shape[3] + 4, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="key_cache must have shape"):  # (fp8 rows are the codes alone)
+        paged_decode_attention(query, scaled, scaled.clone(), tables, lens, scale, kv_quant="fp8_e4m3")
