@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Callable
 
 from tandem.services.convert import stats_to_proto
+from tandem.services.engine_lora import EngineLoRA
 from tandem.services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
 from tandem.services.logs import setup_logging
 from tandem.services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
@@ -29,13 +30,22 @@ ADMISSION_METHODS = {"prefill": ("/tandem.v1.Prefill/Prefill", "/tandem.v1.Prefi
 
 
 class InstanceServicer(common_pb2_grpc.InstanceServicer):
-    """What any engine instance answers about itself."""
+    """What any engine instance answers about itself, and its LoRA adapters (services/engine_lora.py)."""
 
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine, lora: EngineLoRA):
+        self.engine, self.lora = engine, lora
 
     async def GetLoad(self, request, context):
         return stats_to_proto(await self.engine.stats())
+
+    async def LoadLoRAAdapter(self, request, context):
+        return await self.lora.load(request)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        return await self.lora.unload(request)
+
+    async def ListLoRAAdapters(self, request, context):
+        return await self.lora.list()
 
 
 def engine_main(tier: str, description: str, add_servicer: Callable[[Server, AsyncEngine, EngineMetrics, Any], Any],
@@ -97,16 +107,16 @@ async def _refresh_metrics(engine: AsyncEngine, metrics: EngineMetrics) -> None:
         await asyncio.sleep(STATS_REFRESH_S)
 
 
-def _with_load(info: InstanceInfo, metrics: EngineMetrics) -> InstanceInfo:
-    """The instance's registry record with the load of the metrics' last EngineStats snapshot: never a wait on the
-    engine, so a long step does not stop the heartbeat (the instance would drop out of the registry while it
-    works)."""
+def _with_load(info: InstanceInfo, metrics: EngineMetrics, lora: EngineLoRA) -> InstanceInfo:
+    """The instance's registry record with the load of the metrics' last EngineStats snapshot and the last list of
+    its LoRA adapters: never a wait on the engine, so a long step does not stop the heartbeat (the instance would
+    drop out of the registry while it works)."""
     stats = metrics.stats.stats
     info.num_free_blocks, info.num_running, info.num_waiting, info.num_queued_tokens = (
         stats.num_free_blocks, stats.num_running, stats.num_waiting, stats.num_queued_tokens)  # fmt: skip
     info.tokens_per_s = round(metrics.tokens_per_s, 1)
     info.kv_tier_load_s = dict(stats.kv_tier_load_s)  # (measured by the engine: the router's price of a tier hit)
-    return info
+    return lora.record(info)
 
 
 def _serving_line(engine, engine_args: EngineArgs, info: InstanceInfo, registered: bool, metrics_at: str) -> str:
@@ -141,7 +151,9 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier], args.tls)
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
     servicer = add_servicer(server, async_engine, metrics, args)
-    common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine), server.grpc)
+    lora = EngineLoRA(async_engine)
+    await lora.start()
+    common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine, lora), server.grpc)
     incarnation = uuid.uuid4().hex[:12]  # this start of the instance: the prefix index trusts only its entries
     contract = engine.hash_contract if publish_index else None
     info = InstanceInfo(instance_id, tier, f"{args.advertise_host}:{server.port}", model_config.model_id,
@@ -150,11 +162,12 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
                         kv_dtype=cache_config.kv_dtype)  # fmt: skip
 
     async def current_info() -> InstanceInfo:
-        return _with_load(info, metrics)
+        return _with_load(info, metrics, lora)
 
     metrics.stats.stats = await async_engine.stats()  # (the first registration carries the real load)
     await server.start()
     stats_refresh = asyncio.create_task(_refresh_metrics(async_engine, metrics))
+    lora_refresh = asyncio.create_task(lora.refresh())
     heartbeat = publisher = publishing = None
     if registry:
         try:  # registered before its first index entry: the gateway's cleanup drops unregistered incarnations
@@ -189,4 +202,5 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         await server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy)
     finally:
         stats_refresh.cancel()
+        lora_refresh.cancel()
         async_engine.stop()

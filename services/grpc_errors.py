@@ -14,12 +14,13 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from tandem.shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError, RequestFailedError,
-                           TandemError, UnknownRequestError, UpstreamError)
+from tandem.shared.errors import (DeadlineError, InvalidRequestError, NoCapacityError, NoInstanceError,
+                                  RequestFailedError, TandemError, UnknownLoRAError, UnknownRequestError, UpstreamError)
 
 log = logging.getLogger(__name__)
 
-STATUS_CODES: dict[type[TandemError], grpc.StatusCode] = {
+STATUS_CODES: dict[type[TandemError], grpc.StatusCode] = {  # (the first type an error is an instance of)
+    UnknownLoRAError: grpc.StatusCode.NOT_FOUND,  # (an InvalidRequestError: before it)
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownRequestError: grpc.StatusCode.NOT_FOUND,
     NoCapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,

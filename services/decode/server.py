@@ -41,7 +41,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         params = sampling_params_from_proto(request.sampling_params, prompt_logprobs=None)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt,
-                      priority=request.priority, output_token_ids=list(request.output_token_ids))
+                      priority=request.priority, output_token_ids=list(request.output_token_ids),
+                      lora_name=request.lora_name if request.HasField("lora_name") else None)
         if request.compute_prompt:  # (conditional disaggregation: no prefill; the prompt is computed here)
             stream = await self.engine.add_request(req)
         else:

@@ -152,7 +152,7 @@ class AnthropicMessages(ChatEndpoint):
         return router
 
     async def messages(self, body: MessagesRequest, request: Request):
-        self.check_body(body, body.model)
+        lora_name = await self.check_body(body, body.model)
         params = common_pb2.SamplingParams(stop=body.stop_sequences or ())
         set_fields(params, {name: (name, getattr(body, name)) for name in ("max_tokens", "temperature", "top_p",
                                                                            "top_k")})  # fmt: skip
@@ -160,8 +160,8 @@ class AnthropicMessages(ChatEndpoint):
         message_id = "msg_" + uuid.uuid4().hex[:24]
         constrained = body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
         num_prompt, shape, stream = await self.start(grpc_request, message_id, request,
-                                                     {"structured_output": "tools"} if constrained else None)
-        base = {"id": message_id, "type": "message", "role": "assistant", "model": self.model_name}
+                                                     {"structured_output": "tools"} if constrained else None, lora_name)
+        base = {"id": message_id, "type": "message", "role": "assistant", "model": lora_name or self.model_name}
         if body.stream:
             return StreamingResponse(self._events(stream, base, shape, num_prompt), media_type="text/event-stream")
         if (whole := await self.whole(stream, request)) is None:

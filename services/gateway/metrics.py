@@ -12,7 +12,10 @@ gateway_id (this gateway's instance id; instance_id in router_decisions names th
              and beams follow their prompt), session_affinity (the request's session kept its pair)), tandem:router_expected_cached_tokens_total{target_tier} (ours: the
              prompt tokens the prefix index said the chosen instance held),
              tandem:request_migrations_total{reason} (ours: completions placed again with their output so far
-             after their decode failed mid-stream: decode_failed, kv_transfer_failed; pipeline.py)
+             after their decode failed mid-stream: decode_failed, kv_transfer_failed; pipeline.py),
+             tandem:router_lora_decisions_total{target_tier, lora_name, reason} (ours: for requests with a LoRA
+             adapter, why the instance chosen was: holder (it holds the adapter), load_cheaper (it loads it:
+             cheaper than queueing behind a holder), load_no_holder (no candidate holds it); lora_routing.py)
   histograms tandem:time_to_first_token_seconds, tandem:inter_token_latency_seconds (per token: a message of k
              tokens counts its gap k times divided by k), tandem:request_time_per_output_token_seconds (TPOT:
              (E2E - TTFT) / (tokens - 1)), tandem:e2e_request_latency_seconds, tandem:request_prompt_tokens,
@@ -54,6 +57,9 @@ class GatewayMetrics:
         self.expected_cached = counter("router_expected_cached_tokens", "Prompt tokens the prefix index said the "
                                        "chosen instance held, by the KV tier holding them (pool, host, disk)",
                                        ["target_tier", "kv_tier"])  # fmt: skip
+        self.lora_decisions = counter("router_lora_decisions", "Instances chosen for requests with a LoRA adapter, "
+                                      "and why: holder, load_cheaper, load_no_holder",
+                                      ["target_tier", "lora_name", "reason"])  # fmt: skip
         self.migrations = counter("request_migrations", "Completions placed again with their output so far after "
                                   "their decode failed mid-stream, by reason", ["reason"])  # fmt: skip
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
@@ -78,6 +84,8 @@ class GatewayMetrics:
                     "pool": cached}  # (a decode's count is its pool's)
                 for kv_tier, num in held.items():
                     self.expected_cached.labels(**self.labels, target_tier=tier, kv_tier=kv_tier).inc(num)
+        for tier, reason in route.lora_reasons.items():
+            self.lora_decisions.labels(**self.labels, target_tier=tier, lora_name=route.lora.name, reason=reason).inc()
 
     def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
         """A message of num_tokens tokens sent gap_s after the previous one."""

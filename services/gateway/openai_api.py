@@ -3,7 +3,8 @@
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models (openai_serving.py), POST /v1/responses
 (responses_api.py) and Anthropic's POST /v1/messages (anthropic_api.py) (each request translated into
 the gateway's request record and run through the same pipeline as a gRPC call), POST /v1/embeddings, /tokenize
-and /detokenize (openai_embeddings.py), GET /health and GET /metrics.
+and /detokenize (openai_embeddings.py), vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(lora_adapters.py; a request's `model` may name a LoRA adapter), GET /health and GET /metrics.
 Field names and shapes follow OpenAI's API reference, plus the extensions vLLM's server accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, cache_salt), and the
 completions API's legacy echo and best_of (services/gateway/openai_responses.py). Errors come in OpenAI's shape,
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.services.gateway import anthropic_api
 from tandem.services.gateway.anthropic_api import AnthropicMessages
 from tandem.services.gateway.http_middleware import APIKeyMiddleware, BodyLimitMiddleware
+from tandem.services.gateway.lora_adapters import LoRAAdapters
 from tandem.services.gateway.openai_embeddings import OpenAIEmbeddings
 from tandem.services.gateway.openai_errors import counted
 from tandem.services.gateway.openai_protocol import APIError
@@ -58,6 +60,7 @@ def create_app(pipeline: GatewayPipeline, model_name: str, instance_id: str,
     app.include_router(AnthropicMessages(pipeline, model_name, instance_id).router())
     app.include_router(Responses(pipeline, model_name, instance_id).router())
     app.include_router(OpenAIEmbeddings(pipeline, model_name, instance_id).router())
+    app.include_router(LoRAAdapters(pipeline.placer.router, pipeline.placer.channels, instance_id).routes())
     return app
 
 

@@ -17,6 +17,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.services.gateway.lora_adapters import resolve_model
 from tandem.services.gateway.openai_errors import api_error, counted, http_param
 from tandem.services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                                      chat_messages, completion_sampling_params, param_named, prompts,
@@ -25,7 +26,7 @@ from tandem.services.gateway.openai_responses import ResponseShape, collect, sse
 from tandem.services.gateway.pipeline import STREAM_BUFFER, GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest
 from tandem.shared.request import check_token_ids
-from tandem.shared.errors import InvalidRequestError
+from tandem.shared.errors import InvalidRequestError, UnknownLoRAError
 from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -50,15 +51,17 @@ class OpenAIServing:
         return router
 
     async def models(self):
-        """GET /v1/models: the one model this gateway serves."""
+        """GET /v1/models: the base model this gateway serves, then the LoRA adapters of the cluster, each with
+        its base as parent and its directory as root (vLLM's model cards)."""
         config = self.pipeline.model_config
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "tandem", "root": config.model_id,
-                                            "max_model_len": config.max_model_len}]}  # fmt: skip
+        card = {"object": "model", "created": self.created, "owned_by": "tandem", "max_model_len": config.max_model_len}
+        adapters = await self.pipeline.placer.router.adapters()
+        return {"object": "list", "data": [{"id": self.model_name, **card, "root": config.model_id, "parent": None}] + [
+            {"id": a.name, **card, "root": a.path, "parent": self.model_name} for a in adapters.values()]}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         """POST /v1/chat/completions: chat turns rendered with the tokenizer's chat template."""
-        self._check_model(body)
+        lora_name = await self._check_model(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         chat = chat_messages(body, ROLE_ALIASES)
@@ -73,11 +76,11 @@ class OpenAIServing:
             raise APIError(400, str(e), param_named(str(e))) from None
         shape = ResponseShape(chat=True, n=body.n, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
                               **parsers)  # fmt: skip
-        return await self._respond(body, [prompt_ids], params, shape, request)
+        return await self._respond(body, [prompt_ids], params, shape, request, lora_name)
 
     async def completions(self, body: CompletionRequest, request: Request):
         """POST /v1/completions: one or more prompts, as text or token ids, with the legacy echo and best_of."""
-        self._check_model(body)
+        lora_name = await self._check_model(body)
         params = completion_sampling_params(body)
         prompt_ids, texts = [], []
         for prompt in prompts(body.prompt):
@@ -94,12 +97,11 @@ class OpenAIServing:
         shape = ResponseShape(chat=False, n=body.n, best_of=(body.best_of or 1) > 1, logprobs=body.logprobs,
                               prompt_logprobs=body.prompt_logprobs, echo=texts if body.echo else None,
                               prompts=prompt_ids)  # fmt: skip
-        return await self._respond(body, prompt_ids, params, shape, request)
+        return await self._respond(body, prompt_ids, params, shape, request, lora_name)
 
-    def _check_model(self, body: SamplingFields) -> None:
-        if body.model not in (None, "", self.model_name):
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")  # fmt: skip
+    async def _check_model(self, body: SamplingFields) -> str | None:
+        """The LoRA adapter body.model names (None: the base model); APIError 404 naming an unknown model."""
+        return await resolve_model(self.pipeline.placer.router, self.model_name, body.model)
 
     async def _tokenize(self, grpc_request: gateway_pb2.GenerateRequest, param: str) -> list[int]:
         try:
@@ -109,13 +111,15 @@ class OpenAIServing:
             raise APIError(400, str(e), named if named in ("tools", "tool_choice") else param) from None
 
     async def _respond(self, body: SamplingFields, prompts: list[list[int]], params: common_pb2.SamplingParams,
-                       shape: ResponseShape, request: Request):
-        """Run every prompt's completions; answer with one JSON body or an SSE stream of chunks."""
+                       shape: ResponseShape, request: Request, lora_name: str | None = None):
+        """Run every prompt's completions (with the LoRA adapter lora_name); answer with one JSON body or an SSE
+        stream of chunks."""
         kind = "chat.completion" if shape.chat else "text_completion"
         response_id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex
-        requests = await self._validated(body, prompts, params, shape, response_id, session_id(request.headers))
+        requests = await self._validated(body, prompts, params, shape, response_id, session_id(request.headers),
+                                         lora_name)  # fmt: skip
         streams = [self.pipeline.run(r) for r in requests]
-        base = {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+        base = {"id": response_id, "object": kind, "created": int(time.time()), "model": lora_name or self.model_name}
         if body.stream:
             return await self._stream(body, streams, base, shape, request)
         try:
@@ -129,9 +133,10 @@ class OpenAIServing:
         return JSONResponse(base | {"choices": choices, "usage": usage.as_json()})
 
     async def _validated(self, body: SamplingFields, prompts: list[list[int]], params: common_pb2.SamplingParams,
-                         shape: ResponseShape, response_id: str, session: str | None) -> list[GatewayRequest]:
-        """Each prompt's request record (prompt p's id: response_id-p; session: its X-Session-Id), validated
-        before any runs: bad parameters are a 400 naming the body's field."""
+                         shape: ResponseShape, response_id: str, session: str | None,
+                         lora_name: str | None = None) -> list[GatewayRequest]:
+        """Each prompt's request record (prompt p's id: response_id-p; session: its X-Session-Id; lora_name: its
+        adapter), validated before any runs: bad parameters are a 400 naming the body's field."""
         admission = self.pipeline.admission  # (a slot per prompt: more than it can ever hold would be refused forever)
         if len(prompts) > (room := admission.max_running + admission.max_waiting):
             raise APIError(400, f"{len(prompts)} prompts: this gateway holds at most {room} at once "
@@ -141,9 +146,11 @@ class OpenAIServing:
             request = GatewayRequest(request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
                                      sampling_params=params, cache_salt=body.cache_salt, priority=body.priority,
                                      tool_parser=shape.tool_parser, reasoning_parser=shape.reasoning_parser,
-                                     session_id=session)
+                                     session_id=session, lora_name=lora_name)
             try:
                 requests.append(await self.pipeline.validate(request))
+            except UnknownLoRAError as e:  # (unloaded since _check_model)
+                raise APIError(404, str(e), "model", "model_not_found") from None
             except InvalidRequestError as e:
                 raise APIError(400, str(e), http_param(param_named(str(e)), body, shape.chat)) from None
         return requests

@@ -104,7 +104,10 @@ class GatewayPipeline:
     async def validate(self, request: GatewayRequest) -> GatewayRequest:
         """request with the sampling parameters the tiers get (validation.check_sampling_params: max_tokens
         defaulted and clamped to the context), checked off the event loop (a huge grammar takes seconds to
-        check). InvalidRequestError naming the field on bad input."""
+        check). InvalidRequestError naming the field on bad input; UnknownLoRAError naming its adapter when no live
+        instance has it loaded."""
+        if request.lora_name is not None:
+            await self.placer.router.adapter(request.lora_name)
         params = await asyncio.to_thread(check_sampling_params, request.sampling_params, request.num_prompt_tokens,
                                          self.model_config, self.default_max_tokens)  # fmt: skip
         return request.replace(sampling_params=params)

@@ -3,7 +3,9 @@ decode, then prefill it on the prefill naming that decode (only the blocks the d
 decode compute the prompt itself (Route.prefill None). An instance that is unreachable (dead but still in the
 registry until its TTL) or fails is skipped and the request is placed again, up to MAX_ATTEMPTS failures; while
 every decode is full the request waits for room, within the admission queue's wait bound
-(services/gateway/admission.py)."""
+(services/gateway/admission.py). A request's LoRA adapter is loaded first on each chosen instance that lacks it
+(Route.lora_loads: Instance.LoadLoRAAdapter from the directory the other instances list); one that refuses it is
+skipped as a failed instance is."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +26,7 @@ from tandem.services.grpc_errors import peer_is_down, upstream_error
 from tandem.services.tracing import in_span, traced
 from tandem.shared.cluster_state.registry import InstanceInfo
 from tandem.shared.errors import DeadlineError, NoInstanceError, UpstreamError
-from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # failed placements of one request (a full decode is no failure: the request waits for room)
@@ -125,7 +127,36 @@ class Placer:
         # (a migrated request's session moves to wherever the cost model sends it: its decode just failed)
         return await self.router.route(request.token_ids, request.num_prompt_tokens + params.max_tokens,
                                        request.cache_salt, skipped, local=not params.HasField("prompt_logprobs"),
-                                       session_id=request.session_id, keep_session=not request.output_token_ids)
+                                       session_id=request.session_id, keep_session=not request.output_token_ids,
+                                       lora_name=request.lora_name)
+
+    async def _load_adapter(self, route: Route, timeout: float | None) -> None:
+        """Load the route's adapter on the chosen instances that lack it (at once on both); AttemptFailed naming
+        the first that could not (skipped next: it is down, or refuses the adapter's directory)."""
+        async def load(instance: InstanceInfo) -> None:
+            stub = common_pb2_grpc.InstanceStub(self.channels.get(instance.address, instance.instance_id))
+            try:
+                reply = await stub.LoadLoRAAdapter(common_pb2.LoadLoRAAdapterRequest(
+                    lora_name=route.lora.name, lora_path=route.lora.path), timeout=timeout)  # fmt: skip
+            except grpc.aio.AioRpcError as e:
+                error = upstream_error(e, instance.tier, instance.instance_id, f"loading adapter {route.lora.name}")
+                raise AttemptFailed(error, instance, retryable=True, counts=True, mark_down=peer_is_down(e),
+                                    reason=f"{instance.tier} {instance.instance_id} did not load adapter "
+                                           f"{route.lora.name}") from None  # fmt: skip
+            if reply.adapter.digest != route.lora.digest:  # (its files changed since the others loaded them)
+                raise AttemptFailed(UpstreamError("INVALID_ARGUMENT", f"{instance.tier} {instance.instance_id}: "
+                                                  f"adapter {route.lora.name}'s files differ from the cluster's"),
+                                    instance, retryable=True, counts=True, mark_down=False,
+                                    reason=f"{instance.tier} {instance.instance_id} loaded other files as adapter "
+                                           f"{route.lora.name}")  # fmt: skip
+            self.router.lora_changes.loaded(instance.instance_id, route.lora)
+            log.info("adapter %s loaded on %s %s in %.0f ms (routing chose it)", route.lora.name, instance.tier,
+                     instance.instance_id, reply.load_ms)  # fmt: skip
+
+        results = await asyncio.gather(*(load(i) for i in route.lora_loads), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _wait_for_room(self, started: float, room_wait_s: float, timeout: float | None,
                              last_error: UpstreamError) -> None:
@@ -148,11 +179,14 @@ class Placer:
         placing the request again may cure; UpstreamError when the decode failed computing the prompt."""
         decode, prefill = route.decode, route.prefill
         params, prompt_ids = request.sampling_params, request.prompt_token_ids
+        if route.lora_loads:
+            await in_span("load_adapter", self._load_adapter(route, timeout), lora_name=route.lora.name)
         decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address, decode.instance_id))
         decode_call = decode_stub.Generate(
             decode_pb2.DecodeRequest(request_id=placement_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                      cache_salt=request.cache_salt, compute_prompt=prefill is None,
-                                     priority=request.priority, output_token_ids=request.output_token_ids),
+                                     priority=request.priority, output_token_ids=request.output_token_ids,
+                                     lora_name=request.lora_name),
             timeout=timeout,
         )  # fmt: skip
         failed, doing = decode, "reserving KV blocks"
@@ -174,7 +208,7 @@ class Placer:
                                            decode_address=decode.address, decode_instance_id=decode.instance_id,
                                            num_skip_blocks=reply.num_skip_blocks,
                                            cache_salt=request.cache_salt, priority=request.priority,
-                                           output_token_ids=request.output_token_ids),
+                                           output_token_ids=request.output_token_ids, lora_name=request.lora_name),
                 timeout=timeout,
             )  # fmt: skip
             prefill_reply, decode_call = await prefill_watching_decode(prefill_call, decode_call, prefill)

@@ -30,6 +30,7 @@ class GatewayRequest:
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     priority: int = 0  # the engines' scheduling priority, lower first
     session_id: str | None = None  # session affinity's routing key (router.py); None: the cost model places it
+    lora_name: str | None = None  # the LoRA adapter it runs with (GenerateRequest.lora_name); None: the base model
     time_remaining: Callable[[], float | None] = no_deadline  # -> seconds before the client's deadline, or None
     arrival_time: float | None = None  # perf_counter seconds TTFT and E2E count from; None: when it is placed
     # Placement hint: the completions (or beam-search steps) that follow one placed prompt share it; index 0

@@ -163,8 +163,8 @@ class Responses(ChatEndpoint):
         return router
 
     async def create(self, body: ResponsesRequest, request: Request):
-        self.check_body(body, body.model, {name: " (nothing is stored here)"
-                                           for name in ("previous_response_id", "conversation")})  # fmt: skip
+        lora_name = await self.check_body(body, body.model, {name: " (nothing is stored here)"
+                                                             for name in ("previous_response_id", "conversation")})
         if body.store:
             raise APIError(400, "store true is not supported: this server keeps no responses (send store: false)",
                            "store")  # fmt: skip
@@ -172,8 +172,9 @@ class Responses(ChatEndpoint):
         response_id = _id("resp")
         constrained = body.tool_choice is not None and body.tool_choice not in ("auto", "none")
         _, shape, stream = await self.start(grpc_request, response_id, request,
-                                            {"structured_output": "tools" if constrained else "text"})
-        base = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": self.model_name,
+                                            {"structured_output": "tools" if constrained else "text"}, lora_name)
+        base = {"id": response_id, "object": "response", "created_at": int(time.time()),
+                "model": lora_name or self.model_name,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
                 "top_p": body.top_p, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],

@@ -30,6 +30,11 @@ has room, they share a KV format and each one's load (prefill: queued tokens; de
 DECODE_LOAD_TOKENS per request) is at most session_max_load tokens above the least loaded of its tier's
 candidates; the rules above then run on that pair alone (the decode may still compute the prompt itself).
 Otherwise the rules above place it, and the session moves to the pair they chose.
+LoRA adapters (lora_routing.py): a request's adapter is part of its block hashes, so its prefix hits never cross
+adapters; an instance that does not hold the adapter (loaded, in memory) pays the measured time of a load, in
+tokens, on top of the rules above (prefill: added to its cost; decode: taken off its score), and instances holding
+the adapter's name with other files are no candidates. Route.lora_loads lists the chosen instances the placement
+loads it on first.
 Ties go round-robin. Instances whose hash contract differs from the gateway's are never looked up in the index
 (logged once each). If Redis cannot answer, routing is load-only until it can: after one failed lookup no request
 waits for the index until a background probe finds it answering, and instances come from the registry's last
@@ -47,10 +52,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.services.flags import DEFAULT_SESSION_MAX_LOAD, DEFAULT_SESSION_TTL_S, MAX_SESSIONS
+from tandem.services.gateway.lora_routing import AdapterPlan, ClusterAdapter, RecentLoRAChanges, cluster_adapters
 from tandem.services.gateway.session_affinity import SessionTable
 from tandem.services.tracing import traced
 from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
-from tandem.shared.errors import NoInstanceError
+from tandem.shared.errors import NoInstanceError, UnknownLoRAError
 from tandem.shared.kv_events import KV_TIERS
 from tandem.shared.cluster_state.prefix_index import IndexUnavailableError, PrefixIndex
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
@@ -86,6 +92,9 @@ class Route:
     reason: str = "cache_aware"
     # of prefill_cached_tokens, those in each tier (KV_TIERS; the routing hints count as "pool")
     prefill_cached_tiers: dict[str, int] = field(default_factory=dict)
+    lora: ClusterAdapter | None = None  # the request's adapter (None: the base model)
+    lora_reasons: dict[str, str] = field(default_factory=dict)  # tier -> lora_routing.LORA_REASONS' entry
+    lora_loads: list[InstanceInfo] = field(default_factory=list)  # chosen instances that must load lora first
 
     def explain(self) -> str:
         return "; ".join(self.explanation)
@@ -123,6 +132,7 @@ class Router:
         self._queued: dict[tuple[str, str], list[tuple[float, int]]] = {}
         self.sessions = SessionTable(session_ttl_s, max_sessions)  # session affinity: each session's last pair
         self.session_max_load = session_max_load
+        self.lora_changes = RecentLoRAChanges(registry.ttl_s)  # adapters this gateway loaded or unloaded lately
 
     async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
         """Live instances of tier for this model, leaving out skip, and those marked down unless no other is
@@ -143,29 +153,75 @@ class Router:
     @traced("route", result_attributes=route_attributes)
     async def route(self, prompt_ids: list[int], max_total_tokens: int, cache_salt: str | None = None,
                     skip: set[str] = frozenset(), local: bool = True, session_id: str | None = None,
-                    keep_session: bool = True) -> Route:
+                    keep_session: bool = True, lora_name: str | None = None) -> Route:
         """Pick a decode (with room for max_total_tokens when one has it) and a prefill (or none) for a prompt;
         local False: always a prefill (the request needs what only the prefill computes: prompt logprobs).
         session_id: the request's session (the module's docstring), which then moves to the pair chosen;
         keep_session False: the cost model places it even when its pair qualifies (a migrated request, whose
-        decode just failed). NoInstanceError when a tier has no live instance outside skip."""
+        decode just failed). lora_name: the request's adapter (the module's docstring; UnknownLoRAError naming it
+        when no live instance has it loaded). NoInstanceError when a tier has no live instance outside skip."""
         decodes = await self.instances("decode", skip)
         prefills = await self.instances("prefill", skip)
+        plan = None
+        if lora_name is not None:
+            lora = await self.adapter(lora_name)
+            plan = AdapterPlan(lora, decodes + prefills, self.lora_changes.loaded_on(lora))
+            decodes, prefills = [d for d in decodes if plan.serves(d)], [p for p in prefills if plan.serves(p)]
+            if not decodes:
+                raise NoInstanceError(f"no live decode serves adapter {lora.name!r} with its files (digest "
+                                      f"{lora.digest}): others hold other files under its name")
         roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens]
         # (a fleet mid-way through a change of --kv-dtype or --block-size: only pairs that can move KV)
         paired = [d for d in roomy or decodes if any(p.shares_kv_format(d) for p in prefills)] or roomy or decodes
         if session_id is None:
-            return await self._route(prompt_ids, paired, prefills, cache_salt, local)
+            return self._with_adapter(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan),
+                                      plan, paired, prefills)
         kept, note = (None, f"session {session_id}: migrated, placed by the cost model") if not keep_session else (
             self.sessions.stay(session_id, decodes, roomy, paired, prefills, skip, self._down, self._session_load,
                                self.session_max_load))  # fmt: skip
         if kept is not None:
             paired, prefills = [kept[0]], [kept[1]] if kept[1] is not None else prefills
-        route = await self._route(prompt_ids, paired, prefills, cache_salt, local)
+        route = self._with_adapter(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan), plan,
+                                   paired, prefills)
         route.explanation.insert(0, note)
         if kept is not None:
             route.reason = "session_affinity"
         self.sessions.remember(session_id, route.decode, route.prefill)
+        return route
+
+    async def adapters(self) -> dict[str, ClusterAdapter]:
+        """The LoRA adapters some live instance of this model has loaded, by name (lora_routing.cluster_adapters),
+        with this gateway's own loads and unloads of the last moments (RecentLoRAChanges)."""
+        instances = []
+        for tier in ("decode", "prefill"):
+            instances += await self.registry.list_instances(tier, self.model_id)
+        return self.lora_changes.apply(cluster_adapters(instances))
+
+    async def adapter(self, name: str) -> ClusterAdapter:
+        """The adapter loaded as name. UnknownLoRAError naming it when no live instance has it."""
+        adapter = (await self.adapters()).get(name)
+        if adapter is None:
+            raise UnknownLoRAError(f"the model {name!r} does not exist: no live instance has a LoRA adapter of that "
+                                   "name loaded")
+        return adapter
+
+    def _with_adapter(self, route: Route, plan: AdapterPlan | None, decodes: list[InstanceInfo],
+                      prefills: list[InstanceInfo]) -> Route:
+        """route with its adapter's part: why each chosen instance was chosen, where it must be loaded first."""
+        if plan is None:
+            return route
+        route.lora = plan.adapter
+        notes = []
+        for tier, chosen, candidates in (("decode", route.decode, decodes), ("prefill", route.prefill, prefills)):
+            if chosen is None:
+                continue
+            route.lora_reasons[tier] = reason = plan.reason(chosen, candidates)
+            if not plan.loaded(chosen):
+                route.lora_loads.append(chosen)
+            notes.append(f"{tier} {chosen.instance_id} " + {
+                "holder": "holds it", "load_no_holder": "loads it (no candidate holds it)",
+                "load_cheaper": "loads it (cheaper than queueing behind a holder)"}[reason])  # fmt: skip
+        route.explanation.append(f"adapter {plan.adapter.name}: {'; '.join(notes)}")
         return route
 
     def _session_load(self, instance: InstanceInfo) -> int:
@@ -175,24 +231,32 @@ class Router:
         return self._queued_tokens(instance) + DECODE_LOAD_TOKENS * requests
 
     async def _route(self, prompt_ids: list[int], roomy: list[InstanceInfo], prefills: list[InstanceInfo],
-                     cache_salt: str | None, local: bool) -> Route:
-        """route's cost model over the candidate decodes (roomy) and prefills."""
+                     cache_salt: str | None, local: bool, plan: AdapterPlan | None = None) -> Route:
+        """route's cost model over the candidate decodes (roomy) and prefills; plan: the request's adapter."""
         if self.policy == "round-robin":
             decode = self._turn("decode", roomy)
             return Route(decode, self._turn("prefill", self._paired(decode, prefills)),
                          explanation=["round-robin"], reason="round_robin")  # fmt: skip
         bs = self.contract.block_size
         hashes = hash_request_blocks(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], self.contract, cache_salt,
-                                     variant=self.kv_variant(len(prompt_ids)))
+                                     variant=self.kv_variant(len(prompt_ids)),
+                                     lora_key=plan.adapter.key if plan else None)
         tiers, hinted = await self._cached_tokens(hashes, prefills + roomy, pool_only={d.instance_id for d in roomy})
         cached = {iid: sum(held.values()) for iid, held in tiers.items()}
         n = len(prompt_ids)
+        # (what loading the request's adapter costs each candidate, in tokens: lora_routing.py)
+        lora_cost = (plan.costs(roomy) | plan.costs(prefills)) if plan else dict.fromkeys(cached, 0.0)
 
-        def decode_score(d: InstanceInfo) -> int:
-            return cached[d.instance_id] - DECODE_LOAD_TOKENS * (d.num_running + d.num_waiting)
+        def lora_note(i: InstanceInfo) -> str:
+            return plan.explain(i, lora_cost[i.instance_id]) if plan else ""
+
+        def decode_score(d: InstanceInfo) -> float:
+            requests = d.num_running + d.num_waiting
+            return cached[d.instance_id] - DECODE_LOAD_TOKENS * requests - lora_cost[d.instance_id]
 
         def prefill_cost(p: InstanceInfo) -> float:
-            return p.num_queued_tokens + n - cached[p.instance_id] + self._load_tokens(p, tiers[p.instance_id])
+            return (p.num_queued_tokens + n - cached[p.instance_id] + self._load_tokens(p, tiers[p.instance_id])
+                    + lora_cost[p.instance_id])
 
         def prefill_order(p: InstanceInfo) -> tuple[float, int]:  # (ties: the one holding more in its pool)
             return prefill_cost(p), -tiers[p.instance_id]["pool"]
@@ -201,7 +265,8 @@ class Router:
             return f" ({hinted[i.instance_id]} routed there, not yet indexed)" if hinted.get(i.instance_id) else ""
 
         explanation = [f"decode {d.instance_id}: {cached[d.instance_id]} cached{routed(d)}, "
-                       f"{d.num_running + d.num_waiting} requests -> {decode_score(d)}" for d in roomy]  # fmt: skip
+                       f"{d.num_running + d.num_waiting} requests{lora_note(d)} -> {decode_score(d):.0f}"
+                       for d in roomy]  # fmt: skip
         decode = self._turn("decode", _best(roomy, decode_score, max))
         uncached = n - cached[decode.instance_id]
         if local and not any(p.shares_kv_format(decode) for p in prefills):
@@ -216,7 +281,7 @@ class Router:
             self._add_queued(decode, uncached)
             return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
         explanation += [f"prefill {p.instance_id}: {p.num_queued_tokens} queued + {n - cached[p.instance_id]} "
-                        f"to compute{routed(p)}{self._explain_tiers(p, tiers[p.instance_id])} -> "
+                        f"to compute{routed(p)}{self._explain_tiers(p, tiers[p.instance_id])}{lora_note(p)} -> "
                         f"{prefill_cost(p):.0f}" for p in prefills]  # fmt: skip
         prefill = self._turn("prefill", _best(prefills, prefill_order, min))
         if local and decode.tokens_per_s and prefill.tokens_per_s:
@@ -393,6 +458,7 @@ class Router:
             del self._routed[key]
         now = time.monotonic()
         self._down = {i: until for i, until in self._down.items() if until > now}
+        self.lora_changes.expire()
         self._queued = {key: hints for key, hints in self._queued.items() if live.get(key[0]) == key[1]}
         self.sessions.expire()
         try:

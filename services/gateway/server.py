@@ -33,6 +33,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                 priority=request.priority,
                 session_id=request.session_id if request.HasField("session_id") else None,
+                lora_name=request.lora_name if request.HasField("lora_name") else None,
                 time_remaining=deadline_clock(context.time_remaining,
                                               request.deadline_ms if request.HasField("deadline_ms") else None),
                 arrival_time=arrival_time,

@@ -45,7 +45,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = sampling_params_from_proto(request.sampling_params, max_tokens=len(request.output_token_ids) + 1)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         req = Request(request.request_id, list(request.prompt_token_ids), params, cache_salt=salt,
-                      priority=request.priority, output_token_ids=list(request.output_token_ids))
+                      priority=request.priority, output_token_ids=list(request.output_token_ids),
+                      lora_name=request.lora_name if request.HasField("lora_name") else None)
         block_size = self.engine.cache_config.block_size
         if request.num_skip_blocks and request.num_skip_blocks > (req.num_tokens - 1) // block_size:
             raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "

@@ -1,4 +1,5 @@
-"""Instance registry in Redis: each instance's address, tier, model id, block size and load, kept by heartbeat.
+"""Instance registry in Redis: each instance's address, tier, model id, block size, load and LoRA adapters, kept by
+heartbeat.
 
 Key per instance: tandem:instance:<tier>:<instance_id> -> JSON, with a TTL that each heartbeat renews, so a
 killed instance disappears within ttl_s. Redis being down or frozen never stops serving: heartbeats log and
@@ -46,6 +47,10 @@ class InstanceInfo:
                                                         or self.kv_dtype == other.kv_dtype)
     incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
+    # LoRA adapters loaded here (docs/lora.md): name -> {"digest": 16 hex digits of its files, "path": its PEFT
+    # directory}; the router prefers instances holding a request's adapter, and loads it on another from path
+    lora_adapters: dict[str, dict[str, str]] = field(default_factory=dict)
+    lora_load_s: float = 0.0  # measured seconds to load an adapter here (a running mean; 0: not measured yet)
 
     @property
     def key(self) -> str:
