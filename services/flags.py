@@ -83,6 +83,8 @@ def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: s
             parser.error(f"${name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
         return raw.lower() in _TRUE
     try:
+        if action.nargs == "+":  # (several values, separated by whitespace: TANDEM_LORA_MODULES="a=DIR b=DIR")
+            return [action.type(item) if action.type else item for item in raw.split()]
         value = action.type(raw) if action.type else raw
     except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
         detail = str(e) if isinstance(e, argparse.ArgumentTypeError) else f"invalid {action.type.__name__} value"
@@ -182,7 +184,7 @@ def add_engine_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (
         kind = {str: _path, int: positive_int, float: unit_fraction}.get(meta["type"], meta["type"])
         kind = str if meta["choices"] else kind
         parser.add_argument(_flag(f.name), *map(_flag, meta["aliases"]), type=kind, choices=meta["choices"],
-                            help=help_, default=default)
+                            help=help_, default=default, nargs=meta["nargs"])
 
 
 def engine_argv(engine_args: EngineArgs, groups: tuple[str, ...] = ("model", "engine")) -> list[str]:
@@ -195,6 +197,8 @@ def engine_argv(engine_args: EngineArgs, groups: tuple[str, ...] = ("model", "en
             continue
         if isinstance(value, bool):
             argv.append(_flag(f.name) if value else _flag(f"no_{f.name}"))
+        elif isinstance(value, (tuple, list)):  # (a flag of several values: --lora-modules)
+            argv += [_flag(f.name), *map(str, value)]
         else:
             argv += [_flag(f.name), str(value)]
     return argv

@@ -27,6 +27,9 @@ from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError
 from tandem.shared.kv_connector import KVBlocks
 from tandem.shared.kv_events import KVEventBatch
+from tandem.shared.lora.manager import LoRAInfo
+from tandem.shared.lora.peft import LoRAAdapter
+from tandem.shared.lora.request import LoRARequest
 from tandem.shared.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -73,7 +76,23 @@ class GetKVSnapshot:
     pass
 
 
-Command = AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetStats | GetKVSnapshot
+@dataclass(frozen=True, slots=True)
+class AddLoRA:
+    adapter: LoRAAdapter  # read and checked already (LLMEngine.read_lora, off the engine thread)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveLoRA:
+    lora_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ListLoRAs:
+    pass
+
+
+Command = (AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetStats | GetKVSnapshot | AddLoRA
+           | RemoveLoRA | ListLoRAs)
 
 
 class AsyncEngine:
@@ -137,6 +156,19 @@ class AsyncEngine:
         state a rebuilt prefix index starts from (events not yet handed out go out first, as batch seq)."""
         return await self._call(GetKVSnapshot())
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Serve a LoRA adapter from the next step on (LLMEngine.add_lora): its directory is read and checked on a
+        worker thread, so the steps go on meanwhile. InvalidRequestError naming the adapter."""
+        adapter = await asyncio.to_thread(self._engine.read_lora, lora_request)
+        return await self._call(AddLoRA(adapter))
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Stop serving an adapter (LLMEngine.remove_lora: its running requests finish with it)."""
+        await self._call(RemoveLoRA(lora_name))
+
+    async def list_loras(self) -> list[LoRAInfo]:
+        return await self._call(ListLoRAs())
+
     def abort(self, request_id: str) -> None:
         """Drop the stream and abort on the engine (blocks freed at once); safe if already finished.
 
@@ -199,6 +231,12 @@ class AsyncEngine:
             case GetKVSnapshot():
                 self._publish_kv_events()
                 return engine.kv_event_seq, engine.kv_cache_manager.cached_block_tiers()
+            case AddLoRA(adapter):
+                return engine.add_lora(adapter)
+            case RemoveLoRA(lora_name):
+                engine.remove_lora(lora_name)
+            case ListLoRAs():
+                return engine.list_loras()
             case _:
                 raise TypeError(f"unknown engine command {command!r}")
         return None
@@ -319,7 +357,8 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
     torch.set_num_threads(1)
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
                        kv_events=kv_events, speculative_config=engine_args.create_speculative_config(),
-                       kv_tier_config=engine_args.create_kv_tier_config())
+                       kv_tier_config=engine_args.create_kv_tier_config(),
+                       lora_config=engine_args.create_lora_config())
     torch.set_num_threads(engine_args.threads)
     if engine.model_runner.device.type == "cpu":
         cpu_ext.set_num_threads(kernel_threads)

@@ -6,7 +6,8 @@ canonical byte encoding, truncated to 128 bits: stable across processes, machine
 Python's hash(), which PYTHONHASHSEED salts). The chain starts from a root that hashes the HashContract: the
 algorithm, a fixed seed, the block size, the model id with its weight format, and the KV dtype, so instances whose
 KV could differ never produce a common hash. A request's cache_salt enters the first block's extra keys: two salts
-never share a block. Extra keys are a tuple of str/int, room for more (adapters, images) later.
+never share a block; so does its LoRA adapter's identity (name and digest of its files: shared/lora/peft.py), so
+KV never crosses adapters and one adapter hashes alike on every instance. Extra keys are a tuple of str/int.
 
 Only full blocks are hashed; a partial last block never is.
 """
@@ -75,23 +76,29 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: t
     return _digest(parent + struct.pack("<I", len(token_ids)) + ids + extra)
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None, variant: str | None = None) -> tuple:
-    """Extra keys of logical block block_index of a request, on the first block only: the cache salt, and the
+def block_extra_keys(block_index: int, cache_salt: str | None, variant: str | None = None,
+                     lora_key: str | None = None) -> tuple:
+    """Extra keys of logical block block_index of a request, on the first block only: the cache salt, the
     request's KV variant (ModelConfig.kv_variant: a longrope model's prompts past its original context compute
-    every position with the long factors, so their KV differs from a shorter prompt's for the same tokens)."""
+    every position with the long factors, so their KV differs from a shorter prompt's for the same tokens), and
+    its LoRA adapter's identity (Request.lora_key: "name:digest"; None for the base model)."""
     if block_index != 0:
         return ()
-    return ((f"salt:{cache_salt}",) if cache_salt is not None else ()) + ((f"kv:{variant}",) if variant else ())
+    return ((f"salt:{cache_salt}",) if cache_salt is not None else ()) + ((f"kv:{variant}",) if variant else ()) \
+        + ((f"lora:{lora_key}",) if lora_key is not None else ())
 
 
 def hash_request_blocks(token_ids: Sequence[int], contract: HashContract, cache_salt: str | None = None,
-                        parent_hashes: Sequence[BlockHash] = (), variant: str | None = None) -> list[BlockHash]:
+                        parent_hashes: Sequence[BlockHash] = (), variant: str | None = None,
+                        lora_key: str | None = None) -> list[BlockHash]:
     """Hashes of every full block of token_ids, in order. parent_hashes: hashes already computed for the leading
-    blocks (extended, not recomputed: a decoding request adds one block at a time). variant: block_extra_keys'."""
+    blocks (extended, not recomputed: a decoding request adds one block at a time). variant, lora_key:
+    block_extra_keys'."""
     bs = contract.block_size
     hashes = list(parent_hashes)
     parent = hashes[-1] if hashes else contract.root_hash
     for i in range(len(hashes), len(token_ids) // bs):
-        parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], block_extra_keys(i, cache_salt, variant))
+        parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs],
+                                   block_extra_keys(i, cache_salt, variant, lora_key))
         hashes.append(parent)
     return hashes

@@ -369,3 +369,30 @@ class KVTierConfig:
     @property
     def enabled(self) -> bool:
         return self.host_bytes > 0 or self.has_disk
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters on one engine (docs/lora.md, shared/lora/; vLLM's LoRAConfig names): at most max_loras distinct
+    adapters in one step's batch (the stacked weight slots each LoRA-wrapped linear holds), max_cpu_loras adapters'
+    weights held in memory (least recently used dropped first, read from disk again when a request needs them;
+    None: max_loras), ranks up to max_lora_rank (the slots' rank; a higher one is refused). lora_modules: (name,
+    PEFT directory) pairs loaded at start. ValueError on bad values."""
+
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if self.max_loras <= 0 or self.max_lora_rank <= 0:
+            raise ValueError(f"--max-loras and --max-lora-rank must be positive, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                             f"({self.max_loras}): the adapters of one step are held in memory together")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in names if names.count(n) > 1)}")

@@ -9,7 +9,9 @@ here admit, look up and finish the request and hand the KV part to the connector
 (CacheConfig enable_prefix_caching) every full computed block is published in the KV cache manager's prefix cache
 after the step that completed it, and take_kv_events() hands the cache's changes out as numbered batches. With
 tiers below the pool (KVTierConfig: host memory, disk; shared/kv_offload.py) evicted blocks go down to them and
-come back on a hit, loaded beside the steps.
+come back on a hit, loaded beside the steps. With LoRA (LoRAConfig; docs/lora.md) requests name an adapter
+(Request.lora_name), adapters are loaded and removed between steps (add_lora, remove_lora), and each step first puts
+its adapters into the model's slots (ModelRunner.activate_loras).
 """
 from __future__ import annotations
 
@@ -19,13 +21,17 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.block_hash import HashContract
-from tandem.shared.config import CacheConfig, KVTierConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tandem.shared.config import (CacheConfig, KVTierConfig, LoRAConfig, ModelConfig, SchedulerConfig,
+                                  SpeculativeConfig)
 from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_connector import KVBlocks, KVConnector
 from tandem.shared.kv_events import KVEventBatch
 from tandem.shared.kv_offload import KVOffloader
+from tandem.shared.lora.manager import LoRAInfo
+from tandem.shared.lora.peft import LoRAAdapter
+from tandem.shared.lora.request import LoRARequest
 from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
 from tandem.shared.request import FinishReason, Request, RequestStatus, TokenLogprobs, check_token_ids
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
@@ -71,16 +77,19 @@ class LLMEngine:
         kv_events: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         kv_tier_config: KVTierConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ):
         """export_kv: the prefill tier (each step returns the KV blocks it filled: KVConnector is_kv_producer).
         kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the prefix
         index); off, nothing accumulates. speculative_config: speculative decoding (None: off). kv_tier_config:
-        the host and disk tiers below the pool (None or sizes 0: none; they need prefix caching)."""
+        the host and disk tiers below the pool (None or sizes 0: none; they need prefix caching). lora_config:
+        serve LoRA adapters, its lora_modules loaded here (None: off; the model is left as it is)."""
         if kv_tier_config is not None and kv_tier_config.enabled and not cache_config.enable_prefix_caching:
             raise ValueError("the KV tiers below the pool (--kv-host-tier-gib, --kv-disk-tier-dir) hold the prefix "
                              "cache's blocks: they need prefix caching (drop --no-enable-prefix-caching)")
         self.model_config = model_config
-        self.model_runner = ModelRunner(model_config, cache_config, device, model=model)
+        self.model_runner = ModelRunner(model_config, cache_config, device, model=model, lora_config=lora_config)
+        self.lora_manager = self.model_runner.lora_manager
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
         self.hash_contract = HashContract(self.cache_config.block_size, model_config.model_id,
                                           self.cache_config.kv_dtype)
@@ -95,13 +104,15 @@ class LLMEngine:
         self.kv_event_seq = 0  # of the last KVEventBatch handed out
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step_stats: StepStats | None = None
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, lora_config)
         self.kv_connector = KVConnector(model_config, self.model_runner, self.kv_cache_manager, self.scheduler,
                                         is_kv_producer=export_kv)
         self.requests: dict[str, Request] = {}
         self.last_step_num_tokens = 0  # 0 with work queued means stalled: nothing fits until blocks free up
         self.structured_output_manager = StructuredOutputManager(model_config.path, model_config.vocab_size,
                                                                  model_config.eos_token_ids)
+        for name, path in lora_config.lora_modules if lora_config is not None else ():
+            self.add_lora(LoRARequest(name, path))
 
     def _kv_window(self) -> int | None:
         """The sliding window past which this pool's blocks are freed early: the model's, when every layer has
@@ -133,6 +144,8 @@ class LLMEngine:
                                       f"({request.sampling_params.max_tokens}) are generated already")
         check_token_ids("stop_token_ids", request.sampling_params.stop_token_ids, vocab_size)
         check_token_ids("logit_bias token ids", (t for t, _ in request.sampling_params.logit_bias), vocab_size)
+        if request.lora_name is not None:
+            self._lora_manager(request.lora_name).key_of(request.lora_name)  # (UnknownLoRAError naming it)
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         if self.kv_cache_manager.num_blocks_for(total) > self.cache_config.num_blocks:
             raise InvalidRequestError(
@@ -149,6 +162,8 @@ class LLMEngine:
             request.grammar = self.structured_output_manager.matcher(request.sampling_params.structured_output)
         if request.grammar is not None and request.output_token_ids:
             replay_grammar(request)
+        # (last: the adapter is held until _finish)
+        request.lora_key = self.lora_manager.acquire(request.lora_name) if request.lora_name is not None else None
         self.requests[request.request_id] = request
 
     def add_request(self, request: Request) -> None:
@@ -168,6 +183,7 @@ class LLMEngine:
             return self.kv_connector.reserve(request)
         except NoCapacityError:
             del self.requests[request.request_id]
+            self._release_lora(request)
             raise
 
     def import_kv(self, request_id: str, kv: KVBlocks) -> None:
@@ -223,6 +239,7 @@ class LLMEngine:
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._release_lora(request)
         self.kv_connector.request_finished(request)
         if self.drafter is not None:
             self.drafter.request_finished(request)
@@ -240,6 +257,7 @@ class LLMEngine:
         start, start_wall = time.perf_counter(), time.monotonic()
         self.last_step_stats = None
         scheduler_output, queue_times = self._schedule(start_wall)
+        lora_errors = self.model_runner.activate_loras(scheduler_output)
         if not scheduler_output.scheduled_requests and self.kv_cache_manager.has_tier_loads:
             self.offloader.wait_for_load(0.01)  # (nothing to compute until a prefix is loaded: no spinning)
         self._draft(scheduler_output)
@@ -247,7 +265,7 @@ class LLMEngine:
             scheduler_output.constrained_samples())
         model_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager.block_tables)
         kv_blocks = self.kv_connector.save_kv(scheduler_output)
-        outputs = self.update_from_output(scheduler_output, model_output, kv_blocks)
+        outputs = self.update_from_output(scheduler_output, model_output, kv_blocks, lora_errors)
         self._record_step(scheduler_output, outputs, time.perf_counter() - start, queue_times)
         return outputs
 
@@ -279,8 +297,10 @@ class LLMEngine:
                                          scheduler_output.total_num_scheduled_tokens, queue_times)  # fmt: skip
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
-                           kv_blocks: dict[str, KVBlocks]) -> list[RequestOutput]:
+                           kv_blocks: dict[str, KVBlocks], lora_errors: dict[str, str] | None = None
+                           ) -> list[RequestOutput]:
         """Advance num_computed_tokens, append sampled tokens, finish requests that stop (freeing their blocks).
+        lora_errors: adapter key -> why it could not be put in a slot (activate_loras): its requests fail.
 
         Returns one RequestOutput per request with new tokens, a finish or exported blocks.
         """
@@ -295,6 +315,12 @@ class LLMEngine:
             out = RequestOutput(request_id, [], kv=kv_blocks.get(request_id))
             if request_id in model_output.non_finite_request_ids:  # (its KV is not published)
                 self._finish(request, FinishReason.ABORT, out, error="the model produced non-finite logits")
+                outputs.append(out)
+                continue
+            if lora_errors and request.lora_key in lora_errors:  # (computed without its adapter: nothing kept)
+                request.num_computed_tokens -= num_scheduled
+                out.kv = None
+                self._finish(request, FinishReason.ABORT, out, error=lora_errors[request.lora_key])
                 outputs.append(out)
                 continue
             request.prompt_logprobs += model_output.prompt_logprobs.get(request_id, ())
@@ -344,6 +370,37 @@ class LLMEngine:
             if out.new_token_ids or out.finished or out.kv is not None:
                 outputs.append(out)
         return outputs
+
+    # -- LoRA adapters -------------------------------------------------------------------------------------
+    def _lora_manager(self, name: str):
+        if self.lora_manager is None:
+            raise InvalidRequestError(f"adapter {name!r}: this engine serves no LoRA adapters (--enable-lora)")
+        return self.lora_manager
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter's PEFT directory for this model (shared/lora/peft.py), without loading it:
+        safe on any thread, so a service can read it beside the steps. InvalidRequestError naming the adapter."""
+        return self._lora_manager(lora_request.lora_name).read(lora_request)
+
+    def add_lora(self, lora: LoRARequest | LoRAAdapter) -> bool:
+        """Serve an adapter (a LoRARequest is read first: read_lora) under its name, from the next step on. False if
+        the name already serves these very files; InvalidRequestError naming the adapter if it serves others (remove
+        it first), the directory is refused, or LoRA is off."""
+        adapter = self.read_lora(lora) if isinstance(lora, LoRARequest) else lora
+        return self._lora_manager(adapter.name).add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter: requests naming it are refused from now on; those admitted before go on with it
+        to their end (as vLLM lets them finish). UnknownLoRAError naming it if it is not loaded."""
+        self._lora_manager(name).remove(name)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        """The adapters loaded, by name ([] with LoRA off)."""
+        return self.lora_manager.list() if self.lora_manager is not None else []
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_key is not None:
+            self.lora_manager.release(request.lora_key)
 
     # -- introspection -------------------------------------------------------------------------------------
     @property

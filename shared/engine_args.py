@@ -1,7 +1,7 @@
 """EngineArgs: every engine setting a user gives (flags, environment, `tandem up`), its default, and how it
 resolves into the records an LLMEngine takes (shared/config.py: ModelConfig, CacheConfig, SchedulerConfig,
-SpeculativeConfig), as vLLM's EngineArgs builds its configs. services/flags.py makes the command-line flags from
-its fields.
+SpeculativeConfig, KVTierConfig, LoRAConfig), as vLLM's EngineArgs builds its configs. services/flags.py makes the
+command-line flags from its fields.
 
 Imports neither torch nor the engine, so the `tandem` CLI can build its parser quickly.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from tandem.shared.config import (AUTO, DTYPES, KV_DTYPES, KV_TIER_EVICTION_POLICIES, NO_QUANTIZATION,
-                                  SPECULATIVE_METHODS, CacheConfig, KVTierConfig, ModelConfig, SchedulerConfig,
-                                  SpeculativeConfig)
+                                  SPECULATIVE_METHODS, CacheConfig, KVTierConfig, LoRAConfig, ModelConfig,
+                                  SchedulerConfig, SpeculativeConfig)
 
 GIB = 1 << 30
 
@@ -35,12 +35,22 @@ def non_negative_number(value: str) -> float:
     return number
 
 
+def lora_module(value: str) -> str:
+    """A flag's type: a --lora-modules item, NAME=PATH (ValueError otherwise)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(value)
+    return value
+
+
 def _setting(default, help: str, kind: type | None = None, choices=None, group: str = "engine",
-             aliases: tuple[str, ...] = ()):
+             aliases: tuple[str, ...] = (), nargs: str | None = None):
     """A field of EngineArgs: its default and what the flag built from it says (services/flags.py). kind: the
     flag's type when the default is None; group: "model" for the settings the gateway needs too; aliases: other
-    names the flag also answers to (another engine's name for it)."""
-    metadata = {"help": help, "type": kind or type(default), "choices": choices, "group": group, "aliases": aliases}
+    names the flag also answers to (another engine's name for it); nargs "+": a flag of one or more values (a tuple;
+    its environment variable separates them by whitespace)."""
+    metadata = {"help": help, "type": kind or type(default), "choices": choices, "group": group, "aliases": aliases,
+                "nargs": nargs}
     return field(default=default, metadata=metadata)
 
 
@@ -133,6 +143,18 @@ class EngineArgs:
     kv_tier_eviction: str = _setting("lru", "which block the host and disk KV tiers evict first: lru (least "
                                      "recently stored or hit) or lfu (fewest hits, then least recent)",
                                      choices=KV_TIER_EVICTION_POLICIES)
+    enable_lora: bool = _setting(False, "serve LoRA adapters: requests name one, or none for the base model; "
+                                 "adapters load at start (--lora-modules) and at run time (docs/lora.md)")
+    lora_modules: tuple[str, ...] | None = _setting(
+        None, "LoRA adapters loaded at start, as NAME=PATH items (PATH: a PEFT adapter dir, adapter_config.json + "
+        "adapter_model.safetensors); implies --enable-lora", lora_module, nargs="+")
+    max_loras: int = _setting(4, "LoRA: distinct adapters in one step's batch at most (the slots of their weights); "
+                              "requests of others wait their turn")
+    max_cpu_loras: int | None = _setting(
+        None, "LoRA: adapters whose weights are held in memory at most, the least recently used dropped first and "
+        "read from disk again when a request needs it (default: --max-loras)", int)
+    max_lora_rank: int = _setting(16, "LoRA: the largest adapter rank served (the size of the slots; an adapter of "
+                                  "a higher rank is refused)")
 
     def create_configs(self, tier: str, model_dir: str | Path) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """The three records an LLMEngine takes; model_dir is used when model is None. ValueError on bad values."""
@@ -193,6 +215,14 @@ class EngineArgs:
                                  self.prompt_lookup_max, self.speculative_adaptive,
                                  self.speculative_disable_by_batch_size, self.draft_model, self.draft_num_layers,
                                  self.suffix_max_spec_factor, self.suffix_min_token_prob, self.suffix_cache_tokens)
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig of these settings, None with LoRA off (neither --enable-lora nor --lora-modules).
+        ValueError on bad values."""
+        if not self.enable_lora and not self.lora_modules:
+            return None
+        modules = tuple(tuple(m.partition("=")[::2]) for m in self.lora_modules or ())
+        return LoRAConfig(self.max_loras, self.max_cpu_loras, self.max_lora_rank, modules)
 
     def create_kv_tier_config(self) -> KVTierConfig:
         """The KVTierConfig of these settings (the disk tier claims a slot under kv_disk_tier_dir: DiskTier).

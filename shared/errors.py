@@ -57,3 +57,8 @@ class RequestFailedError(TandemError):
 
 class DeadlineError(TandemError):
     """The request ran out of time (its deadline passed before it finished)."""
+
+
+class UnknownLoRAError(InvalidRequestError):
+    """A request or command names a LoRA adapter this instance does not serve (the HTTP API's 404 for an unknown
+    model)."""

@@ -104,7 +104,7 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             tokens = request.token_ids(0, num_blocks * self.block_size)
             hashes = hash_request_blocks(tokens, self.hash_contract, request.cache_salt, hashes,
-                                         kv_variant(request))
+                                         kv_variant(request), request.lora_key)
             self.block_hashes[request.request_id] = hashes
         return hashes[:num_blocks]
 
@@ -149,9 +149,9 @@ class KVCacheManager:
 
     def continuation_key(self, request: Request, i: int) -> tuple:
         """What identifies the prefix before logical block i of a request: the hash of its block i - 1, or the
-        contract's root and the cache salt for the first block."""
+        contract's root, the cache salt, KV variant and LoRA adapter for the first block."""
         if i == 0:
-            return self.hash_contract.root_hash, request.cache_salt, kv_variant(request)
+            return self.hash_contract.root_hash, request.cache_salt, kv_variant(request), request.lora_key
         return self._hashes(request, i)[i - 1], None
 
     def get_partial_block(self, request: Request, num_full_blocks: int) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ from tandem.kernels.masks import soft_cap
 from tandem.shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from tandem.shared.config import ModelConfig, torch_dtype
 from tandem.shared.device import use_triton
+from tandem.shared.lora.layers import LoRAMetadata
 from tandem.shared.model_files import read_safetensors
 from tandem.shared.rope import RotaryEmbedding
 from tandem.shared.quant.layers import concat_linears
@@ -66,6 +67,12 @@ def _offset_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
+def linear(layer: nn.Module, x: torch.Tensor, lora: LoRAMetadata | None) -> torch.Tensor:
+    """layer(x), with the step's LoRA segments when the batch has any (layer is then a LoRALinear:
+    shared/lora/layers.py); without, exactly layer(x)."""
+    return layer(x) if lora is None else layer(x, lora)
+
+
 class CpuDenseLinear(nn.Linear):
     """nn.Linear whose forward runs the dense CPU kernel (kernels/cpu_dense.py: the weight streamed once on the
     CPU kernels' threads) where it takes the input, torch's F.linear elsewhere. load_model turns a CPU model's float
@@ -100,10 +107,11 @@ class Attention(nn.Module):
         self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                lora: LoRAMetadata | None = None) -> torch.Tensor:
         """x [num_tokens, hidden]; cos, sin [num_tokens, head_dim] fp32; kv_cache [2, num_blocks, block_size,
         num_kv_heads, head_dim] (this layer; with meta.kv_quant, uint8 rows of kv_quant.row_size)."""
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = linear(self.qkv_proj, x, lora).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qkv = torch.cat([self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
@@ -120,7 +128,7 @@ class Attention(nn.Module):
             v = qkv[:, self.num_heads + self.num_kv_heads :]
             write_kv_cache(k.to(kv_dtype), v.to(kv_dtype), kv_cache[0], kv_cache[1], meta.slot_mapping, meta.kv_quant)
         o = paged_attention(q.to(kv_dtype), kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
-        return self.o_proj(o.to(x.dtype).flatten(1))
+        return linear(self.o_proj, o.to(x.dtype).flatten(1), lora)
 
 
 class MLP(nn.Module):
@@ -136,14 +144,14 @@ class MLP(nn.Module):
         self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
+        gate_up = linear(self.gate_up_proj, x, lora)
         if self.gelu:  # (Gemma: GELU, tanh approximation)
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            return linear(self.down_proj, F.gelu(gate, approximate="tanh") * up, lora)
         if cpu_kernels(gate_up):
-            return self.down_proj(cpu_layer_ops.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul_ref(gate_up))
+            return linear(self.down_proj, cpu_layer_ops.silu_and_mul(gate_up), lora)
+        return linear(self.down_proj, silu_and_mul_ref(gate_up), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -161,20 +169,20 @@ class DecoderLayer(nn.Module):
         # Gemma 3: the sliding layers' RoPE is their own (LlamaModel.rotary_emb_local)
         self.local_rope = bool(config.rope_local) and config.layer_window(layer) is not None
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
+    def forward(self, x, residual, cos, sin, kv_cache, meta, lora: LoRAMetadata | None = None):
         """x: the previous layer's output (the embeddings, with residual None, for the first layer); residual:
-        the residual stream before it. Returns (this layer's MLP output, the residual stream before it); the
-        stream after the layer is their sum."""
+        the residual stream before it; lora: the step's LoRA segments (None: none). Returns (this layer's MLP
+        output, the residual stream before it); the stream after the layer is their sum."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, lora)
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+            return self.post_feedforward_layernorm(self.mlp(x, lora)), residual
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -199,14 +207,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices,
-                num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
+                num_layers: int | None = None, hidden_indices: torch.Tensor | None = None,
+                lora: LoRAMetadata | None = None):
         """One step over a flat batch.
 
         input_ids, positions [num_tokens] int64; kv_caches [num_layers, 2, num_blocks, block_size, num_kv_heads,
         head_dim]; logits_indices [num_sampled] int64 rows whose next-token logits are wanted. num_layers: run
         only the first num_layers decoder layers, then the final norm and the LM head (an early-exit draft, as
         LayerSkip, Elhoushi et al. 2024); kv_caches needs only those layers. hidden_indices [num_pooled] int64:
-        rows whose final hidden state (after the final norm) is wanted instead (pooling requests).
+        rows whose final hidden state (after the final norm) is wanted instead (pooling requests). lora: the
+        batch's LoRA segments (shared/lora/layers.py; None: every row runs the base model).
         Returns logits [num_sampled, vocab_size] fp32 (soft-capped where the config says, Gemma 2); with
         hidden_indices, (logits, hidden states [num_pooled, hidden_size] fp32).
         """
@@ -217,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.rope_local:
             ropes[True] = self.model.rotary_emb_local(positions)
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta)
+            x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta, lora)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         if residual is None:
             x = self.model.norm(x[rows])

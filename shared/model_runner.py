@@ -1,4 +1,6 @@
-"""ModelRunner: turns a SchedulerOutput into model inputs, runs one forward, samples."""
+"""ModelRunner: turns a SchedulerOutput into model inputs, runs one forward, samples. With LoRA it owns the
+LoRAManager (shared/lora/manager.py) whose wrappers it put around the model's linears, and builds each forward's
+LoRAMetadata from the batch's adapter slots."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +11,9 @@ import torch.nn.functional as F
 
 from tandem.kernels.kv_quant import check_head_dim
 from tandem.shared.attention import AttentionMetadata
-from tandem.shared.config import CacheConfig, ModelConfig
+from tandem.shared.config import CacheConfig, LoRAConfig, ModelConfig
+from tandem.shared.lora.layers import LoRAMetadata
+from tandem.shared.lora.manager import LoRAManager
 from tandem.shared.model import load_model
 from tandem.shared.request import TokenLogprobs
 from tandem.shared.sampler import process_logits, sample, token_logprobs
@@ -50,10 +54,15 @@ class ModelRunner:
     (kernels/kv_quant.py). One tensor either way: block copies and KV transfer move its raw bytes.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu", model=None):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu", model=None,
+                 lora_config: LoRAConfig | None = None):
+        """lora_config: serve LoRA adapters (the model's linears are wrapped; None: the model as it is)."""
         self.model_config = model_config
         self.device = torch.device(device)
         self.model = model if model is not None else load_model(model_config, self.device)
+        self.lora_manager = None  # (before the pool is sized: the adapters' slots take memory too)
+        if lora_config is not None:
+            self.lora_manager = LoRAManager(lora_config, model_config, self.model, self.device)
         if cache_config.num_blocks is None:
             cache_config = replace(cache_config, num_blocks=self.num_blocks_for_memory(cache_config),
                                    memory_utilization=None)
@@ -84,6 +93,16 @@ class ModelRunner:
                  num_blocks * block_bytes / 1e9, 100 * cache_config.memory_utilization, free / 1e9)
         return num_blocks
 
+    def activate_loras(self, out: SchedulerOutput) -> dict[str, str]:
+        """Put the adapters of the scheduled requests into slots (out.lora_slots, by adapter key) before the
+        step's forwards (the early-exit draft's included). Returns {adapter key: error} for adapters that could
+        not be read again from disk (their requests must fail; they run as the base model meanwhile)."""
+        if self.lora_manager is None:
+            return {}
+        keys = [r.lora_key for r in out.scheduled_requests if r.lora_key is not None]
+        out.lora_slots, failed = self.lora_manager.activate(keys) if keys else ({}, {})
+        return failed
+
     def execute_model(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
         """Compute the scheduled tokens (writing their KV into the pool) and sample the next token of each
         request whose last token was computed; a request with draft tokens scheduled gets the target's token at
@@ -99,7 +118,7 @@ class ModelRunner:
         # again for the request that took it; the last copy is the one its owner reads)
         for src, dst in out.block_copies:
             self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
-        seqs, sampled_requests, row_requests, row_positions, rope_long = [], [], [], [], []
+        seqs, sampled_requests, row_requests, row_positions, rope_long, lora_slots = [], [], [], [], [], []
         prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows
         pooled_requests, pooled_seqs = [], []  # pooling requests whose last token is computed; their seqs' indices
         num_rows = 0
@@ -129,8 +148,10 @@ class ModelRunner:
             num_rows += num_logits
             seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
             rope_long.append(bool(request.rope_long))
+            lora_slots.append(out.lora_slots.get(request.lora_key))
         logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device,
-                           rope_long=rope_long, pooled=pooled_seqs or None, kv_quant=self.cache_config.kv_quant)
+                           rope_long=rope_long, pooled=pooled_seqs or None, kv_quant=self.cache_config.kv_quant,
+                           lora_slots=lora_slots if out.lora_slots else None)
         result = ModelRunnerOutput()
         if pooled_requests:
             logits, hidden = logits  # [num_pooled, hidden_size]
@@ -196,13 +217,15 @@ def apply_grammar_bitmask(processed: torch.Tensor, logits: torch.Tensor, sampled
 
 def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, list[int | None], int]],
               block_size: int, device: torch.device, num_layers: int | None = None,
-              rope_long: list[bool] | None = None, pooled: list[int] | None = None, kv_quant: str | None = None):
+              rope_long: list[bool] | None = None, pooled: list[int] | None = None, kv_quant: str | None = None,
+              lora_slots: list[int | None] | None = None):
     """One forward of model over a batch of sequences, writing their KV into kv_caches (the pool, paged by
     block_size). seqs: per sequence (token_ids, start, block_table, num_logits): the tokens computed from
     position start, whose slots come from block_table, and how many of the last ones want logits. num_layers:
     only the model's first layers (an early-exit draft). rope_long: longrope, per sequence, whether its tokens take
     the long factors (Request.rope_long; None: none). kv_quant: the pool's quantized format (CacheConfig.kv_quant;
-    None: float KV). Returns logits [sum of num_logits, vocab] fp32, in order;
+    None: float KV). lora_slots: per sequence, its LoRA adapter's slot (None: the base model; the list None: no
+    adapters). Returns logits [sum of num_logits, vocab] fp32, in order;
     with pooled (indices into seqs), (logits, the final hidden states of those sequences' last tokens
     [len(pooled), hidden_size] fp32)."""
     input_ids, positions, slots, query_start_loc, context_lens, tables, logits_indices = [], [], [], [0], [], [], []
@@ -241,4 +264,5 @@ def run_model(model, kv_caches: torch.Tensor, seqs: list[tuple[list[int], int, l
         torch.tensor(logits_indices, dtype=torch.int64, device=device),
         num_layers,
         hidden_indices,
+        LoRAMetadata.build(query_start_loc, lora_slots) if lora_slots is not None else None,
     )

@@ -202,6 +202,10 @@ class Request:
     arrival_time: float = 0.0  # time.monotonic() when the engine admitted it (decode: when its KV was complete)
     queue_time_s: float | None = None  # seconds from admission to its first step (None: not scheduled yet)
     pooling_params: PoolingParams | None = None  # a pooling request (an embedding): pooled, never sampled
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model; docs/lora.md)
+    # set by the engine at admission: that adapter's identity, name:digest of its files (LoRAAdapter.key), which
+    # its first block hashes (requests of different adapters never share a block)
+    lora_key: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,13 +7,18 @@ draft tokens when it speculates (verified in the same forward); prefill and deco
 When the pool runs out of blocks, the most recently admitted running request is preempted (its blocks are
 freed and it is recomputed later). Priorities (Request.priority, lower first; vLLM's priority policy) order both
 queues each step, stably, so equal priorities keep first-come-first-served: the preempted request is the newest
-of the lowest priority, and a waiting request that finds no room preempts a running one of lower priority. A request admitted from scratch first takes its longest cached prefix
-(KVCacheManager.get_computed_blocks, then a copy of a block that continues it: get_partial_block) and is
-scheduled only for the rest; one whose next block a running
-request is computing right now waits for it (a step or two) instead of computing it again. A prefix that continues
-in the tiers below the pool (shared/kv_offload.py) is loaded into fresh blocks beside the steps: its request waits
-(LOADING_KV, in the waiting queue) until the load ends, then is admitted like one whose prefix another request
-computed: the loaded blocks are in the pool's prefix cache.
+of the lowest priority, and a waiting request that finds no room preempts a running one of lower priority. A
+request admitted from scratch first takes its longest cached prefix (KVCacheManager.get_computed_blocks, then a
+copy of a block that continues it: get_partial_block) and is scheduled only for the rest; one whose next block a
+running request is computing right now waits for it (a step or two) instead of computing it again. A prefix
+that continues in the tiers below the pool (shared/kv_offload.py) is loaded into fresh blocks beside the steps:
+its request waits (LOADING_KV, in the waiting queue) until the load ends, then is admitted like one whose prefix
+another request computed: the loaded blocks are in the pool's prefix cache.
+With LoRA (LoRAConfig), one step runs the requests of at most max_loras distinct adapters (the base model's take
+no slot; vLLM's rule): a running request of one adapter too many sits the step out, and a waiting one is not
+admitted. Once a waiting request is held back that way, no later waiting request with an adapter is admitted in
+that step (base-model ones are), so the adapters running drain and it gets the next free slot: first come, first
+served, no starvation.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.shared.config import SchedulerConfig
+from tandem.shared.config import LoRAConfig, SchedulerConfig
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.request import Request, RequestStatus
 
@@ -44,6 +49,8 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, torch.Tensor] = field(default_factory=dict)
     # KV block copies (src, dst) to run, in order, before the forward: partial-block prefix hits (copy-on-write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # with LoRA: the adapter slot of each adapter (Request.lora_key) scheduled, once the engine activated them
+    lora_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -62,9 +69,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 lora_config: LoRAConfig | None = None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.max_loras = lora_config.max_loras if lora_config is not None else None  # adapters in one step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # since start
@@ -109,11 +118,12 @@ class Scheduler:
         self.running.sort(key=_priority)  # (stable: admission order within a priority)
         if len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=_priority))
+        loras: set[str] = set()  # the adapters of the requests scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or not self._lora_fits(request, loras):  # (decode tier: KV imports join any time)
                 i += 1
                 continue
             if not self.kv_cache_manager.allocate_slots(request, num_new):
@@ -123,6 +133,8 @@ class Scheduler:
                 continue  # retry the same request (or stop if it was the victim)
             out.scheduled_requests.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
+            if request.lora_key is not None:
+                loras.add(request.lora_key)
             num_spec = request.num_computed_tokens + num_new - request.num_tokens  # drafts that fit the budget
             if num_spec > 0:
                 out.scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
@@ -132,10 +144,14 @@ class Scheduler:
         if out.preempted_requests:
             return  # no admissions in a step that had to preempt
         in_flight = self.kv_cache_manager.blocks_in_flight(self.running) if self.waiting else set()
+        lora_held = False  # a waiting request's adapter was one too many: no later adapter request goes first
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.status == RequestStatus.LOADING_KV:
+                continue
+            if request.lora_key is not None and (lora_held or not self._lora_fits(request, loras)):
+                lora_held = True
                 continue
             computed_block_ids, num_cached, partial = [], 0, None
             # (prompt logprobs need the logits of every prompt position: such a prompt is computed in full)
@@ -167,8 +183,15 @@ class Scheduler:
             self.running.append(request)
             out.scheduled_requests.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
+            if request.lora_key is not None:
+                loras.add(request.lora_key)
             budget -= num_new
             in_flight |= self.kv_cache_manager.blocks_in_flight([request])
+
+    def _lora_fits(self, request: Request, loras: set[str]) -> bool:
+        """Whether the request may join a step whose scheduled requests have the adapters loras."""
+        key = request.lora_key
+        return key is None or self.max_loras is None or key in loras or len(loras) < self.max_loras
 
     def _start_tier_load(self, request: Request, computed_block_ids: list[int]) -> bool | None:
         """Start loading the request's prefix after its pool hit from the tiers below the pool, if they hold some

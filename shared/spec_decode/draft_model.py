@@ -13,7 +13,9 @@ the KV transfer); after a step, only the accepted tokens' draft KV stays valid.
 Early exit (LayerSkip, Elhoushi et al. 2024; "self-speculative decoding", Zhang et al. 2024): the draft is the
 target's own first num_layers layers with its final norm and LM head. Those layers' KV is the target's, for
 every computed token, so the draft needs no pool and no catch-up; it writes its drafts' KV for those layers
-into the target's slots, which the verifying forward then overwrites with the same values.
+into the target's slots, which the verifying forward then overwrites with the same values. With LoRA, the early
+exit's layers run with each request's adapter (its slot, as the target's forward); a separate draft model runs
+without adapters (its drafts are verified by the target with the adapter, so they stay lossless).
 """
 from __future__ import annotations
 
@@ -36,13 +38,14 @@ class DraftModelProposer:
         self.kv_quant = kv_quant
         self.device = kv_caches.device
 
-    def propose(self, requests: list[Request], num_drafts: list[int], block_tables: dict[str, list[int]]
-                ) -> list[tuple[list[int], torch.Tensor | None]]:
+    def propose(self, requests: list[Request], num_drafts: list[int], block_tables: dict[str, list[int]],
+                lora_slots: dict[str, int] | None = None) -> list[tuple[list[int], torch.Tensor | None]]:
         """Draft num_drafts[i] tokens for each request (decoding: num_computed_tokens == num_tokens - 1, and its
         block table covers num_tokens + num_drafts[i] - 1 slots). Runs max(num_drafts) forwards of the draft over
         the batch. Returns per request the draft token ids and, for an unseeded sampled request, the
         probabilities they were drawn from [num_drafts[i], vocab] fp32 (None for a greedy one, whose drafts are
-        the draft's argmax, and for a seeded one)."""
+        the draft's argmax, and for a seeded one). lora_slots: adapter key -> slot (SchedulerOutput.lora_slots),
+        for a draft that runs the target's adapters (early exit); None: none."""
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for j in range(max(num_drafts)):
@@ -56,8 +59,9 @@ class DraftModelProposer:
                     seqs.append((r.token_ids(start, last + 1), start, block_tables[r.request_id], 1))
                 else:
                     seqs.append(([drafts[i][-1]], last + j, block_tables[r.request_id], 1))
+            slots = [lora_slots.get(requests[i].lora_key) for i in rows] if lora_slots else None
             logits = run_model(self.model, self.kv_caches, seqs, self.block_size, self.device, self.num_layers,
-                               [bool(requests[i].rope_long) for i in rows], kv_quant=self.kv_quant)
+                               [bool(requests[i].rope_long) for i in rows], kv_quant=self.kv_quant, lora_slots=slots)
             argmax = logits.argmax(-1).tolist()
             for row, i in enumerate(rows):
                 r = requests[i]

@@ -140,7 +140,8 @@ class Drafter:
             return
         requests = [r for r in out.scheduled_requests if r.request_id in out.scheduled_spec_decode_tokens]
         num_drafts = [len(out.scheduled_spec_decode_tokens[r.request_id]) for r in requests]
-        proposals = self.draft_model.propose(requests, num_drafts, block_tables)
+        lora_slots = out.lora_slots if self.draft_config is None else None  # (early exit: the target's adapters)
+        proposals = self.draft_model.propose(requests, num_drafts, block_tables, lora_slots)
         for r, (drafts, probs) in zip(requests, proposals):
             out.scheduled_spec_decode_tokens[r.request_id] = drafts
             if probs is not None:
