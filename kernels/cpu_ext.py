@@ -1,6 +1,6 @@
 """Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized and dense GEMMs, paged decode attention,
-the elementwise layer ops) as one torch extension; kernels/cpu_qgemm.py, kernels/cpu_dense.py,
-kernels/cpu_attention.py and kernels/cpu_layer_ops.py wrap them.
+the elementwise layer ops, the batched LoRA delta) as one torch extension; kernels/cpu_qgemm.py,
+kernels/cpu_dense.py, kernels/cpu_attention.py, kernels/cpu_layer_ops.py and kernels/cpu_lora.py wrap them.
 
 The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
 cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
@@ -23,7 +23,8 @@ import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "qgemm_vnni.cpp", "dense_gemm.cpp",
                                                                "dense_gemm_packed.cpp", "attention.cpp",
-                                                               "layer_ops.cpp", "thread_pool.cpp", "module.cpp")]
+                                                               "layer_ops.cpp", "lora.cpp", "thread_pool.cpp",
+                                                               "module.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h")]
 log = logging.getLogger(__name__)
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build

@@ -1,5 +1,5 @@
 // The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, qgemm_vnni.cpp, dense_gemm.cpp,
-// dense_gemm_packed.cpp, attention.cpp, layer_ops.cpp, thread_pool.cpp and this file).
+// dense_gemm_packed.cpp, attention.cpp, layer_ops.cpp, lora.cpp, thread_pool.cpp and this file).
 #include <torch/extension.h>
 
 #include "thread_pool.h"
@@ -21,6 +21,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                          c10::optional<bool> packed);
 bool dense_gemm_packed_available();
+void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor seg_starts,
+              torch::Tensor seg_lens, torch::Tensor seg_slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
@@ -37,6 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("packed") = py::none());
   m.def("dense_gemm_packed_available", &dense_gemm_packed_available,
         "whether dense_gemm's packed bf16 path runs here (built for a CPU with AVX512-BF16)");
+  m.def("add_lora", &add_lora, "in place: y[rows of s] += (x[rows of s] @ lora_a[slot s].T) @ lora_b[slot s].T",
+        py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("seg_starts"), py::arg("seg_lens"),
+        py::arg("seg_slots"));
   m.def("set_num_threads", &tandem_pool::set_num_threads, "threads of the GEMM and attention kernels, the caller's included");
   m.def("get_num_threads", &tandem_pool::num_threads, "threads of the GEMM and attention kernels");
 }
