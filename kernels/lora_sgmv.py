@@ -209,9 +209,9 @@ def _expand(y, h, lora_b, segments, max_len: int) -> None:
     _sgmv_expand_kernel[grid](
         y, h, lora_b, *segments, y.shape[1], lora_b.shape[2], y.stride(0), h.stride(0), lora_b.stride(0),
         lora_b.stride(1), BLOCK_M=block_m, BLOCK_N=64, BLOCK_R=block_r,
-        # (operands in fp32: h is fp32; exact for fp32 inputs, TF32 on CUDA for 16-bit ones, whose delta is
-        # rounded to 8 or 11 bits anyway)
-        DOT_PRECISION=dot_precision(y.dtype),
+        # (operands in fp32, h being fp32: exact for fp32 inputs; 3xTF32 for 16-bit ones, about fp32's accuracy on
+        # tensor cores, so that their delta rounds as the reference's does)
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32x3",
     )
 
 
