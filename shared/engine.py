@@ -24,7 +24,7 @@ from tandem.shared.block_hash import HashContract
 from tandem.shared.config import (CacheConfig, KVTierConfig, LoRAConfig, ModelConfig, SchedulerConfig,
                                   SpeculativeConfig)
 from tandem.shared.engine_stats import EngineStats, StepStats
-from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownRequestError
+from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownLoRAError, UnknownRequestError
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_connector import KVBlocks, KVConnector
 from tandem.shared.kv_events import KVEventBatch
@@ -144,8 +144,11 @@ class LLMEngine:
                                       f"({request.sampling_params.max_tokens}) are generated already")
         check_token_ids("stop_token_ids", request.sampling_params.stop_token_ids, vocab_size)
         check_token_ids("logit_bias token ids", (t for t, _ in request.sampling_params.logit_bias), vocab_size)
+        if request.lora_name is not None and self.lora_manager is None:
+            raise UnknownLoRAError(f"adapter {request.lora_name!r} is not loaded: this engine serves no LoRA adapters "
+                                   "(--enable-lora)")
         if request.lora_name is not None:
-            self._lora_manager(request.lora_name).key_of(request.lora_name)  # (UnknownLoRAError naming it)
+            self.lora_manager.key_of(request.lora_name)  # (UnknownLoRAError naming it)
         total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         if self.kv_cache_manager.num_blocks_for(total) > self.cache_config.num_blocks:
             raise InvalidRequestError(
@@ -392,7 +395,9 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         """Stop serving an adapter: requests naming it are refused from now on; those admitted before go on with it
         to their end (as vLLM lets them finish). UnknownLoRAError naming it if it is not loaded."""
-        self._lora_manager(name).remove(name)
+        if self.lora_manager is None:
+            raise UnknownLoRAError(f"adapter {name!r} is not loaded: this engine serves no LoRA adapters")
+        self.lora_manager.remove(name)
 
     def list_loras(self) -> list[LoRAInfo]:
         """The adapters loaded, by name ([] with LoRA off)."""

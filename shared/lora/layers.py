@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tandem.kernels.lora import add_lora
+from tandem.shared.device import use_triton
 from tandem.shared.lora.targets import LoRATarget
 
 
@@ -65,8 +66,9 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
         """x [T, K] -> y [T, N]."""
         y = self.base_layer(x)
-        if lora is not None:
-            add_lora(y, x, self.lora_a, self.lora_b, lora.seg_starts, lora.seg_lens, lora.seg_slots)
+        if lora is not None:  # (the Triton kernels where the engine's GPU path runs: shared/device.py)
+            add_lora(y, x, self.lora_a, self.lora_b, lora.seg_starts, lora.seg_lens, lora.seg_slots,
+                     use_triton=use_triton(x))
         return y
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:

@@ -189,12 +189,41 @@ def test_unknown_adapters_and_engines_without_lora_refuse_by_name(tiny_factory):
     plain = LLMEngine(tiny.config, CacheConfig(16, 16), SchedulerConfig(32, 8))
     assert plain.model_runner.lora_manager is None and plain.list_loras() == []
     assert not any("LoRA" in type(m).__name__ for m in plain.model_runner.model.modules())  # (no wrappers, no cost)
-    with pytest.raises(InvalidRequestError, match="adapter 'attn': this engine serves no LoRA adapters"):
+    with pytest.raises(UnknownLoRAError, match="adapter 'attn' is not loaded: this engine serves no LoRA adapters"):
         plain.add_request(make_request("r", ids, "attn"))
+    with pytest.raises(InvalidRequestError, match="adapter 'attn': this engine serves no LoRA adapters"):
+        plain.add_lora(LoRARequest("attn", str(tiny.adapters["attn"])))
     engine = LLMEngine(tiny.config, CacheConfig(16, 16), SchedulerConfig(32, 8), lora_config=LoRAConfig())
     with pytest.raises(UnknownLoRAError, match="adapter 'ghost' is not loaded"):
         engine.add_request(make_request("r", ids, "ghost"))
     assert not engine.has_unfinished_requests() and engine.requests == {}
+
+
+def test_an_adapter_whose_files_changed_on_disk_fails_its_requests_alone(tiny_factory, tmp_path):
+    """One adapter in memory: "attn" is dropped when "all" loads; its files then change, so reading it again for a
+    request fails that request (its error says why) and unloads it, while a base-model request in the same steps
+    goes on exact."""
+    import shutil
+
+    tiny = tiny_factory("llama3")
+    p = tiny.prompts
+    moved = shutil.copytree(tiny.adapters["attn"], tmp_path / "attn")
+    engine = LLMEngine(tiny.config, CacheConfig(16, 64), SchedulerConfig(64, 8),
+                       lora_config=LoRAConfig(max_loras=1, max_cpu_loras=1,
+                                              lora_modules=(("attn", str(moved)), ("all", str(tiny.adapters["all"])))))
+    (moved / "adapter_config.json").write_text((moved / "adapter_config.json").read_text().replace("16", "17"))
+    broken, base = make_request("broken", p["p37"], "attn"), make_request("base", p["p16"], None)
+    for r in (broken, base):
+        engine.add_request(r)
+    outputs = engine.step()
+    failed = next(o for o in outputs if o.request_id == "broken")
+    assert failed.finished and "changed since it was loaded" in failed.error and failed.new_token_ids == []
+    assert [info.name for info in engine.list_loras()] == ["all"] and engine.lora_manager.records.keys() == {
+        engine.lora_manager.key_of("all")}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert base.output_token_ids == tiny.expected(None, p["p16"])
+    assert engine.num_free_blocks == 64 and engine.kv_cache_manager.cached_block_hashes() != []
 
 
 def test_a_quantized_base_with_adapters_equals_hf_peft_over_the_same_quantized_layers(tiny_factory, tmp_path):
