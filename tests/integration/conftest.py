@@ -32,10 +32,12 @@ def hf_references(hf_model, tokenizer):
     return refs
 
 
-def start_cluster(model_dir, block_size: int, chunk: int, num_blocks: int = 512):
+def start_cluster(model_dir, block_size: int, chunk: int, num_blocks: int = 512, lora: bool = False):
+    """lora: the engines serve LoRA adapters (--enable-lora; none loaded at start: tests load theirs at run time)."""
     from tandem.services.launcher import LocalCluster
 
-    engine = ["--block-size", str(block_size), "--num-blocks", str(num_blocks), "--threads", "1"]
+    engine = ["--block-size", str(block_size), "--num-blocks", str(num_blocks), "--threads", "1"] + (
+        ["--enable-lora"] if lora else [])  # fmt: skip
     return LocalCluster(
         str(model_dir),
         prefill_args=engine + ["--max-num-batched-tokens", str(chunk)],
@@ -45,8 +47,9 @@ def start_cluster(model_dir, block_size: int, chunk: int, num_blocks: int = 512)
 
 @pytest.fixture(scope="session")
 def cluster(model_dir, hf_references):
-    """Default test cluster: block_size 16, prefill chunk 64 (smaller than the long prompt)."""
-    c = start_cluster(model_dir, block_size=16, chunk=64)
+    """Default test cluster: block_size 16, prefill chunk 64 (smaller than the long prompt), LoRA on (no adapter
+    loaded: the base model's tokens are the same; test_lora_serving.py loads and unloads its own)."""
+    c = start_cluster(model_dir, block_size=16, chunk=64, lora=True)
     yield c
     c.stop()
 

@@ -147,6 +147,20 @@ def test_the_http_api_is_https_and_needs_the_key_but_for_health(cluster, pki, hf
         urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=10)
 
 
+def test_the_lora_adapter_endpoints_need_the_key(cluster, pki):
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/lora.md) are guarded as every /v1 path: 401
+    without the key; with it, this cluster's engines (no --enable-lora) refuse a load by name, and an unload of a
+    name no engine has is a 404."""
+    load = {"lora_name": "sql", "lora_path": "/nonexistent"}
+    for path, body in (("/v1/load_lora_adapter", load), ("/v1/unload_lora_adapter", {"lora_name": "sql"})):
+        status, reply = http(cluster, pki, path, None, body)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key", reply
+    status, reply = http(cluster, pki, "/v1/load_lora_adapter", API_KEY, load)
+    assert (status, reply["error"]["param"]) == (400, "lora_path") and "--enable-lora" in reply["error"]["message"]
+    status, reply = http(cluster, pki, "/v1/unload_lora_adapter", API_KEY, {"lora_name": "sql"})
+    assert (status, reply["error"]["param"]) == (404, "lora_name"), reply
+
+
 def _decode(cluster, token_ids: list[int]) -> str:
     from transformers import AutoTokenizer
 
