@@ -10,12 +10,15 @@
 // Two phases, each one parallel_for on the kernels' thread pool (thread_pool.h):
 // - shrink: tasks of (segment, up to SHRINK_ROWS rows, up to SHRINK_RANKS rows of lora_a); register tiles of
 //   SHRINK_MT rows of x by SHRINK_NT rows of lora_a, dot products over K (K is long: one horizontal sum per K).
-// - expand: tasks of (segment, up to EXPAND_ROWS rows, up to NB columns of y). The inner dimension is the rank (1 to
-//   a few dozen), too short for a dot product per output, so a row block of at least PACK_MIN_ROWS rows packs its
-//   NB x R slice of lora_b transposed into fp32 (R x NB, per task: 1 / rows of the work) and accumulates outer
-//   products, EXPAND_MT rows by EXPAND_NV vectors of columns, no horizontal sums. A decode segment (1 row, or a
-//   few: below PACK_MIN_ROWS) would pay as much to pack as to multiply, so it takes dot products over R instead.
-// Decode (many 1-row segments: a BGMV) spreads over segments x column blocks; a prefill segment (hundreds of rows)
+// - expand: the rows of all segments of one slot together (h is ordered slot by slot: a decode batch's requests on
+//   one adapter read its lora_b once per block of columns), in tasks of up to EXPAND_ROWS of them by up to NB
+//   columns of y. The inner dimension is the rank (1 to a few dozen), too short for a dot product per output, so a
+//   task of at least PACK_MIN_ROWS rows packs its NB x R block of lora_b transposed into fp32 (R x NB: 1 / rows of
+//   the work) and accumulates outer products, EXPAND_MT rows by EXPAND_NV vectors of columns, no horizontal sums.
+//   Fewer rows (decode: one per request) would pay as much to pack as to multiply: they take dot products over R,
+//   LANES columns at a time, summed by a transposing reduction (sum_each); in bf16, from 2 rows, over the block of
+//   lora_b widened to fp32 once.
+// Decode (many 1-row segments: a BGMV) spreads over slots x column blocks; a prefill segment (hundreds of rows)
 // over row blocks x column blocks.
 //
 // Any K, N and R: the SIMD loops end with scalar tails. Layouts: x [T, K] and y [T, N] with unit column stride (any
@@ -28,7 +31,7 @@
 #include "thread_pool.h"
 
 #include <algorithm>
-#include <utility>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,7 +39,7 @@ using namespace tandem_simd;
 
 struct Segment {
   int64_t start, len, slot;
-  int64_t h_row;  // its first row in h (h holds the segments' rows back to back)
+  int64_t h_row;  // its first row in h (h holds the segments' rows back to back, slot by slot)
 };
 
 template <typename T>
@@ -105,7 +108,9 @@ void shrink_block(const T* x, int64_t ldx, const T* a, int64_t M, int64_t K, int
 
 constexpr int64_t NB = 256;                       // columns of y per task
 constexpr int64_t EXPAND_ROWS = 256;              // rows per task (the packed path packs once per task)
-constexpr int64_t PACK_MIN_ROWS = 8;              // rows of a task from which it packs lora_b (else dot products)
+// rows of a task from which it packs lora_b (else dot products): one slot's rows over 3072 columns measured here
+// (bf16 and fp32, one thread): at 8 rows packing is as fast at rank 64 and 1.7x faster at rank 16; at 4, no faster
+constexpr int64_t PACK_MIN_ROWS = 8;
 constexpr int EXPAND_MT = LANES == 16 ? 6 : 4;    // rows per register tile of the packed path
 constexpr int EXPAND_NV = LANES == 16 ? 4 : 2;    // vectors of columns per register tile: MT * NV + NV + 1 vectors
 constexpr int64_t COLS = EXPAND_NV * LANES;       // columns per register tile (NB is a multiple)
@@ -174,10 +179,11 @@ inline void add_deltas(T* y, V delta, int64_t cols) {
 }
 
 // Dot-product path, one row: y[j] for j < cols (<= LANES), h: the row (R floats, zero-padded to a whole vector);
-// b: lora_b's row of the first column (absent columns read it again and are not stored).
-template <typename T>
-inline void expand_dot(const float* h, int64_t R, const T* b, int64_t cols, T* y) {
-  const T* br[LANES];
+// b: lora_b's row of the first column, of y's type or widened to fp32 (absent columns read it again and are not
+// stored).
+template <typename TB, typename T>
+inline void expand_dot(const float* h, int64_t R, const TB* b, int64_t cols, T* y) {
+  const TB* br[LANES];
   V acc[LANES];
   for (int j = 0; j < LANES; ++j) {
     br[j] = b + (j < cols ? j : 0) * R;
@@ -198,17 +204,16 @@ inline void expand_dot(const float* h, int64_t R, const T* b, int64_t cols, T* y
 // bt [R, BT_STRIDE] fp32: columns 0 .. cols of b [cols, R] transposed, zero from cols to width.
 template <typename T>
 void pack_transposed(const T* b, int64_t R, int64_t cols, int64_t width, float* bt) {
-  for (int64_t r = 0; r < R; ++r) {
-    float* row = bt + r * BT_STRIDE;
-    for (int64_t j = 0; j < cols; ++j) row[j] = to_f32(b[j * R + r]);
-    std::fill(row + cols, row + width, 0.0f);
-  }
+  // (row by row of b: its R values go to R rows of bt, BT_STRIDE apart, which spread over the cache's sets)
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t r = 0; r < R; ++r) bt[r * BT_STRIDE + j] = to_f32(b[j * R + r]);
+  for (int64_t r = 0; r < R; ++r) std::fill(bt + r * BT_STRIDE + cols, bt + r * BT_STRIDE + width, 0.0f);
 }
 
-// Packed path: y[i, c] for i < ROWS, c < cols (<= COLS), from bt's columns (COLS of them, zero past cols).
+// Packed path: yr[i][c] for i < ROWS, c < cols (<= COLS), from bt's columns (COLS of them, zero past cols).
 template <int ROWS, typename T>
-inline void expand_packed_tile(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols, T* y,
-                               int64_t ldy) {
+inline void expand_packed_tile(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols,
+                               T* const* yr) {
   V acc[ROWS][EXPAND_NV];
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < EXPAND_NV; ++v) acc[i][v] = vzero();
@@ -222,86 +227,77 @@ inline void expand_packed_tile(const float* h, int64_t ldh, int64_t R, const flo
   }
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < EXPAND_NV && v * LANES < cols; ++v)
-      add_deltas(y + i * ldy + v * LANES, acc[i][v], std::min<int64_t>(LANES, cols - v * LANES));
+      add_deltas(yr[i] + v * LANES, acc[i][v], std::min<int64_t>(LANES, cols - v * LANES));
 }
 
 template <int ROWS, typename T>
-inline void expand_packed_rows(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols, T* y,
-                               int64_t ldy, int64_t rows) {
+inline void expand_packed_rows(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols, T* const* yr,
+                               int64_t rows) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return expand_packed_tile<ROWS>(h, ldh, R, bt, cols, y, ldy);
-    expand_packed_rows<ROWS - 1>(h, ldh, R, bt, cols, y, ldy, rows);
+    if (rows == ROWS) return expand_packed_tile<ROWS>(h, ldh, R, bt, cols, yr);
+    expand_packed_rows<ROWS - 1>(h, ldh, R, bt, cols, yr, rows);
   }
 }
 
-// y [M, N] columns n0 .. n1 += T(h [M, R] @ b.T), b = lora_b[slot] [N, R]; h's rows ldh floats apart.
+// out [n] fp32 = b [n] widened (bf16: exact).
 template <typename T>
-void expand_block(const float* h, int64_t ldh, const T* b, int64_t M, int64_t R, int64_t n0, int64_t n1, T* y,
-                  int64_t ldy) {
+void widen(const T* b, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) store(out + i, load_f32(b + i));
+  for (; i < n; ++i) out[i] = to_f32(b[i]);
+}
+
+// Columns n0 .. n1 of M rows of y += T(h [M, R] @ b.T), b = lora_b[slot] [N, R]; h's rows ldh floats apart, row m
+// of h is row y_rows[m] of y.
+template <typename T>
+void expand_block(const float* h, int64_t ldh, const int64_t* y_rows, T* y, int64_t ldy, const T* b, int64_t M,
+                  int64_t R, int64_t n0, int64_t n1) {
   if (M < PACK_MIN_ROWS) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (M >= 2) {  // rows of one slot: lora_b's block widened once, for all of them
+        thread_local std::vector<float> wide;  // [n1 - n0, R]
+        if (static_cast<int64_t>(wide.size()) < NB * R) wide.resize(NB * R);
+        widen(b + n0 * R, (n1 - n0) * R, wide.data());
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < n1; n += LANES)
+            expand_dot(h + m * ldh, R, wide.data() + (n - n0) * R, std::min<int64_t>(LANES, n1 - n),
+                       y + y_rows[m] * ldy + n);
+        return;
+      }
+    }
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; n += LANES)
-        expand_dot(h + m * ldh, R, b + n * R, std::min<int64_t>(LANES, n1 - n), y + m * ldy + n);
+        expand_dot(h + m * ldh, R, b + n * R, std::min<int64_t>(LANES, n1 - n), y + y_rows[m] * ldy + n);
     return;
   }
   thread_local std::vector<float> bt;  // [R, BT_STRIDE]
   if (static_cast<int64_t>(bt.size()) < R * BT_STRIDE) bt.resize(R * BT_STRIDE);
   const int64_t width = (n1 - n0 + COLS - 1) / COLS * COLS;
   pack_transposed(b + n0 * R, R, n1 - n0, width, bt.data());
+  T* yr[EXPAND_MT];
   for (int64_t c = 0; c < width; c += COLS) {
     const int64_t cols = std::min<int64_t>(COLS, n1 - n0 - c);
-    int64_t m = 0;
-    for (; m + EXPAND_MT <= M; m += EXPAND_MT)
-      expand_packed_tile<EXPAND_MT>(h + m * ldh, ldh, R, bt.data() + c, cols, y + m * ldy + n0 + c, ldy);
-    expand_packed_rows<EXPAND_MT - 1>(h + m * ldh, ldh, R, bt.data() + c, cols, y + m * ldy + n0 + c, ldy, M - m);
+    for (int64_t m = 0; m < M; m += EXPAND_MT) {
+      const int64_t rows = std::min<int64_t>(EXPAND_MT, M - m);
+      for (int64_t i = 0; i < rows; ++i) yr[i] = y + y_rows[m + i] * ldy + n0 + c;
+      if (rows == EXPAND_MT) expand_packed_tile<EXPAND_MT>(h + m * ldh, ldh, R, bt.data() + c, cols, yr);
+      else expand_packed_rows<EXPAND_MT - 1>(h + m * ldh, ldh, R, bt.data() + c, cols, yr, rows);
+    }
   }
 }
 
 // ---- the two phases ---------------------------------------------------------------------------------------------
 
-struct Task {
-  int64_t segment, m0, m1, c0, c1;  // rows m0 .. m1 of the segment; columns c0 .. c1 (of h, or of y)
+// The work of a call: the segments, and h's rows ordered slot by slot, so that all the rows of one adapter (a decode
+// batch's requests sharing it) expand together, reading its lora_b once per block of columns.
+struct Plan {
+  std::vector<Segment> segments;  // the segments with rows
+  std::vector<Segment> groups;    // per slot used: h rows h_row .. + len, in row order of their segments
+  std::vector<int64_t> y_rows;    // h row -> its row of x and y
 };
 
-std::vector<Task> split(const std::vector<Segment>& segments, int64_t rows_per_task, int64_t cols,
-                        int64_t cols_per_task) {
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s)
-    for (int64_t m = 0; m < segments[s].len; m += rows_per_task)
-      for (int64_t c = 0; c < cols; c += cols_per_task)
-        tasks.push_back({s, m, std::min(m + rows_per_task, segments[s].len), c, std::min(c + cols_per_task, cols)});
-  return tasks;
-}
-
-template <typename T>
-void add_lora_impl(T* y, int64_t ldy, const T* x, int64_t ldx, const T* lora_a, const T* lora_b,
-                   const std::vector<Segment>& segments, int64_t h_rows, int64_t K, int64_t N, int64_t R) {
-  // h [h_rows, R] fp32, each row zero-padded to whole vectors (ldh floats) for the dot-product path's loads
-  const int64_t ldh = (R + LANES - 1) / LANES * LANES;
-  std::vector<float> h(h_rows * ldh, 0.0f);
-  const std::vector<Task> shrinks = split(segments, SHRINK_ROWS, R, SHRINK_RANKS);
-  tandem_pool::parallel_for(static_cast<int64_t>(shrinks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const Task& task = shrinks[t];
-      const Segment& seg = segments[task.segment];
-      shrink_block(x + (seg.start + task.m0) * ldx, ldx, lora_a + seg.slot * R * K, task.m1 - task.m0, K, task.c0,
-                   task.c1, h.data() + (seg.h_row + task.m0) * ldh, ldh);
-    }
-  });
-  const std::vector<Task> expands = split(segments, EXPAND_ROWS, N, NB);
-  tandem_pool::parallel_for(static_cast<int64_t>(expands.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const Task& task = expands[t];
-      const Segment& seg = segments[task.segment];
-      expand_block(h.data() + (seg.h_row + task.m0) * ldh, ldh, lora_b + seg.slot * N * R, task.m1 - task.m0, R,
-                   task.c0, task.c1, y + (seg.start + task.m0) * ldy, ldy);
-    }
-  });
-}
-
-// The segments of rows, checked (ValueError): inside [0, T), not overlapping, slots in [0, L); empty ones dropped.
-std::vector<Segment> read_segments(const torch::Tensor& starts, const torch::Tensor& lens, const torch::Tensor& slots,
-                                   int64_t T, int64_t L, int64_t& h_rows) {
+// The plan, after the checks (ValueError): segments inside [0, T), not overlapping, slots in [0, L).
+Plan plan(const torch::Tensor& starts, const torch::Tensor& lens, const torch::Tensor& slots, int64_t T, int64_t L) {
   for (const auto* t : {&starts, &lens, &slots})
     TORCH_CHECK_VALUE(t->dim() == 1 && t->scalar_type() == torch::kLong && t->is_contiguous() && t->device().is_cpu()
                           && t->size(0) == starts.size(0),
@@ -309,23 +305,72 @@ std::vector<Segment> read_segments(const torch::Tensor& starts, const torch::Ten
   const int64_t* start = starts.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  std::vector<Segment> segments;
-  h_rows = 0;
+  Plan p;
   for (int64_t s = 0; s < starts.size(0); ++s) {
     TORCH_CHECK_VALUE(start[s] >= 0 && len[s] >= 0 && start[s] <= T - len[s], "segment ", s, " (rows ", start[s],
                       " + ", len[s], ") is not inside the ", T, " rows of x");
     TORCH_CHECK_VALUE(slot[s] >= 0 && slot[s] < L, "segment ", s, " names slot ", slot[s], ", not in [0, ", L, ")");
-    if (len[s] == 0) continue;
-    segments.push_back({start[s], len[s], slot[s], h_rows});
-    h_rows += len[s];
+    if (len[s] > 0) p.segments.push_back({start[s], len[s], slot[s], 0});
   }
-  std::vector<std::pair<int64_t, int64_t>> spans;  // (start, end) in row order
-  for (const Segment& seg : segments) spans.emplace_back(seg.start, seg.start + seg.len);
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i)
-    TORCH_CHECK_VALUE(spans[i - 1].second <= spans[i].first, "segments overlap: rows ", spans[i - 1].first, "..",
-                      spans[i - 1].second, " and ", spans[i].first, "..", spans[i].second);
-  return segments;
+  std::sort(p.segments.begin(), p.segments.end(), [](const Segment& a, const Segment& b) {
+    return a.start < b.start;
+  });
+  for (size_t i = 1; i < p.segments.size(); ++i) {
+    const Segment &a = p.segments[i - 1], &b = p.segments[i];
+    TORCH_CHECK_VALUE(a.start + a.len <= b.start, "segments overlap: rows ", a.start, "..", a.start + a.len, " and ",
+                      b.start, "..", b.start + b.len);
+  }
+  std::stable_sort(p.segments.begin(), p.segments.end(), [](const Segment& a, const Segment& b) {
+    return a.slot < b.slot;
+  });
+  for (Segment& seg : p.segments) {
+    seg.h_row = static_cast<int64_t>(p.y_rows.size());
+    if (p.groups.empty() || p.groups.back().slot != seg.slot) p.groups.push_back({0, 0, seg.slot, seg.h_row});
+    p.groups.back().len += seg.len;
+    for (int64_t i = 0; i < seg.len; ++i) p.y_rows.push_back(seg.start + i);
+  }
+  return p;
+}
+
+struct Task {
+  int64_t item, m0, m1, c0, c1;  // rows m0 .. m1 of a segment or group; columns c0 .. c1 (of h, or of y)
+};
+
+std::vector<Task> split(const std::vector<Segment>& items, int64_t rows_per_task, int64_t cols,
+                        int64_t cols_per_task) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < static_cast<int64_t>(items.size()); ++s)
+    for (int64_t m = 0; m < items[s].len; m += rows_per_task)
+      for (int64_t c = 0; c < cols; c += cols_per_task)
+        tasks.push_back({s, m, std::min(m + rows_per_task, items[s].len), c, std::min(c + cols_per_task, cols)});
+  return tasks;
+}
+
+template <typename T>
+void add_lora_impl(T* y, int64_t ldy, const T* x, int64_t ldx, const T* lora_a, const T* lora_b, const Plan& p,
+                   int64_t K, int64_t N, int64_t R) {
+  // h [rows, R] fp32, each row zero-padded to whole vectors (ldh floats) for the dot-product path's loads
+  const int64_t ldh = (R + LANES - 1) / LANES * LANES;
+  std::vector<float> h(p.y_rows.size() * ldh, 0.0f);
+  const std::vector<Task> shrinks = split(p.segments, SHRINK_ROWS, R, SHRINK_RANKS);
+  tandem_pool::parallel_for(static_cast<int64_t>(shrinks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = shrinks[t];
+      const Segment& seg = p.segments[task.item];
+      shrink_block(x + (seg.start + task.m0) * ldx, ldx, lora_a + seg.slot * R * K, task.m1 - task.m0, K, task.c0,
+                   task.c1, h.data() + (seg.h_row + task.m0) * ldh, ldh);
+    }
+  });
+  const std::vector<Task> expands = split(p.groups, EXPAND_ROWS, N, NB);
+  tandem_pool::parallel_for(static_cast<int64_t>(expands.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const Task& task = expands[t];
+      const Segment& group = p.groups[task.item];
+      const int64_t row = group.h_row + task.m0;
+      expand_block(h.data() + row * ldh, ldh, p.y_rows.data() + row, y, ldy, lora_b + group.slot * N * R,
+                   task.m1 - task.m0, R, task.c0, task.c1);
+    }
+  });
 }
 
 }  // namespace
@@ -348,16 +393,13 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   TORCH_CHECK_VALUE((K <= 1 || x.stride(1) == 1) && (N <= 1 || y.stride(1) == 1),
                     "x and y must have unit column stride");
   TORCH_CHECK_VALUE(lora_a.is_contiguous() && lora_b.is_contiguous(), "lora_a and lora_b must be contiguous");
-  int64_t h_rows = 0;
-  const std::vector<Segment> segments = read_segments(seg_starts, seg_lens, seg_slots, T, L, h_rows);
-  if (h_rows == 0 || N == 0) return;
-  if (R == 0 || K == 0) return;  // (a zero delta: y + T(0) == y)
+  const Plan p = plan(seg_starts, seg_lens, seg_slots, T, L);
+  if (p.y_rows.empty() || N == 0 || R == 0 || K == 0) return;  // (R or K of 0: a zero delta, y + T(0) == y)
   if (dtype == torch::kFloat) {
     add_lora_impl<float>(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), segments, h_rows, K, N, R);
+                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), p, K, N, R);
   } else {
     add_lora_impl<at::BFloat16>(y.data_ptr<at::BFloat16>(), y.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0),
-                                lora_a.data_ptr<at::BFloat16>(), lora_b.data_ptr<at::BFloat16>(), segments, h_rows,
-                                K, N, R);
+                                lora_a.data_ptr<at::BFloat16>(), lora_b.data_ptr<at::BFloat16>(), p, K, N, R);
   }
 }
