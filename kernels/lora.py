@@ -84,15 +84,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     lora_b [L, N, R] (x's dtype): the stacks of L adapter slots at rank R (zero-padded; lora_b holds the scaling).
     seg_starts, seg_lens, seg_slots [S] int64 (CPU): segment s is rows seg_starts[s] .. + seg_lens[s] of x and y,
     adapter slot seg_slots[s] in [0, L). Rows in no segment (base-model requests) are left as they are; segments
-    do not overlap. ValueError for shapes, dtypes or devices that do not fit (check_lora_args), and for segments
-    outside the T rows, overlapping, or naming a slot outside [0, L) (before y is written).
+    do not overlap. ValueError for shapes, dtypes or devices that do not fit (check_lora_args; each kernel checks
+    the same), and for segments outside the T rows, overlapping, or naming a slot outside [0, L) (before y is
+    written).
 
-    use_triton: run the Triton kernels (kernels/lora_sgmv.py); None (the default): for CUDA tensors. The engine
-    passes shared.device.use_triton(x), so TANDEM_TRITON_ON_CPU=1 (with TRITON_INTERPRET=1) runs them on CPU
-    tensors too. Otherwise CPU tensors take the C++ kernel where kernels/cpu_lora.supports (fp32, bf16), else (fp16,
-    a CPU without AVX2) the reference.
+    use_triton: run the Triton kernels (kernels/lora_sgmv.py); None (the default): for CUDA tensors. A caller that
+    follows shared.device.use_triton passes use_triton=use_triton(x), so that TANDEM_TRITON_ON_CPU=1 (with
+    TRITON_INTERPRET=1) runs them on CPU tensors too. Otherwise CPU tensors take the C++ kernel where
+    kernels/cpu_lora.supports (fp32, bf16), else (fp16, a CPU without AVX2) the reference.
     """
-    check_lora_args(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots)
+    # NOTE: the C++ kernel checks its arguments itself (ValueError), the Triton wrapper with kernels/checks.py:
+    # check_lora_args on their paths too would double a decode call's time in Python.
     if use_triton if use_triton is not None else x.is_cuda:
         from tandem.kernels.lora_sgmv import add_lora_sgmv  # (imports triton)
 
@@ -100,5 +102,6 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     elif cpu_lora.supports(y, x):
         cpu_lora.add_lora(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots)
     else:
+        check_lora_args(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots)
         check_segments(x.shape[0], lora_a.shape[0], seg_starts, seg_lens, seg_slots)
         add_lora_ref(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots)

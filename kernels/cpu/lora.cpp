@@ -380,16 +380,19 @@ void add_lora_impl(T* y, int64_t ldy, const T* x, int64_t ldx, const T* lora_a, 
 void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor seg_starts,
               torch::Tensor seg_lens, torch::Tensor seg_slots) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK_VALUE(dtype == torch::kFloat || dtype == torch::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK_VALUE(dtype == torch::kFloat || dtype == torch::kBFloat16, "x must be float32 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(y.scalar_type() == dtype && lora_a.scalar_type() == dtype && lora_b.scalar_type() == dtype,
-                    "y, x, lora_a and lora_b must share one dtype");
+                    "y, x, lora_a and lora_b must share one dtype, got ", y.scalar_type(), ", ", dtype, ", ",
+                    lora_a.scalar_type(), ", ", lora_b.scalar_type());
   TORCH_CHECK_VALUE(x.device().is_cpu() && y.device().is_cpu() && lora_a.device().is_cpu() && lora_b.device().is_cpu(),
                     "the CPU LoRA kernel takes CPU tensors");
   TORCH_CHECK_VALUE(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
-                    "x [T, K], y [T, N], lora_a [L, R, K] and lora_b [L, N, R]");
+                    "x [T, K], y [T, N], lora_a [L, R, K] and lora_b [L, N, R] must be 2-, 2-, 3- and 3-D, got ",
+                    x.sizes(), ", ", y.sizes(), ", ", lora_a.sizes(), ", ", lora_b.sizes());
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = lora_a.size(0), R = lora_a.size(1);
   TORCH_CHECK_VALUE(y.size(0) == T && lora_a.size(2) == K && lora_b.size(0) == L && lora_b.size(1) == N &&
-                        lora_b.size(2) == R, "x [T, K], y [T, N], lora_a [L, R, K] and lora_b [L, N, R]");
+                        lora_b.size(2) == R, "x [T, K], y [T, N], lora_a [L, R, K] and lora_b [L, N, R] do not fit: ",
+                    x.sizes(), ", ", y.sizes(), ", ", lora_a.sizes(), ", ", lora_b.sizes());
   TORCH_CHECK_VALUE((K <= 1 || x.stride(1) == 1) && (N <= 1 || y.stride(1) == 1),
                     "x and y must have unit column stride");
   TORCH_CHECK_VALUE(lora_a.is_contiguous() && lora_b.is_contiguous(), "lora_a and lora_b must be contiguous");
