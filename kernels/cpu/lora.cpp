@@ -7,19 +7,19 @@
 //                                                   in T: y = T(y + T(delta)), as kernels/lora.py add_lora_ref does)
 // T is fp32 or bf16 (widened to fp32 in registers: exact). Rows in no segment are not touched.
 //
-// Two phases, each one parallel_for on the kernels' thread pool (thread_pool.h):
-// - shrink: tasks of (segment, up to SHRINK_ROWS rows, up to SHRINK_RANKS rows of lora_a); register tiles of
-//   SHRINK_MT rows of x by SHRINK_NT rows of lora_a, dot products over K (K is long: one horizontal sum per K).
-// - expand: the rows of all segments of one slot together (h is ordered slot by slot: a decode batch's requests on
-//   one adapter read its lora_b once per block of columns), in tasks of up to EXPAND_ROWS of them by up to NB
-//   columns of y. The inner dimension is the rank (1 to a few dozen), too short for a dot product per output, so a
-//   task of at least PACK_MIN_ROWS rows packs its NB x R block of lora_b transposed into fp32 (R x NB: 1 / rows of
-//   the work) and accumulates outer products, EXPAND_MT rows by EXPAND_NV vectors of columns, no horizontal sums.
-//   Fewer rows (decode: one per request) would pay as much to pack as to multiply: they take dot products over R,
-//   LANES columns at a time, summed by a transposing reduction (sum_each); in bf16, from 2 rows, over the block of
-//   lora_b widened to fp32 once.
-// Decode (many 1-row segments: a BGMV) spreads over slots x column blocks; a prefill segment (hundreds of rows)
-// over row blocks x column blocks.
+// Two phases, each one parallel_for on the kernels' thread pool (thread_pool.h), each over the rows of all
+// segments of one slot together (h is ordered slot by slot, with a map back to rows of x and y: a decode batch's
+// requests on one adapter read its lora_a and lora_b once per tile):
+// - shrink: tasks of up to SHRINK_ROWS rows by up to SHRINK_RANKS rows of lora_a; register tiles of SHRINK_MT rows
+//   of x by SHRINK_NT rows of lora_a, dot products over K (K is long: one horizontal sum per K).
+// - expand: tasks of up to EXPAND_ROWS rows by up to NB columns of y. The inner dimension is the rank (1 to a few
+//   dozen), too short for a dot product per output, so a task of at least PACK_MIN_ROWS rows packs its NB x R
+//   block of lora_b transposed into fp32 (R x NB: 1 / rows of the work) and accumulates outer products, EXPAND_MT
+//   rows by EXPAND_NV vectors of columns, no horizontal sums. Fewer rows (decode: one per request) would pay as much
+//   to pack as to multiply: they take dot products over R, LANES columns at a time, summed by a transposing
+//   reduction (sum_each); in bf16, from 2 rows, over the block of lora_b widened to fp32 once.
+// Decode (many 1-row segments: a BGMV) spreads over slots x rank or column blocks; a prefill segment (hundreds of
+// rows) over row blocks x rank or column blocks.
 //
 // Any K, N and R: the SIMD loops end with scalar tails. Layouts: x [T, K] and y [T, N] with unit column stride (any
 // row stride: y may be a column slice of a fused output), lora_a [L, R, K] and lora_b [L, N, R] contiguous,
@@ -54,10 +54,10 @@ constexpr int SHRINK_MT = LANES == 16 ? 6 : 2;        // rows of x per register 
 constexpr int64_t SHRINK_ROWS = 8 * SHRINK_MT;        // rows of x per task
 constexpr int64_t SHRINK_RANKS = 4 * SHRINK_NT;       // rows of lora_a per task
 
-// h[i * ldh + j] for i < ROWS, j < ranks (<= SHRINK_NT); a: the first of those rows of lora_a (absent rows read
-// it again and are not stored).
+// h[i * ldh + j] for i < ROWS, j < ranks (<= SHRINK_NT), from the rows xr[i] of x; a: the first of those rows of
+// lora_a (absent rows read it again and are not stored).
 template <int ROWS, typename T>
-inline void shrink_tile(const T* x, int64_t ldx, const T* a, int64_t K, int ranks, float* h, int64_t ldh) {
+inline void shrink_tile(const T* const* xr, const T* a, int64_t K, int ranks, float* h, int64_t ldh) {
   const T* ar[SHRINK_NT];
   V acc[SHRINK_NT][ROWS];
   for (int j = 0; j < SHRINK_NT; ++j) {
@@ -69,38 +69,42 @@ inline void shrink_tile(const T* x, int64_t ldx, const T* a, int64_t K, int rank
     V av[SHRINK_NT];
     for (int j = 0; j < SHRINK_NT; ++j) av[j] = load_f32(ar[j] + k);
     for (int i = 0; i < ROWS; ++i) {
-      const V xv = load_f32(x + i * ldx + k);
+      const V xv = load_f32(xr[i] + k);
       for (int j = 0; j < SHRINK_NT; ++j) acc[j][i] = vfmadd(av[j], xv, acc[j][i]);
     }
   }
   for (int j = 0; j < ranks; ++j) {
     for (int i = 0; i < ROWS; ++i) {
       float sum = k_vec > 0 ? hsum(acc[j][i]) : 0.0f;
-      for (int64_t k = k_vec; k < K; ++k) sum += to_f32(x[i * ldx + k]) * to_f32(ar[j][k]);
+      for (int64_t k = k_vec; k < K; ++k) sum += to_f32(xr[i][k]) * to_f32(ar[j][k]);
       h[i * ldh + j] = sum;
     }
   }
 }
 
 template <int ROWS, typename T>
-inline void shrink_rows_left(const T* x, int64_t ldx, const T* a, int64_t K, int ranks, float* h, int64_t ldh,
+inline void shrink_rows_left(const T* const* xr, const T* a, int64_t K, int ranks, float* h, int64_t ldh,
                              int64_t rows) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return shrink_tile<ROWS>(x, ldx, a, K, ranks, h, ldh);
-    shrink_rows_left<ROWS - 1>(x, ldx, a, K, ranks, h, ldh, rows);
+    if (rows == ROWS) return shrink_tile<ROWS>(xr, a, K, ranks, h, ldh);
+    shrink_rows_left<ROWS - 1>(xr, a, K, ranks, h, ldh, rows);
   }
 }
 
-// h [M, R] columns r0 .. r1 (rows ldh floats apart) of M rows of x, against a = lora_a[slot] [R, K].
+// Columns r0 .. r1 of M rows of h (ldh floats apart), against a = lora_a[slot] [R, K]; row m of h is row
+// x_rows[m] of x.
 template <typename T>
-void shrink_block(const T* x, int64_t ldx, const T* a, int64_t M, int64_t K, int64_t r0, int64_t r1, float* h,
-                  int64_t ldh) {
-  for (int64_t r = r0; r < r1; r += SHRINK_NT) {
-    const int ranks = static_cast<int>(std::min<int64_t>(SHRINK_NT, r1 - r));
-    int64_t m = 0;
-    for (; m + SHRINK_MT <= M; m += SHRINK_MT)
-      shrink_tile<SHRINK_MT>(x + m * ldx, ldx, a + r * K, K, ranks, h + m * ldh + r, ldh);
-    shrink_rows_left<SHRINK_MT - 1>(x + m * ldx, ldx, a + r * K, K, ranks, h + m * ldh + r, ldh, M - m);
+void shrink_block(const T* x, int64_t ldx, const int64_t* x_rows, const T* a, int64_t M, int64_t K, int64_t r0,
+                  int64_t r1, float* h, int64_t ldh) {
+  const T* xr[SHRINK_MT];
+  for (int64_t m = 0; m < M; m += SHRINK_MT) {
+    const int64_t rows = std::min<int64_t>(SHRINK_MT, M - m);
+    for (int64_t i = 0; i < rows; ++i) xr[i] = x + x_rows[m + i] * ldx;
+    for (int64_t r = r0; r < r1; r += SHRINK_NT) {
+      const int ranks = static_cast<int>(std::min<int64_t>(SHRINK_NT, r1 - r));
+      if (rows == SHRINK_MT) shrink_tile<SHRINK_MT>(xr, a + r * K, K, ranks, h + m * ldh + r, ldh);
+      else shrink_rows_left<SHRINK_MT - 1>(xr, a + r * K, K, ranks, h + m * ldh + r, ldh, rows);
+    }
   }
 }
 
@@ -258,15 +262,15 @@ void expand_block(const float* h, int64_t ldh, const int64_t* y_rows, T* y, int6
         thread_local std::vector<float> wide;  // [n1 - n0, R]
         if (static_cast<int64_t>(wide.size()) < NB * R) wide.resize(NB * R);
         widen(b + n0 * R, (n1 - n0) * R, wide.data());
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n1; n += LANES)
+        for (int64_t n = n0; n < n1; n += LANES)  // (columns outer: their block of lora_b stays in L1)
+          for (int64_t m = 0; m < M; ++m)
             expand_dot(h + m * ldh, R, wide.data() + (n - n0) * R, std::min<int64_t>(LANES, n1 - n),
                        y + y_rows[m] * ldy + n);
         return;
       }
     }
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; n += LANES)
+    for (int64_t n = n0; n < n1; n += LANES)
+      for (int64_t m = 0; m < M; ++m)
         expand_dot(h + m * ldh, R, b + n * R, std::min<int64_t>(LANES, n1 - n), y + y_rows[m] * ldy + n);
     return;
   }
@@ -291,7 +295,6 @@ void expand_block(const float* h, int64_t ldh, const int64_t* y_rows, T* y, int6
 // The work of a call: the segments, and h's rows ordered slot by slot, so that all the rows of one adapter (a decode
 // batch's requests sharing it) expand together, reading its lora_b once per block of columns.
 struct Plan {
-  std::vector<Segment> segments;  // the segments with rows
   std::vector<Segment> groups;    // per slot used: h rows h_row .. + len, in row order of their segments
   std::vector<int64_t> y_rows;    // h row -> its row of x and y
 };
@@ -306,24 +309,25 @@ Plan plan(const torch::Tensor& starts, const torch::Tensor& lens, const torch::T
   const int64_t* len = lens.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   Plan p;
+  std::vector<Segment> segments;  // the segments with rows
   for (int64_t s = 0; s < starts.size(0); ++s) {
     TORCH_CHECK_VALUE(start[s] >= 0 && len[s] >= 0 && start[s] <= T - len[s], "segment ", s, " (rows ", start[s],
                       " + ", len[s], ") is not inside the ", T, " rows of x");
     TORCH_CHECK_VALUE(slot[s] >= 0 && slot[s] < L, "segment ", s, " names slot ", slot[s], ", not in [0, ", L, ")");
-    if (len[s] > 0) p.segments.push_back({start[s], len[s], slot[s], 0});
+    if (len[s] > 0) segments.push_back({start[s], len[s], slot[s], 0});
   }
-  std::sort(p.segments.begin(), p.segments.end(), [](const Segment& a, const Segment& b) {
+  std::sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) {
     return a.start < b.start;
   });
-  for (size_t i = 1; i < p.segments.size(); ++i) {
-    const Segment &a = p.segments[i - 1], &b = p.segments[i];
+  for (size_t i = 1; i < segments.size(); ++i) {
+    const Segment &a = segments[i - 1], &b = segments[i];
     TORCH_CHECK_VALUE(a.start + a.len <= b.start, "segments overlap: rows ", a.start, "..", a.start + a.len, " and ",
                       b.start, "..", b.start + b.len);
   }
-  std::stable_sort(p.segments.begin(), p.segments.end(), [](const Segment& a, const Segment& b) {
+  std::stable_sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) {
     return a.slot < b.slot;
   });
-  for (Segment& seg : p.segments) {
+  for (Segment& seg : segments) {
     seg.h_row = static_cast<int64_t>(p.y_rows.size());
     if (p.groups.empty() || p.groups.back().slot != seg.slot) p.groups.push_back({0, 0, seg.slot, seg.h_row});
     p.groups.back().len += seg.len;
@@ -352,13 +356,14 @@ void add_lora_impl(T* y, int64_t ldy, const T* x, int64_t ldx, const T* lora_a, 
   // h [rows, R] fp32, each row zero-padded to whole vectors (ldh floats) for the dot-product path's loads
   const int64_t ldh = (R + LANES - 1) / LANES * LANES;
   std::vector<float> h(p.y_rows.size() * ldh, 0.0f);
-  const std::vector<Task> shrinks = split(p.segments, SHRINK_ROWS, R, SHRINK_RANKS);
+  const std::vector<Task> shrinks = split(p.groups, SHRINK_ROWS, R, SHRINK_RANKS);
   tandem_pool::parallel_for(static_cast<int64_t>(shrinks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = shrinks[t];
-      const Segment& seg = p.segments[task.item];
-      shrink_block(x + (seg.start + task.m0) * ldx, ldx, lora_a + seg.slot * R * K, task.m1 - task.m0, K, task.c0,
-                   task.c1, h.data() + (seg.h_row + task.m0) * ldh, ldh);
+      const Segment& group = p.groups[task.item];
+      const int64_t row = group.h_row + task.m0;
+      shrink_block(x, ldx, p.y_rows.data() + row, lora_a + group.slot * R * K, task.m1 - task.m0, K, task.c0,
+                   task.c1, h.data() + row * ldh, ldh);
     }
   });
   const std::vector<Task> expands = split(p.groups, EXPAND_ROWS, N, NB);
