@@ -52,7 +52,9 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
                 export_kv: bool = False, argv=None) -> None:
     """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics, args) -> the servicer
     (its busy(): work that outlives its calls), serve (gRPC, and Prometheus metrics on --metrics-port) until
-    SIGTERM/SIGINT, then drain (services/server.py) and exit 0.
+    SIGTERM/SIGINT, then drain (services/server.py) and exit 0. With --tensor-parallel-size N the other ranks run
+    as child processes (shared/parallel/); one that exits takes the instance down: NOT_SERVING, its registry record
+    removed, calls ended, exit 1; a drain stops them all.
 
     Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
     find would look healthy and never get a request."""
@@ -75,9 +77,11 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     setup_tracing(tier, instance_id, args.otlp_traces_endpoint)
     exit_on_signal_while_starting()
     try:
-        asyncio.run(_serve(args, tier, instance_id, add_servicer, export_kv))
+        failure = asyncio.run(_serve(args, tier, instance_id, add_servicer, export_kv))
     except (ValueError, OSError) as e:  # a model or setting that cannot be served: one line, no traceback
         sys.exit(f"error: {e}")
+    if failure is not None:  # (a tensor-parallel rank died: the instance is down, not drained)
+        sys.exit(f"error: {failure}")
 
 
 async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
@@ -131,7 +135,17 @@ def _serving_line(engine, engine_args: EngineArgs, info: InstanceInfo, registere
             f"weights: {engine_args.weights_line(model_config)}")
 
 
-async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> None:
+def _watch_ranks(engine) -> asyncio.Future:
+    """A future that gets the reason once a tensor-parallel rank of engine exits (never, for one process)."""
+    loop = asyncio.get_running_loop()
+    failed = loop.create_future()
+    if engine.tp_workers is not None:
+        engine.tp_workers.add_failure_callback(
+            lambda reason: loop.call_soon_threadsafe(lambda: failed.done() or failed.set_result(reason)))
+    return failed
+
+
+async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> str | None:
     import torch
 
     from tandem.shared.model_files import default_model_dir
@@ -198,8 +212,18 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
 
     print(_serving_line(engine, engine_args, info, registry is not None,
                         metrics_url(args.advertise_host, metrics_port)), flush=True)
+    rank_failed = _watch_ranks(engine)
     try:
-        await server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy)
+        serving = asyncio.create_task(server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy))
+        await asyncio.wait([serving, rank_failed], return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():  # a rank died: down at once (NOT_SERVING, out of the registry, calls ended)
+            serving.cancel()
+            await server.health.enter_graceful_shutdown()
+            server.drain.draining = True
+            await leave_registry()
+            await server.grpc.stop(grace=1.0)
+            return rank_failed.result()
+        return None
     finally:
         stats_refresh.cancel()
         lora_refresh.cancel()

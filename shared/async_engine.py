@@ -358,7 +358,8 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
     engine = LLMEngine(model_config, cache_config, scheduler_config, engine_args.device, export_kv=export_kv,
                        kv_events=kv_events, speculative_config=engine_args.create_speculative_config(),
                        kv_tier_config=engine_args.create_kv_tier_config(),
-                       lora_config=engine_args.create_lora_config())
+                       lora_config=engine_args.create_lora_config(),
+                       parallel_config=engine_args.create_parallel_config(tier))
     torch.set_num_threads(engine_args.threads)
     if engine.model_runner.device.type == "cpu":
         cpu_ext.set_num_threads(kernel_threads)

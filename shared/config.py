@@ -396,3 +396,18 @@ class LoRAConfig:
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {sorted(n for n in names if names.count(n) > 1)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """An instance of tensor_parallel_size ranks (shared/parallel/, docs/parallelism.md): one process per rank,
+    each with threads torch threads and kernel_threads C++ kernel threads. ValueError on bad values."""
+
+    tensor_parallel_size: int = 1
+    threads: int = 1
+    kernel_threads: int = 1
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1 or self.threads < 1 or self.kernel_threads < 1:
+            raise ValueError(f"--tensor-parallel-size, --threads and --kernel-threads must be at least 1, got "
+                             f"{self.tensor_parallel_size}, {self.threads}, {self.kernel_threads}")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.block_hash import HashContract
-from tandem.shared.config import (CacheConfig, KVTierConfig, LoRAConfig, ModelConfig, SchedulerConfig,
-                                  SpeculativeConfig)
+from tandem.shared.config import (CacheConfig, KVTierConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                  SchedulerConfig, SpeculativeConfig)
 from tandem.shared.engine_stats import EngineStats, StepStats
 from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownLoRAError, UnknownRequestError
 from tandem.shared.kv_cache_manager import KVCacheManager
@@ -33,6 +33,8 @@ from tandem.shared.lora.manager import LoRAInfo
 from tandem.shared.lora.peft import LoRAAdapter
 from tandem.shared.lora.request import LoRARequest
 from tandem.shared.model_runner import ModelRunner, ModelRunnerOutput
+from tandem.shared.parallel.executor import TensorParallelWorkers
+from tandem.shared.parallel.features import check_tensor_parallel_features
 from tandem.shared.request import FinishReason, Request, RequestStatus, TokenLogprobs, check_token_ids
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
 from tandem.shared.spec_decode.drafter import Drafter
@@ -78,17 +80,30 @@ class LLMEngine:
         speculative_config: SpeculativeConfig | None = None,
         kv_tier_config: KVTierConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
     ):
         """export_kv: the prefill tier (each step returns the KV blocks it filled: KVConnector is_kv_producer).
         kv_events: record the prefix cache's changes for take_kv_events (a service publishing them to the prefix
         index); off, nothing accumulates. speculative_config: speculative decoding (None: off). kv_tier_config:
         the host and disk tiers below the pool (None or sizes 0: none; they need prefix caching). lora_config:
-        serve LoRA adapters, its lora_modules loaded here (None: off; the model is left as it is)."""
+        serve LoRA adapters, its lora_modules loaded here (None: off; the model is left as it is). parallel_config: with
+        tensor_parallel_size > 1, the other ranks' processes are started here and the model runs sharded over them
+        (shared/parallel/; close() stops them); what TP does not combine with is refused by name."""
         if kv_tier_config is not None and kv_tier_config.enabled and not cache_config.enable_prefix_caching:
             raise ValueError("the KV tiers below the pool (--kv-host-tier-gib, --kv-disk-tier-dir) hold the prefix "
                              "cache's blocks: they need prefix caching (drop --no-enable-prefix-caching)")
         self.model_config = model_config
-        self.model_runner = ModelRunner(model_config, cache_config, device, model=model, lora_config=lora_config)
+        self.tp_workers = None  # the other ranks of a tensor-parallel instance (None: this process alone)
+        if parallel_config is not None and parallel_config.tensor_parallel_size > 1:
+            check_tensor_parallel_features(model_config, parallel_config.tensor_parallel_size, export_kv,
+                                           speculative_config, kv_tier_config, lora_config, model)
+            self.tp_workers = TensorParallelWorkers.start(model_config, cache_config, device, parallel_config)
+        try:
+            self.model_runner = ModelRunner(model_config, cache_config, device, model=model, lora_config=lora_config,
+                                            tp=self.tp_workers.group if self.tp_workers is not None else None)
+        except BaseException:
+            self.close()
+            raise
         self.lora_manager = self.model_runner.lora_manager
         self.cache_config = self.model_runner.cache_config  # the pool's size is known once the weights are loaded
         self.hash_contract = HashContract(self.cache_config.block_size, model_config.model_id,
@@ -181,6 +196,9 @@ class LLMEngine:
         Returns the prompt tokens already cached here (a multiple of block_size): KV for them need not come.
         InvalidRequestError on bad input, NoCapacityError if the pool has no room now (with room_soon when
         requests of lower priority still waiting for their KV hold blocks: preemptible once they decode)."""
+        if self.tp_workers is not None:
+            raise InvalidRequestError(f"this instance runs {self.tp_workers.group.size} tensor-parallel ranks: it "
+                                      "receives no KV from a prefill (compute the prompt here)")
         self._admit(request)
         try:
             return self.kv_connector.reserve(request)
@@ -470,7 +488,9 @@ class LLMEngine:
     def close(self) -> None:
         """A clean stop: the pool's and host tier's cached blocks are written to the disk tier, if there is one (so a
         restart finds them), then the tiers' threads stop (their writes finished first)."""
-        if self.offloader is not None:
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+        if getattr(self, "offloader", None) is not None:
             self.offloader.save_to_disk(self.kv_cache_manager.block_pool.cached_blocks_coldest_first())
             self.offloader.close()
 

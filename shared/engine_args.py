@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tandem.shared.config import (AUTO, DTYPES, KV_DTYPES, KV_TIER_EVICTION_POLICIES, NO_QUANTIZATION,
                                   SPECULATIVE_METHODS, CacheConfig, KVTierConfig, LoRAConfig, ModelConfig,
-                                  SchedulerConfig, SpeculativeConfig)
+                                  ParallelConfig, SchedulerConfig, SpeculativeConfig)
 
 GIB = 1 << 30
 
@@ -106,6 +106,9 @@ class EngineArgs:
         None, "threads of the C++ CPU kernels (dense and quantized GEMMs, layer ops, decode attention), the engine's "
         "own included (default: every CPU this process may run on); helpers claim work from a shared counter, so a "
         "busy neighbour process never stalls a step", int)
+    tensor_parallel_size: int = _setting(
+        1, "ranks of this instance: one process each, the model's heads and MLP split over them (gloo on CPU, NCCL on "
+        "CUDA; each rank takes --threads and --kernel-threads; docs/parallelism.md)")
     speculative_method: str | None = _setting(
         None, "speculative decoding on this engine: 'ngram' (prompt lookup), 'draft' (--draft-model), "
         "'early-exit' (the model's first layers draft), 'suffix' (suffix decoding: the request's tokens and recent "
@@ -206,6 +209,10 @@ class EngineArgs:
         if threads < 1:
             raise ValueError(f"--kernel-threads must be at least 1, got {threads}")
         return threads
+
+    def create_parallel_config(self, tier: str) -> ParallelConfig:
+        """The ParallelConfig of these settings (each rank's threads as this process's). ValueError on bad values."""
+        return ParallelConfig(self.tensor_parallel_size, self.threads, self.resolved_kernel_threads(tier))
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The SpeculativeConfig of these settings, None with speculation off. ValueError on bad values."""

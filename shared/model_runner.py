@@ -15,6 +15,9 @@ from tandem.shared.config import CacheConfig, LoRAConfig, ModelConfig
 from tandem.shared.lora.layers import LoRAMetadata
 from tandem.shared.lora.manager import LoRAManager
 from tandem.shared.model import load_model
+from tandem.shared.parallel.group import TensorParallelGroup
+from tandem.shared.parallel.layers import num_kv_heads_per_rank, shard_model
+from tandem.shared.parallel.messages import StepInput
 from tandem.shared.request import TokenLogprobs
 from tandem.shared.sampler import process_logits, sample, token_logprobs
 from tandem.shared.scheduler import SchedulerOutput
@@ -55,23 +58,32 @@ class ModelRunner:
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu", model=None,
-                 lora_config: LoRAConfig | None = None):
-        """lora_config: serve LoRA adapters (the model's linears are wrapped; None: the model as it is)."""
+                 lora_config: LoRAConfig | None = None, tp: TensorParallelGroup | None = None):
+        """lora_config: serve LoRA adapters (the model's linears are wrapped; None: the model as it is). tp: this
+        rank of a tensor-parallel instance (shared/parallel/): the model is sharded, the pool holds this rank's KV
+        heads, and on rank 0 each forward's StepInput goes to the other ranks first (None: one process)."""
         self.model_config = model_config
         self.device = torch.device(device)
+        self.tp = tp
         self.model = model if model is not None else load_model(model_config, self.device)
+        num_kv_heads = model_config.num_key_value_heads
+        if tp is not None:
+            shard_model(self.model, model_config, tp)
+            num_kv_heads = num_kv_heads_per_rank(model_config, tp.size)
         self.lora_manager = None  # (before the pool is sized: the adapters' slots take memory too)
         if lora_config is not None:
             self.lora_manager = LoRAManager(lora_config, model_config, self.model, self.device)
-        if cache_config.num_blocks is None:
+        if cache_config.num_blocks is None and (tp is None or tp.rank == 0):
             cache_config = replace(cache_config, num_blocks=self.num_blocks_for_memory(cache_config),
                                    memory_utilization=None)
+        if tp is not None:  # (rank 0's pool size, on every rank)
+            cache_config = tp.broadcast(cache_config)
         self.cache_config = cache_config  # num_blocks resolved
         if cache_config.kv_quant is not None:
             check_head_dim(model_config.head_dim, cache_config.kv_quant)
         self.kv_caches = torch.zeros(
             model_config.num_hidden_layers, 2, cache_config.num_blocks, cache_config.block_size,
-            model_config.num_key_value_heads, cache_config.row_size(model_config),
+            num_kv_heads, cache_config.row_size(model_config),
             dtype=cache_config.dtype, device=self.device,
         )  # fmt: skip
 
@@ -114,10 +126,6 @@ class ModelRunner:
         scheduled: nothing runs."""
         if not out.scheduled_requests:
             return ModelRunnerOutput()
-        # (in order: a block copied into for a request preempted later in the same schedule may be copied into
-        # again for the request that took it; the last copy is the one its owner reads)
-        for src, dst in out.block_copies:
-            self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
         seqs, sampled_requests, row_requests, row_positions, rope_long, lora_slots = [], [], [], [], [], []
         prompt_rows, sample_rows = [], []  # (request, first row, first position, count); the sampling rows
         pooled_requests, pooled_seqs = [], []  # pooling requests whose last token is computed; their seqs' indices
@@ -149,9 +157,15 @@ class ModelRunner:
             seqs.append((token_ids, start, block_tables[request.request_id], num_logits))
             rope_long.append(bool(request.rope_long))
             lora_slots.append(out.lora_slots.get(request.lora_key))
-        logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device,
-                           rope_long=rope_long, pooled=pooled_seqs or None, kv_quant=self.cache_config.kv_quant,
-                           lora_slots=lora_slots if out.lora_slots else None)
+        if self.tp is not None:
+            logits = self.run_step(self.tp.broadcast(StepInput(list(out.block_copies), seqs,
+                                                               rope_long if any(rope_long) else None,
+                                                               pooled_seqs or None)))
+        else:
+            self.copy_blocks(out.block_copies)
+            logits = run_model(self.model, self.kv_caches, seqs, self.cache_config.block_size, self.device,
+                               rope_long=rope_long, pooled=pooled_seqs or None, kv_quant=self.cache_config.kv_quant,
+                               lora_slots=lora_slots if out.lora_slots else None)
         result = ModelRunnerOutput()
         if pooled_requests:
             logits, hidden = logits  # [num_pooled, hidden_size]
@@ -166,6 +180,20 @@ class ModelRunner:
         if sampled_requests:
             self._sample(out, logits, sampled_requests, row_requests, row_positions, result)
         return result
+
+    def copy_blocks(self, block_copies) -> None:
+        """(src, dst) block pairs copied in the pool, every layer, before a forward."""
+        # (in order: a block copied into for a request preempted later in the same schedule may be copied into
+        # again for the request that took it; the last copy is the one its owner reads)
+        for src, dst in block_copies:
+            self.kv_caches[:, :, dst] = self.kv_caches[:, :, src]
+
+    def run_step(self, step: StepInput):
+        """A tensor-parallel forward, the same on every rank (rank 0 sent step to the others): block copies, then
+        run_model on this rank's shards and pool. Returns run_model's result (the logits gathered whole)."""
+        self.copy_blocks(step.block_copies)
+        return run_model(self.model, self.kv_caches, step.seqs, self.cache_config.block_size, self.device,
+                         rope_long=step.rope_long, pooled=step.pooled, kv_quant=self.cache_config.kv_quant)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sampled_requests: list, row_requests: list,
                 row_positions: list[int], result: ModelRunnerOutput) -> None:

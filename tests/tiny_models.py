@@ -56,15 +56,16 @@ TINY_MODELS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def save_tiny(name: str, out: Path, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+def save_tiny(name: str, out: Path, seed: int = 0, tokenizer_from: Path | None = None,
+              overrides: dict | None = None) -> Path:
     """Write TINY_MODELS[name] with random weights (seeded) in fp32 to out; returns out. tokenizer_from: a model
     directory whose tokenizer files are copied in (the vocabulary grows to that tokenizer's, 49,152 for the
-    default model's), so that a cluster's gateway can serve it."""
+    default model's), so that a cluster's gateway can serve it. overrides: config arguments over the family's."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     class_name, extra = TINY_MODELS[name]
-    args = SMALL | extra
+    args = SMALL | extra | (overrides or {})
     if tokenizer_from is not None:
         out.mkdir(parents=True, exist_ok=True)
         for file in TOKENIZER_FILES:
