@@ -52,7 +52,7 @@ class EngineLoRA:
 
     def record(self, info: InstanceInfo) -> InstanceInfo:
         """info with this instance's adapters and measured load time."""
-        info.lora_adapters = {a.name: {"digest": a.digest, "path": a.path, "resident": getattr(a, "resident", True)}
+        info.lora_adapters = {a.name: {"digest": a.digest, "path": a.path, "resident": a.resident}
                               for a in self.adapters}  # fmt: skip
         info.lora_load_s = round(self.load_s, 4)
         return info

@@ -86,9 +86,13 @@ class AdapterPlan:
         return self.adapter.name in instance.lora_adapters or instance.instance_id in self._loaded
 
     def holds(self, instance: InstanceInfo) -> bool:
-        """Loaded there with its weights in memory: its requests wait for no load."""
+        """Loaded there with its weights in memory: its requests wait for no load. The record says so once it lists
+        the adapter; before that, a load by this gateway moments ago does (its weights are in memory then, but a
+        record listing them as dropped since, by later loads past --max-cpu-loras, is believed)."""
         entry = instance.lora_adapters.get(self.adapter.name)
-        return (entry is not None and entry.get("resident", True)) or instance.instance_id in self._loaded
+        if entry is not None:
+            return bool(entry.get("resident"))
+        return instance.instance_id in self._loaded
 
     def load_s(self, instance: InstanceInfo) -> float:
         """The seconds a load there takes: its measured time, else the slowest measured one; 0: none known."""

@@ -139,3 +139,17 @@ def test_instances_with_other_files_under_the_name_are_never_chosen_and_the_coun
         assert samples == {("decode", "holder"): 3, ("prefill", "holder"): 3}
 
     in_world(redis_server, body)
+
+
+def test_a_record_listing_the_adapter_decides_whether_it_is_held_over_a_recent_load():
+    """A load by this gateway moments ago makes an instance a holder until its record lists the adapter; from then
+    on the record's resident flag decides (a later load past --max-cpu-loras may have dropped its weights: the
+    benchmark's routing section was blind to that while every instance counted as a holder)."""
+    from tandem.services.gateway.lora_routing import AdapterPlan, ClusterAdapter
+
+    adapter = ClusterAdapter("sql", "0123456789abcdef", "/adapters/sql")
+    fresh, dropped, held = holding("p-a", "prefill", {}), holding("p-b", "prefill", {"sql": SQL["sql"] | {
+        "resident": False}}), holding("p-c", "prefill")  # fmt: skip
+    plan = AdapterPlan(adapter, [fresh, dropped, held], loaded={"p-a", "p-b"})
+    assert [plan.holds(i) for i in (fresh, dropped, held)] == [True, False, True]
+    assert plan.raw_cost(dropped) == LOAD_S * RATE and plan.explain(dropped, 100).startswith(", reads it again")
