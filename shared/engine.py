@@ -23,7 +23,7 @@ import torch
 from tandem.shared.block_hash import HashContract
 from tandem.shared.config import (CacheConfig, KVTierConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                   SchedulerConfig, SpeculativeConfig)
-from tandem.shared.engine_stats import EngineStats, StepStats
+from tandem.shared.engine_stats import EngineStats, StepStats, snapshot
 from tandem.shared.errors import InvalidRequestError, NoCapacityError, UnknownLoRAError, UnknownRequestError
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_connector import KVBlocks, KVConnector
@@ -38,7 +38,7 @@ from tandem.shared.parallel.features import check_tensor_parallel_features
 from tandem.shared.request import FinishReason, Request, RequestStatus, TokenLogprobs, check_token_ids
 from tandem.shared.scheduler import Scheduler, SchedulerOutput
 from tandem.shared.spec_decode.drafter import Drafter
-from tandem.shared.structured_output import StructuredOutputManager
+from tandem.shared.structured_output import StructuredOutputManager, replay_grammar
 
 
 @dataclass(slots=True)
@@ -438,52 +438,9 @@ class LLMEngine:
         self.kv_event_seq += 1
         return KVEventBatch(self.kv_event_seq, tuple(events))
 
-    def _num_queued_tokens(self) -> int:
-        kv = self.kv_cache_manager
-        in_flight = kv.blocks_in_flight(self.scheduler.running) if self.scheduler.waiting else set()
-        queued = 0
-        for r in self.requests.values():
-            if r.status in (RequestStatus.WAITING, RequestStatus.LOADING_KV) and r.num_computed_tokens == 0:
-                queued += r.num_tokens - kv.num_reusable_tokens(r, in_flight)  # (a prefix being loaded is in flight)
-            elif r.status != RequestStatus.WAITING_FOR_KV:
-                queued += r.num_tokens - r.num_computed_tokens
-        return queued
-
     def stats(self) -> EngineStats:
-        kv, d = self.kv_cache_manager, self.drafter
-        return EngineStats(
-            model_id=self.model_config.model_id,
-            block_size=self.cache_config.block_size,
-            num_blocks=self.cache_config.num_blocks,
-            num_free_blocks=self.num_free_blocks,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.requests) - len(self.scheduler.running),
-            num_queued_tokens=self._num_queued_tokens(),
-            num_cached_blocks=len(kv.block_pool.cached_blocks),
-            prefix_cache_queries=kv.num_queries,
-            prefix_cache_hits=kv.num_hits,
-            num_evictions=kv.block_pool.num_evictions,
-            num_blocks_exported=self.kv_connector.num_blocks_exported,
-            num_blocks_imported=self.kv_connector.num_blocks_imported,
-            spec_num_drafts=d.num_drafts if d else 0,
-            spec_num_draft_tokens=d.num_draft_tokens if d else 0,
-            spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
-            num_waiting_for_kv=sum(r.status == RequestStatus.WAITING_FOR_KV for r in self.requests.values()),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            **self._tier_stats(),
-        )
-
-    def _tier_stats(self) -> dict:
-        """EngineStats' kv_tier_* fields (empty dicts without tiers)."""
-        o = self.offloader
-        if o is None:
-            return {}
-        return dict(kv_tier_load_s=dict(o.load_s_per_block), kv_tier_blocks=o.num_blocks(),
-                    kv_tier_hits=dict(o.num_loaded), kv_tier_stores=dict(o.num_stored),
-                    kv_tier_evictions=dict(o.num_evicted), kv_tier_load_failures=dict(o.num_failed),
-                    kv_tier_store_failures={"disk": o.disk.num_write_failures} if o.disk is not None else {})
+        """A snapshot of this engine's load and counters (engine_stats.snapshot)."""
+        return snapshot(self)
 
     def close(self) -> None:
         """A clean stop: the pool's and host tier's cached blocks are written to the disk tier, if there is one (so a
@@ -493,18 +450,3 @@ class LLMEngine:
         if getattr(self, "offloader", None) is not None:
             self.offloader.save_to_disk(self.kv_cache_manager.block_pool.cached_blocks_coldest_first())
             self.offloader.close()
-
-
-def replay_grammar(request: Request) -> None:
-    """Bring a migrated request's grammar to its state after the output it arrived with (Request.output_token_ids:
-    the tokens another engine generated before it failed), so the next token is constrained as it was there.
-    InvalidRequestError when the grammar refuses a token or is complete before the last one (such a request had
-    finished)."""
-    for i, token_id in enumerate(request.output_token_ids):
-        try:
-            complete = request.grammar.accept(token_id)
-        except ValueError as e:
-            raise InvalidRequestError(f"output_token_ids[{i}]: {e}") from None
-        if complete:
-            raise InvalidRequestError(f"output_token_ids[{i}] completes the structured output: the request had "
-                                      "finished there")  # fmt: skip

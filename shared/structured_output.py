@@ -184,3 +184,17 @@ class StructuredOutputManager:
             masks[request.request_id] = bitmask
         return masks
 
+
+def replay_grammar(request: Request) -> None:
+    """Bring a migrated request's grammar to its state after the output it arrived with (Request.output_token_ids:
+    the tokens another engine generated before it failed), so the next token is constrained as it was there.
+    InvalidRequestError when the grammar refuses a token or is complete before the last one (such a request had
+    finished)."""
+    for i, token_id in enumerate(request.output_token_ids):
+        try:
+            complete = request.grammar.accept(token_id)
+        except ValueError as e:
+            raise InvalidRequestError(f"output_token_ids[{i}]: {e}") from None
+        if complete:
+            raise InvalidRequestError(f"output_token_ids[{i}] completes the structured output: the request had "
+                                      "finished there")  # fmt: skip
