@@ -130,6 +130,27 @@ class AdapterPlan:
         return "load_cheaper" if any(self.holds(c) for c in candidates) else "load_no_holder"
 
 
+def annotate(route, plan: AdapterPlan | None, decodes: list[InstanceInfo], prefills: list[InstanceInfo]):
+    """route (router.Route) with its adapter's part: why each chosen instance was chosen among the candidates
+    (route.lora_reasons, and a line of its decision log) and where the adapter must be loaded first
+    (route.lora_loads). Returns route; unchanged without a plan (a base-model request)."""
+    if plan is None:
+        return route
+    route.lora = plan.adapter
+    notes = []
+    for tier, chosen, candidates in (("decode", route.decode, decodes), ("prefill", route.prefill, prefills)):
+        if chosen is None:
+            continue
+        route.lora_reasons[tier] = reason = plan.reason(chosen, candidates)
+        if not plan.loaded(chosen):
+            route.lora_loads.append(chosen)
+        notes.append(f"{tier} {chosen.instance_id} " + {
+            "holder": "holds it", "load_no_holder": "loads it (no candidate holds it)",
+            "load_cheaper": "loads it (cheaper than queueing behind a holder)"}[reason])  # fmt: skip
+    route.explanation.append(f"adapter {plan.adapter.name}: {'; '.join(notes)}")
+    return route
+
+
 class RecentLoRAChanges:
     """The loads and unloads this gateway made, which the engines' records show only a heartbeat or two later:
     each counts for ttl_s (the registry's TTL), so a request right after a load finds its adapter, and one right

@@ -52,7 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.services.flags import DEFAULT_SESSION_MAX_LOAD, DEFAULT_SESSION_TTL_S, MAX_SESSIONS
-from tandem.services.gateway.lora_routing import AdapterPlan, ClusterAdapter, RecentLoRAChanges, cluster_adapters
+from tandem.services.gateway.lora_routing import (AdapterPlan, ClusterAdapter, RecentLoRAChanges, annotate,
+                                                  cluster_adapters)
 from tandem.services.gateway.session_affinity import SessionTable
 from tandem.services.tracing import traced
 from tandem.shared.block_hash import BlockHash, HashContract, hash_request_blocks
@@ -174,15 +175,15 @@ class Router:
         # (a fleet mid-way through a change of --kv-dtype or --block-size: only pairs that can move KV)
         paired = [d for d in roomy or decodes if any(p.shares_kv_format(d) for p in prefills)] or roomy or decodes
         if session_id is None:
-            return self._with_adapter(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan),
-                                      plan, paired, prefills)
+            return annotate(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan), plan, paired,
+                            prefills)
         kept, note = (None, f"session {session_id}: migrated, placed by the cost model") if not keep_session else (
             self.sessions.stay(session_id, decodes, roomy, paired, prefills, skip, self._down, self._session_load,
                                self.session_max_load))  # fmt: skip
         if kept is not None:
             paired, prefills = [kept[0]], [kept[1]] if kept[1] is not None else prefills
-        route = self._with_adapter(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan), plan,
-                                   paired, prefills)
+        route = annotate(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan), plan, paired,
+                         prefills)
         route.explanation.insert(0, note)
         if kept is not None:
             route.reason = "session_affinity"
@@ -204,25 +205,6 @@ class Router:
             raise UnknownLoRAError(f"the model {name!r} does not exist: no live instance has a LoRA adapter of that "
                                    "name loaded")
         return adapter
-
-    def _with_adapter(self, route: Route, plan: AdapterPlan | None, decodes: list[InstanceInfo],
-                      prefills: list[InstanceInfo]) -> Route:
-        """route with its adapter's part: why each chosen instance was chosen, where it must be loaded first."""
-        if plan is None:
-            return route
-        route.lora = plan.adapter
-        notes = []
-        for tier, chosen, candidates in (("decode", route.decode, decodes), ("prefill", route.prefill, prefills)):
-            if chosen is None:
-                continue
-            route.lora_reasons[tier] = reason = plan.reason(chosen, candidates)
-            if not plan.loaded(chosen):
-                route.lora_loads.append(chosen)
-            notes.append(f"{tier} {chosen.instance_id} " + {
-                "holder": "holds it", "load_no_holder": "loads it (no candidate holds it)",
-                "load_cheaper": "loads it (cheaper than queueing behind a holder)"}[reason])  # fmt: skip
-        route.explanation.append(f"adapter {plan.adapter.name}: {'; '.join(notes)}")
-        return route
 
     def _session_load(self, instance: InstanceInfo) -> int:
         """An instance's load in tokens, for session affinity's bound: its queue, and for a decode DECODE_LOAD_TOKENS
