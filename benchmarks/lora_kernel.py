@@ -14,26 +14,16 @@ prefill batch is one segment of --prefill rows. Numbers printed, nothing asserte
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from tandem.kernels import cpu_dense, cpu_ext, cpu_lora
+from tandem.benchmarks.dense_gemm import best_us
 from tandem.kernels.lora import add_lora_ref
 
 # (name, N, K, parts) of SmolLM2-135M's linears that take adapters
 SHAPES = [("qkv_proj", 960, 576, 3), ("o_proj", 576, 576, 1), ("gate_up_proj", 3072, 576, 2),
           ("down_proj", 576, 1536, 1)]
-
-
-def best_us(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 def batches(decode: list[int], prefill: int | None, num_slots: int) -> list[tuple[str, int, list[tuple]]]:

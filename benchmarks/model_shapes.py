@@ -72,7 +72,6 @@ def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int]
                    max_tokens: int) -> dict:
     from tandem.shared.config import CacheConfig, ModelConfig, SchedulerConfig
     from tandem.shared.engine import LLMEngine
-    from tandem.shared.request import Request, SamplingParams
 
     start = time.perf_counter()
     config = ModelConfig.from_dir(path, dtype="bfloat16")
@@ -86,9 +85,19 @@ def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int]
               "weight_gb": round(weight_bytes / 1e9, 2),
               "kv_blocks": cache.num_blocks, "kv_tokens": cache.num_blocks * cache.block_size,
               "kv_pool_gb": round(cache.num_blocks * cache.block_bytes(config) / 1e9, 2), "decode_tok_s": {}}
-    g = torch.Generator().manual_seed(0)
+    result["decode_tok_s"] = engine_decode_tok_s(engine, batch_sizes, prompt_len, max_tokens, 40000)
+    return result
+
+
+def engine_decode_tok_s(engine, batch_sizes: list[int], prompt_len: int, max_tokens: int,
+                        max_token_id: int) -> dict[int, float]:
+    """{batch size: decode tokens/s} of an LLMEngine: per batch size, that many random prompts of prompt_len ids
+    below max_token_id (seeded), greedy, max_tokens each; timed from every request's first token to the last."""
+    from tandem.shared.request import Request, SamplingParams
+
+    g, rates = torch.Generator().manual_seed(0), {}
     for batch in batch_sizes:
-        requests = [Request(f"b{batch}-{i}", torch.randint(100, 40000, (prompt_len,), generator=g).tolist(),
+        requests = [Request(f"b{batch}-{i}", torch.randint(100, max_token_id, (prompt_len,), generator=g).tolist(),
                             SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
                     for i in range(batch)]  # fmt: skip
         for r in requests:
@@ -99,8 +108,8 @@ def measure_engine(path: Path, memory_utilization: float, batch_sizes: list[int]
         while engine.has_unfinished_requests():
             engine.step()
         tokens = sum(len(r.output_token_ids) for r in requests) - before
-        result["decode_tok_s"][batch] = round(tokens / (time.perf_counter() - start), 2)
-    return result
+        rates[batch] = round(tokens / (time.perf_counter() - start), 2)
+    return rates
 
 
 def memory_bandwidth_gb_s(threads: int, gigabytes: float = 1.0, repeats: int = 5) -> float:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -38,32 +37,18 @@ def decode_tok_s(path: Path, tp: int, threads: int, batch_sizes: list[int], prom
                  max_tokens: int) -> dict[int, float]:
     from tandem.kernels import cpu_ext
     from tandem.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from tandem.benchmarks.model_shapes import engine_decode_tok_s
     from tandem.shared.engine import LLMEngine
-    from tandem.shared.request import Request, SamplingParams
 
     torch.set_num_threads(threads)
     cpu_ext.set_num_threads(threads)
     config = ModelConfig.from_dir(path)
     engine = LLMEngine(config, CacheConfig(16, 256, config.dtype), SchedulerConfig(512, 64),
                        parallel_config=ParallelConfig(tp, threads, threads))
-    g, result = torch.Generator().manual_seed(0), {}
     try:
-        for batch in batch_sizes:
-            requests = [Request(f"b{batch}-{i}", torch.randint(100, 30000, (prompt_len,), generator=g).tolist(),
-                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                        for i in range(batch)]  # fmt: skip
-            for r in requests:
-                engine.add_request(r)
-            while any(not r.output_token_ids for r in requests):
-                engine.step()
-            start, before = time.perf_counter(), sum(len(r.output_token_ids) for r in requests)
-            while engine.has_unfinished_requests():
-                engine.step()
-            tokens = sum(len(r.output_token_ids) for r in requests) - before
-            result[batch] = round(tokens / (time.perf_counter() - start), 2)
+        return engine_decode_tok_s(engine, batch_sizes, prompt_len, max_tokens, 30000)
     finally:
         engine.close()
-    return result
 
 
 def main(argv: list[str] | None = None) -> None:
