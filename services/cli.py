@@ -49,6 +49,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "cached KV (e.g. one per tenant)")
     p.add_argument("--session-id", default=None, help="session affinity key: requests naming one session stay on "
                    "one prefill/decode pair while their load is within the gateway's bound (docs/api.md)")
+    p.add_argument("--lora-name", default=None, help="the LoRA adapter to generate with, by the name it was loaded "
+                   "under (GET /v1/models lists them; default: the base model; docs/lora.md)")
 
 
 def _request(args, prompt: str, history=None):
@@ -56,8 +58,8 @@ def _request(args, prompt: str, history=None):
 
     return make_request(prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, history=history,
-                        ignore_eos=args.ignore_eos, cache_salt=args.cache_salt,
-                        session_id=args.session_id)  # fmt: skip
+                        ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, session_id=args.session_id,
+                        lora_name=args.lora_name)  # fmt: skip
 
 
 def _print_text(text: str) -> None:

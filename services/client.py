@@ -14,7 +14,8 @@ from tandem.services.security import TLSConfig, bearer_metadata, open_channel
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-REQUEST_FIELDS = ("cache_salt", "deadline_ms", "priority", "session_id")  # GenerateRequest's own optional fields
+# GenerateRequest's own optional fields
+REQUEST_FIELDS = ("cache_salt", "deadline_ms", "priority", "session_id", "lora_name")
 STRUCTURED_OUTPUT_KINDS = tuple(common_pb2.StructuredOutput.DESCRIPTOR.fields_by_name)
 
 
@@ -26,7 +27,8 @@ def finish_name(reason: int) -> str:
 def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
                   **fields: Any) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest from raw text `prompt` or chat `messages` ([{"role", "content"}], chat-templated by the
-    gateway), the request's own fields cache_salt, deadline_ms, priority and session_id (gateway.proto), and
+    gateway), the request's own fields cache_salt, deadline_ms, priority, session_id and lora_name (the LoRA
+    adapter to generate with; None, "" or the base model's name: the base model) (gateway.proto), and
     SamplingParams fields by name (common.proto; None means the server's default). `stop` may be one string;
     `structured_output` is a dict with one key, e.g. {"regex": "[0-9]+"}, {"choice": ["yes", "no"]} or
     {"json_schema": schema} (schema as JSON text or a dict).
@@ -80,16 +82,19 @@ def make_request(
     ignore_eos: bool = False,
     cache_salt: str | None = None,
     session_id: str | None = None,
+    lora_name: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest: raw text, or a chat (history of (role, content) turns + this user prompt);
     cache_salt: requests with different salts never share prefix-cache blocks; session_id: session affinity's
-    routing key (requests of one session stay on one prefill/decode pair while their load is within a bound)."""
+    routing key (requests of one session stay on one prefill/decode pair while their load is within a bound);
+    lora_name: the LoRA adapter to generate with (docs/lora.md; None: the base model)."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                     stop=stop, ignore_eos=ignore_eos)  # fmt: skip
+    options = dict(cache_salt=cache_salt, session_id=session_id, lora_name=lora_name)
     if raw:
-        return build_request(prompt, cache_salt=cache_salt, session_id=session_id, **sampling)
+        return build_request(prompt, **options, **sampling)
     turns = [{"role": r, "content": c} for r, c in (history or [])] + [{"role": "user", "content": prompt}]
-    return build_request(messages=turns, cache_salt=cache_salt, session_id=session_id, **sampling)
+    return build_request(messages=turns, **options, **sampling)
 
 
 def _check_single(request: gateway_pb2.GenerateRequest) -> None:
@@ -205,7 +210,8 @@ class Client:
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  timeout: float | None = None, **fields: Any) -> Completion:
         """Run one request to the end and return its Completion (text, token_ids, finish_reason, the usage counts
-        and timings of the last message, logprobs when asked). ValueError for n > 1 (use stream()); see build_request for the other arguments."""
+        and timings of the last message, logprobs when asked). ValueError for n > 1 (use stream()); see
+        build_request for the other arguments."""
         request = build_request(prompt, messages=messages, **fields)
         _check_single(request)
         return _collect(self.stream_request(request, timeout))

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from tandem.services.metrics import STATS_REFRESH_S
 from tandem.shared.async_engine import AsyncEngine
 from tandem.shared.cluster_state.registry import InstanceInfo
+from tandem.shared.errors import InvalidRequestError
+from tandem.shared.lora.peft import LoRAAdapter
 from tandem.shared.lora.request import LoRARequest
 from tandem.v1 import common_pb2
 
@@ -26,8 +29,10 @@ LOAD_TIME_WEIGHT = 0.5  # weight of the newest load in the running mean of lora_
 class EngineLoRA:
     """The adapters of one engine service; refresh() keeps the record's view current (run it as a task)."""
 
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine, read_lora: Callable[[LoRARequest], LoRAAdapter]):
+        """read_lora: the engine's LLMEngine.read_lora (reads and checks a directory without loading it; any
+        thread)."""
+        self.engine, self.read_lora = engine, read_lora
         self.adapters: list = []  # the engine's last list_loras() (LoRAInfo)
         self.load_s = 0.0  # measured seconds per load (0: none yet)
 
@@ -58,12 +63,23 @@ class EngineLoRA:
         return info
 
     async def load(self, request: common_pb2.LoadLoRAAdapterRequest) -> common_pb2.LoadLoRAAdapterResponse:
-        """Instance.LoadLoRAAdapter. InvalidRequestError naming the adapter and what is wrong."""
+        """Instance.LoadLoRAAdapter. InvalidRequestError naming the adapter and what is wrong; with expected_digest,
+        also when the directory's files have another digest (they changed since the cluster loaded them), and then
+        nothing is loaded here."""
+        lora_request = LoRARequest(request.lora_name, request.lora_path)
+        expected = request.expected_digest if request.HasField("expected_digest") else None
+        if expected is not None:  # (read first: files of another digest must never serve, not even a moment)
+            self._check_digest(await asyncio.to_thread(self.read_lora, lora_request), expected)
         started = time.perf_counter()
-        added = await self.engine.add_lora(LoRARequest(request.lora_name, request.lora_path))
+        added = await self.engine.add_lora(lora_request)
         elapsed = time.perf_counter() - started
         self.adapters = await self.engine.list_loras()
         adapter = next(a for a in self.adapters if a.name == request.lora_name)
+        if expected is not None and adapter.digest != expected:  # (the files changed again between the two reads)
+            if added:
+                await self.engine.remove_lora(adapter.name)
+                self.adapters = await self.engine.list_loras()
+            self._check_digest(adapter, expected)
         self._measured(elapsed)  # (the same files again were read again, too)
         if added:
             log.info("LoRA adapter %s (digest %s, rank %d) loaded from %s in %.0f ms", adapter.name, adapter.digest,
@@ -81,6 +97,13 @@ class EngineLoRA:
         """Instance.ListLoRAAdapters."""
         self.adapters = await self.engine.list_loras()
         return common_pb2.ListLoRAAdaptersResponse(adapters=[_info(a) for a in self.adapters])
+
+    @staticmethod
+    def _check_digest(adapter, expected: str) -> None:
+        if adapter.digest != expected:
+            raise InvalidRequestError(f"adapter {adapter.name!r}: the files at {adapter.path} have digest "
+                                      f"{adapter.digest}, not the expected {expected} (they changed on disk since "
+                                      "the cluster loaded them); not loaded")  # fmt: skip
 
     def _measured(self, seconds: float) -> None:
         self.load_s = seconds if not self.load_s else (1 - LOAD_TIME_WEIGHT) * self.load_s + LOAD_TIME_WEIGHT * seconds

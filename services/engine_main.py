@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from tandem.services.convert import stats_to_proto
 from tandem.services.engine_lora import EngineLoRA
-from tandem.services.flags import HelpFormatter, add_engine_service_args, apply_env, own_address, settings_line
+from tandem.services.flags import (HelpFormatter, add_engine_service_args, apply_env, implied_engine_settings,
+                                   own_address, settings_line)
 from tandem.services.logs import setup_logging
 from tandem.services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
 from tandem.services.security import check_redis_auth, tls_from_args
@@ -62,7 +63,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
                                      formatter_class=HelpFormatter)  # fmt: skip
     add_engine_service_args(parser, tier)
     apply_env(parser, argv)
-    args = parser.parse_args(argv)
+    args = implied_engine_settings(parser.parse_args(argv))
     args.advertise_host = args.advertise_host or own_address()
     if not args.redis_url and not args.standalone:
         parser.error("no registry: pass --redis-url (or set REDIS_URL), or --standalone to serve unregistered")
@@ -165,7 +166,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier], args.tls)
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
     servicer = add_servicer(server, async_engine, metrics, args)
-    lora = EngineLoRA(async_engine)
+    lora = EngineLoRA(async_engine, engine.read_lora)
     await lora.start()
     common_pb2_grpc.add_InstanceServicer_to_server(InstanceServicer(async_engine, lora), server.grpc)
     incarnation = uuid.uuid4().hex[:12]  # this start of the instance: the prefix index trusts only its entries

@@ -101,6 +101,13 @@ def settings_line(name: str, args: argparse.Namespace) -> str:
     return redacted_url(f"{name} settings: {json.dumps(values, sort_keys=True, default=str)}")
 
 
+def implied_engine_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """An engine service's args with the settings other flags imply, as the engine runs them (so that its settings
+    line says what runs): --lora-modules turns on --enable-lora."""
+    args.enable_lora = bool(args.enable_lora or args.lora_modules)
+    return args
+
+
 def positive_int(value: str) -> int:
     number = int(value)
     if number <= 0:

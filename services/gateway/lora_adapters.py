@@ -5,7 +5,7 @@
 - POST /v1/load_lora_adapter {"lora_name", "lora_path"} loads an adapter on every live engine of the model
   (Instance.LoadLoRAAdapter, all at once); an engine refusing the directory undoes the load on the others and the
   answer is a 400 with the engine's reason, naming lora_path; a name the cluster has loaded already is a 400 (unload
-  it first), as vLLM's;
+  it first), as vLLM's, and so is the base model's name (requests naming it get the base model);
 - POST /v1/unload_lora_adapter {"lora_name"} unloads it from every engine listing it; an unknown name is a 404.
 Both are guarded by the gateway's API keys as every /v1 path (http_middleware.py). An instance started later, or
 one that was down during the load, gets the adapter when routing first chooses it (placement.py).
@@ -35,10 +35,16 @@ log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 120.0  # most seconds an engine may take to read an adapter
 
 
+def adapter_named(model: str | None, base_name: str) -> str | None:
+    """The LoRA adapter a request names (the HTTP API's `model`, the gRPC API's GenerateRequest.lora_name): None
+    for the base model (no name, "" or base_name, its served name), else the name. The one place that decides."""
+    return None if model in (None, "", base_name) else model
+
+
 async def resolve_model(router: Router, base_name: str, model: str | None) -> str | None:
-    """The LoRA adapter a request's `model` names: None for the base model (base_name, or no model given), else the
-    adapter's name. APIError 404 naming the model when neither is."""
-    if model in (None, "", base_name):
+    """The LoRA adapter a request's `model` names (adapter_named). APIError 404 naming the model when it names
+    neither the base model nor an adapter of the cluster."""
+    if adapter_named(model, base_name) is None:
         return None
     if model not in await router.adapters():
         raise APIError(404, f"the model {model!r} does not exist; this server serves {base_name!r} and the LoRA "
@@ -58,10 +64,11 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class LoRAAdapters:
-    """Loads and unloads adapters on the engines the router sees; channels: the gateway's, to the engines."""
+    """Loads and unloads adapters on the engines the router sees; channels: the gateway's, to the engines;
+    base_name: the base model's served name (no adapter may take it)."""
 
-    def __init__(self, router: Router, channels: ChannelPool, instance_id: str):
-        self.router, self.channels, self.instance_id = router, channels, instance_id
+    def __init__(self, router: Router, channels: ChannelPool, instance_id: str, base_name: str):
+        self.router, self.channels, self.instance_id, self.base_name = router, channels, instance_id, base_name
 
     def routes(self) -> APIRouter:
         """The HTTP routes, for FastAPI.include_router."""
@@ -79,6 +86,9 @@ class LoRAAdapters:
             LoRARequest(body.lora_name, body.lora_path)
         except InvalidRequestError as e:
             raise APIError(400, f"lora_name: {e}", "lora_name") from None
+        if adapter_named(body.lora_name, self.base_name) is None:  # (requests naming it get the base model)
+            raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name; an adapter needs another",
+                           "lora_name")  # fmt: skip
         if body.lora_name in await self.router.adapters():
             raise APIError(400, f"the LoRA adapter {body.lora_name!r} has already been loaded (unload it first)",
                            "lora_name")  # fmt: skip

@@ -81,6 +81,11 @@ class AdapterPlan:
         entry = instance.lora_adapters.get(self.adapter.name)
         return entry is None or entry.get("digest") == self.adapter.digest
 
+    def no_prefill(self) -> str:
+        """Why no prefill is a candidate when each live one holds other files under the adapter's name."""
+        return (f"no prefill serves adapter {self.adapter.name} with the cluster's files (digest "
+                f"{self.adapter.digest}): each live prefill holds other files under its name")
+
     def loaded(self, instance: InstanceInfo) -> bool:
         """Whether the instance has the adapter loaded (in memory or not), or the gateway just loaded it there."""
         return self.adapter.name in instance.lora_adapters or instance.instance_id in self._loaded

@@ -55,14 +55,15 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     pipeline = GatewayPipeline(model_config, tokenizer, router, args.default_max_tokens, instance_id,
                                ChannelPool(tls), admission, args.max_migrations, args.tool_call_parser,
                                args.reasoning_parser)  # fmt: skip
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(pipeline), server.grpc)
+    model_name = args.served_model_name or Path(model_dir).name  # (the base model's name in both APIs)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(pipeline, model_name), server.grpc)
     reflection.enable_server_reflection((gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                          health.SERVICE_NAME, reflection.SERVICE_NAME), server.grpc)  # fmt: skip
     http = http_task = None
     if args.http_port >= 0:  # (up before health says SERVING)
         from tandem.services.gateway.openai_api import create_app, serve_http
 
-        app = create_app(pipeline, args.served_model_name or Path(model_dir).name, server.instance_id, api_keys)
+        app = create_app(pipeline, model_name, server.instance_id, api_keys)
         http, http_port, http_task = await serve_http(app, args.host, args.http_port, args.drain_timeout, tls)
     await server.start()
     cleanup = asyncio.create_task(_every(5.0, router.cleanup_index))

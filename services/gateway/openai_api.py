@@ -60,7 +60,8 @@ def create_app(pipeline: GatewayPipeline, model_name: str, instance_id: str,
     app.include_router(AnthropicMessages(pipeline, model_name, instance_id).router())
     app.include_router(Responses(pipeline, model_name, instance_id).router())
     app.include_router(OpenAIEmbeddings(pipeline, model_name, instance_id).router())
-    app.include_router(LoRAAdapters(pipeline.placer.router, pipeline.placer.channels, instance_id).routes())
+    app.include_router(LoRAAdapters(pipeline.placer.router, pipeline.placer.channels, instance_id,
+                                    model_name).routes())  # fmt: skip
     return app
 
 

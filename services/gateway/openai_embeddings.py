@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from tandem.services.gateway.embeddings import Embedder
+from tandem.services.gateway.lora_adapters import adapter_named
 from tandem.services.gateway.openai_errors import api_error
 from tandem.services.gateway.openai_protocol import APIError, ChatCompletionRequest, ChatMessage, chat_messages
 from tandem.services.gateway.openai_serving import ROLE_ALIASES, ClientDisconnected, unless_disconnected
@@ -87,9 +88,14 @@ class OpenAIEmbeddings:
         router.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         return router
 
-    def _check_body(self, body: BaseModel) -> None:
-        """404 for another model, 400 naming the first field this server does not take."""
-        if body.model not in (None, "", self.model_name):
+    async def _check_body(self, body: BaseModel) -> None:
+        """400 naming model for a LoRA adapter (served by the generating endpoints only), 404 for another model, 400
+        naming the first field this server does not take."""
+        if adapter_named(body.model, self.model_name) is not None:
+            if body.model in await self.pipeline.placer.router.adapters():
+                raise APIError(400, f"the model {body.model!r} is a LoRA adapter: adapters are served by the "
+                                    "generating endpoints only; this endpoint takes the base model "
+                                    f"{self.model_name!r}", "model")  # fmt: skip
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")  # fmt: skip
         extra = sorted(body.model_extra or ())
@@ -100,7 +106,7 @@ class OpenAIEmbeddings:
     async def embeddings(self, body: EmbeddingRequest, request: Request):
         """POST /v1/embeddings: one embedding per input (the module's docstring), as floats or base64 (the
         little-endian float32 bytes, as OpenAI's)."""
-        self._check_body(body)
+        await self._check_body(body)
         hidden_size = self.pipeline.model_config.hidden_size
         if body.dimensions is not None and body.dimensions != hidden_size:
             raise APIError(400, f"dimensions {body.dimensions}: this model's embeddings have {hidden_size}; "
@@ -158,7 +164,7 @@ class OpenAIEmbeddings:
     async def tokenize(self, body: TokenizeRequest):
         """POST /tokenize: a prompt or chat messages (rendered with the chat template, as the chat API does) as
         token ids: {"count", "max_model_len", "tokens"} (and "token_strs" when asked)."""
-        self._check_body(body)
+        await self._check_body(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         tokens = await asyncio.to_thread(self._tokenize, body)
@@ -187,7 +193,7 @@ class OpenAIEmbeddings:
 
     async def detokenize(self, body: DetokenizeRequest):
         """POST /detokenize: token ids as text ({"prompt"}), special tokens included (as vLLM's)."""
-        self._check_body(body)
+        await self._check_body(body)
         try:
             check_token_ids("tokens", body.tokens, self.pipeline.model_config.vocab_size)
         except InvalidRequestError as e:

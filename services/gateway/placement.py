@@ -4,8 +4,9 @@ decode compute the prompt itself (Route.prefill None). An instance that is unrea
 registry until its TTL) or fails is skipped and the request is placed again, up to MAX_ATTEMPTS failures; while
 every decode is full the request waits for room, within the admission queue's wait bound
 (services/gateway/admission.py). A request's LoRA adapter is loaded first on each chosen instance that lacks it
-(Route.lora_loads: Instance.LoadLoRAAdapter from the directory the other instances list); one that refuses it is
-skipped as a failed instance is."""
+(Route.lora_loads: Instance.LoadLoRAAdapter from the directory the other instances list, with the digest they list:
+files changed on disk since are refused there, never served); one that refuses it is skipped as a failed instance
+is."""
 from __future__ import annotations
 
 import asyncio
@@ -137,7 +138,8 @@ class Placer:
             stub = common_pb2_grpc.InstanceStub(self.channels.get(instance.address, instance.instance_id))
             try:
                 reply = await stub.LoadLoRAAdapter(common_pb2.LoadLoRAAdapterRequest(
-                    lora_name=route.lora.name, lora_path=route.lora.path), timeout=timeout)  # fmt: skip
+                    lora_name=route.lora.name, lora_path=route.lora.path, expected_digest=route.lora.digest),
+                    timeout=timeout)  # (only the cluster's files: the engine refuses others, loading nothing)
             except grpc.aio.AioRpcError as e:
                 error = upstream_error(e, instance.tier, instance.instance_id, f"loading adapter {route.lora.name}")
                 raise AttemptFailed(error, instance, retryable=True, counts=True, mark_down=peer_is_down(e),

@@ -171,6 +171,8 @@ class Router:
             if not decodes:
                 raise NoInstanceError(f"no live decode serves adapter {lora.name!r} with its files (digest "
                                       f"{lora.digest}): others hold other files under its name")
+            if not prefills and not local:
+                raise NoInstanceError(plan.no_prefill())
         roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens]
         # (a fleet mid-way through a change of --kv-dtype or --block-size: only pairs that can move KV)
         paired = [d for d in roomy or decodes if any(p.shares_kv_format(d) for p in prefills)] or roomy or decodes
@@ -217,6 +219,9 @@ class Router:
         """route's cost model over the candidate decodes (roomy) and prefills; plan: the request's adapter."""
         if self.policy == "round-robin":
             decode = self._turn("decode", roomy)
+            if not prefills:  # (none serves the request's adapter with the cluster's files)
+                return Route(decode, None, explanation=["round-robin", f"-> decode {decode.instance_id} computes the "
+                             f"prompt itself: {plan.no_prefill()}"], reason="decode_local")  # fmt: skip
             return Route(decode, self._turn("prefill", self._paired(decode, prefills)),
                          explanation=["round-robin"], reason="round_robin")  # fmt: skip
         bs = self.contract.block_size
@@ -252,8 +257,9 @@ class Router:
         decode = self._turn("decode", _best(roomy, decode_score, max))
         uncached = n - cached[decode.instance_id]
         if local and not any(p.shares_kv_format(decode) for p in prefills):
-            explanation.append(f"-> decode {decode.instance_id} computes the prompt itself: no prefill shares its KV "
-                               f"format ({decode.kv_dtype}, blocks of {decode.block_size})")
+            why = plan.no_prefill() if plan is not None and not prefills else (
+                f"no prefill shares its KV format ({decode.kv_dtype}, blocks of {decode.block_size})")  # fmt: skip
+            explanation.append(f"-> decode {decode.instance_id} computes the prompt itself: {why}")
             self._add_queued(decode, uncached)
             return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
         prefills = self._paired(decode, prefills)

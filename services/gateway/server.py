@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from tandem.services.gateway.lora_adapters import adapter_named
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest, no_deadline
 from tandem.services.grpc_errors import error_code
@@ -14,10 +15,11 @@ from tandem.v1 import gateway_pb2_grpc
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """The Gateway service over a GatewayPipeline."""
+    """The Gateway service over a GatewayPipeline; model_name: the base model's served name (--served-model-name),
+    which GenerateRequest.lora_name may give for the base model, as the HTTP API's `model` may."""
 
-    def __init__(self, pipeline: GatewayPipeline):
-        self.pipeline = pipeline
+    def __init__(self, pipeline: GatewayPipeline, model_name: str):
+        self.pipeline, self.model_name = pipeline, model_name
 
     async def Generate(self, request, context):
         """The public gRPC API; a request that fails is counted by status code (tandem:request_errors_total;
@@ -33,7 +35,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                 priority=request.priority,
                 session_id=request.session_id if request.HasField("session_id") else None,
-                lora_name=request.lora_name if request.HasField("lora_name") else None,
+                lora_name=adapter_named(request.lora_name if request.HasField("lora_name") else None,
+                                        self.model_name),
                 time_remaining=deadline_clock(context.time_remaining,
                                               request.deadline_ms if request.HasField("deadline_ms") else None),
                 arrival_time=arrival_time,

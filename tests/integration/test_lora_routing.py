@@ -10,7 +10,7 @@ from tandem.services.gateway.lora_routing import lora_key
 from tandem.services.gateway.metrics import GatewayMetrics
 from tandem.shared.block_hash import hash_request_blocks
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher
-from tandem.shared.errors import UnknownLoRAError
+from tandem.shared.errors import NoInstanceError, UnknownLoRAError
 from tandem.shared.kv_events import BlockStored, KVEventBatch
 from tests.integration.test_router import CONTRACT, PROMPT, _no_snapshot, in_world, instance
 
@@ -153,3 +153,22 @@ def test_a_record_listing_the_adapter_decides_whether_it_is_held_over_a_recent_l
     plan = AdapterPlan(adapter, [fresh, dropped, held], loaded={"p-a", "p-b"})
     assert [plan.holds(i) for i in (fresh, dropped, held)] == [True, False, True]
     assert plan.raw_cost(dropped) == LOAD_S * RATE and plan.explain(dropped, 100).startswith(", reads it again")
+
+
+def test_without_a_prefill_of_the_clusters_files_the_log_names_the_adapter_not_the_kv_format(redis_server):
+    """Every prefill holds other files under the adapter's name (its files changed on disk and one tier read them):
+    a long prompt is computed by the decode, and the decision log says it is the adapter, not the KV format."""
+    async def body(world):
+        other_files = {"sql": SQL["sql"] | {"digest": "ffffffffffffffff"}}
+        await world.register(holding("decode-a", "decode"), holding("decode-b", "decode"),
+                             holding("prefill-a", "prefill", other_files))  # fmt: skip
+        no_prefill = ("computes the prompt itself: no prefill serves adapter sql with the cluster's files (digest "
+                      "0123456789abcdef)")  # fmt: skip
+        for policy in ("cache-aware", "round-robin"):
+            r = await world.router(local_prefill_tokens=0, policy=policy).route(PROMPT, 300, lora_name="sql")
+            assert r.prefill is None and no_prefill in r.explain() and "KV format" not in r.explain(), r.explain()
+        with pytest.raises(NoInstanceError, match="no prefill serves adapter sql") as e:
+            await route(world)  # (prompt logprobs need a prefill)
+        assert "KV format" not in str(e.value)
+
+    in_world(redis_server, body)

@@ -5,13 +5,19 @@ decode computes, a long one through the prefill and the KV transfer), and again 
 hit crossing adapters would change them); /v1/models lists the adapters with their parent; unknown adapters are a
 404 / NOT_FOUND naming them; the load and unload endpoints' refusals are 400s naming the field (404 for an unknown
 name); an unloaded adapter is gone. Every adapter is unloaded at the end: the cluster is shared."""
+import json
+import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx2 as httpx
 import pytest
+import redis
 
 from tandem.services.client import generate, make_request
+from tandem.shared.cluster_state.registry import KEY_PREFIX
+from tandem.v1 import common_pb2, common_pb2_grpc
 from tests.integration.helpers import metric_samples
 from tests.integration.lora_helpers import PeftReference, make_adapters
 from tests.prompts import LONG_TEXT, prompt_token_ids
@@ -137,3 +143,76 @@ def test_an_unloaded_adapter_is_gone_and_can_be_loaded_again(cluster, adapters, 
     assert "poet" not in [m["id"] for m in httpx.get(cluster.openai_base_url + "/models", timeout=30).json()["data"]]
     assert post(cluster, "/load_lora_adapter", {"lora_name": "poet", "lora_path": adapters["poet"]}).status_code == 200
     assert complete(cluster, "poet", ids)["choices"][0]["text"] == before
+
+
+def test_the_base_models_names_choose_the_base_model_in_both_apis_and_no_adapter_takes_them(cluster, adapters):
+    """gRPC's lora_name "" or the base model's served name is the base model, as HTTP's model is (and
+    Client.generate takes lora_name); loading an adapter under the base model's name is refused."""
+    from tandem.services.client import Client
+
+    with Client(cluster.gateway_address) as client:
+        base = client.generate("Hi", max_tokens=4, temperature=0.0).token_ids
+        for name in ("", MODEL):
+            assert client.generate("Hi", max_tokens=4, temperature=0.0, lora_name=name).token_ids == base, name
+        assert client.generate("Hi", max_tokens=4, temperature=0.0, lora_name="sql").token_ids != base
+    r = post(cluster, "/load_lora_adapter", {"lora_name": MODEL, "lora_path": adapters["sql"]})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name") and MODEL in r.text, r.text
+    models = httpx.get(cluster.openai_base_url + "/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models].count(MODEL) == 1
+
+
+def test_embeddings_and_tokenization_refuse_an_adapter_by_name(cluster, adapters):
+    base = cluster.openai_base_url.removesuffix("/v1")
+    for url, body in ((cluster.openai_base_url + "/embeddings", {"input": "Hi"}),
+                      (base + "/tokenize", {"prompt": "Hi"}), (base + "/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(url, json=body | {"model": "sql"}, timeout=60)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "model"), (url, r.text)
+        assert "LoRA adapter" in r.json()["error"]["message"]
+        assert httpx.post(url, json=body | {"model": "no-such-model"}, timeout=60).status_code == 404
+
+
+def instance_call(address: str, method: str, message):
+    with grpc.insecure_channel(address) as channel:
+        return getattr(common_pb2_grpc.InstanceStub(channel), method)(message, timeout=60)
+
+
+def wait_records(cluster, name: str, listed: set[str], timeout_s: float = 10) -> None:
+    """Wait until the engines whose records list adapter name are those of cluster.addresses named in listed."""
+    client, deadline = redis.Redis.from_url(cluster.redis_url), time.monotonic() + timeout_s
+    try:
+        while True:
+            records = [json.loads(v) for k in client.keys(f"{KEY_PREFIX}:*") if (v := client.get(k))]
+            now = {n for n, a in cluster.addresses.items() for r in records
+                   if r["address"] == a and name in r.get("lora_adapters", {})}  # fmt: skip
+            if now == listed:
+                return
+            assert time.monotonic() < deadline, (name, now, listed)
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def test_an_automatic_load_never_takes_files_changed_on_disk(cluster, adapters, prompts, tmp_path):
+    """The cluster serves an adapter; one engine drops it (as an engine does when reading it again finds other files:
+    --max-cpu-loras) and its files change on disk; the gateway's automatic load there, for the next request, passes
+    the cluster's digest: the engine refuses the new files (nothing loaded), and the request fails saying so, rather
+    than the tiers serving two versions."""
+    path = tmp_path / "moving"
+    shutil.copytree(adapters["sql"], path)
+    request = common_pb2.LoadLoRAAdapterRequest(lora_name="moving", lora_path=str(path))
+    try:
+        digests = {instance_call(a, "LoadLoRAAdapter", request).adapter.digest for a in cluster.addresses.values()}
+        instance_call(cluster.addresses["decode0"], "UnloadLoRAAdapter",
+                      common_pb2.UnloadLoRAAdapterRequest(lora_name="moving"))  # fmt: skip
+        wait_records(cluster, "moving", {"prefill0"})
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": 2 * config["lora_alpha"]}))
+        r = post(cluster, "/completions", {"model": "moving", "prompt": prompts["capital"], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        (digest,) = digests
+        message = r.json()["error"]["message"]
+        assert digest in message and "changed on disk" in message, message
+        listed = instance_call(cluster.addresses["decode0"], "ListLoRAAdapters", common_pb2.ListLoRAAdaptersRequest())
+        assert "moving" not in [a.name for a in listed.adapters]
+    finally:
+        post(cluster, "/unload_lora_adapter", {"lora_name": "moving"})

@@ -193,3 +193,13 @@ def test_the_default_weights_are_the_packaged_gguf_and_a_checkpoints_own_dtype(m
     config, cache, _ = EngineArgs(model=str(bf16_dir), dtype="float32", kv_dtype="bfloat16").create_configs(
         "decode", model_dir)
     assert (config.dtype, cache.kv_dtype) == ("float32", "bfloat16")
+
+
+def test_the_engine_settings_line_says_lora_runs_when_lora_modules_turned_it_on():
+    from tandem.services.flags import implied_engine_settings, settings_line
+
+    parser = argparse.ArgumentParser()
+    add_engine_service_args(parser, "decode")
+    line = settings_line("decode d", implied_engine_settings(parser.parse_args(["--lora-modules", "sql=/a/sql"])))
+    assert '"enable_lora": true' in line
+    assert '"enable_lora": false' in settings_line("decode d", implied_engine_settings(parser.parse_args([])))
