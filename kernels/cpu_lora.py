@@ -7,6 +7,10 @@ each its own adapter: a BGMV) spread over segments x blocks of output columns, p
 over blocks of rows x blocks of columns. fp32 arithmetic, the delta rounded once to y's dtype and added, as the
 reference does.
 
+Batch invariance: each output element (fp32 and bf16) is summed in one order that depends neither on how many rows
+share its adapter, nor on the row's place in the batch, nor on the kernel threads (kernels/cpu/lora.cpp: a fixed
+reduction order per output element, kept by its dot-product and its packed paths alike), as cpu_dense's kernel is.
+
 Built and loaded by kernels/cpu_ext.py (with the other CPU kernels).
 Torch only: nothing here imports triton or shared/.
 """

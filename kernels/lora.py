@@ -11,7 +11,8 @@ SGMV (Chen et al. 2023, arXiv 2310.18547) and S-LoRA (Sheng et al. 2023): one sh
 
 add_lora_ref is the pure-torch reference; add_lora dispatches to the fastest implementation that takes the
 tensors: the C++ kernel (kernels/cpu_lora.py, kernels/cpu/lora.cpp) for fp32 and bf16 CPU tensors, the Triton
-kernels (kernels/lora_sgmv.py: sgmv_shrink, sgmv_expand) for CUDA tensors, the reference otherwise.
+kernels (kernels/lora_sgmv.py: sgmv_shrink, sgmv_expand) for CUDA tensors, the reference otherwise. The C++
+kernel is batch invariant: a row's delta is the same bits whatever the batch around it and the kernel threads.
 Torch only: nothing here imports triton (kernels/lora_sgmv.py is imported when Triton runs) or shared/.
 """
 from __future__ import annotations

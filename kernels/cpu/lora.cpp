@@ -13,11 +13,15 @@
 // - shrink: tasks of up to SHRINK_ROWS rows by up to SHRINK_RANKS rows of lora_a; register tiles of SHRINK_MT rows
 //   of x by SHRINK_NT rows of lora_a, dot products over K (K is long: one horizontal sum per K).
 // - expand: tasks of up to EXPAND_ROWS rows by up to NB columns of y. The inner dimension is the rank (1 to a few
-//   dozen), too short for a dot product per output, so a task of at least PACK_MIN_ROWS rows packs its NB x R
-//   block of lora_b transposed into fp32 (R x NB: 1 / rows of the work) and accumulates outer products, EXPAND_MT
-//   rows by EXPAND_NV vectors of columns, no horizontal sums. Fewer rows (decode: one per request) would pay as much
-//   to pack as to multiply: they take dot products over R, LANES columns at a time, summed by a transposing
-//   reduction (sum_each); in bf16, from 2 rows, over the block of lora_b widened to fp32 once.
+//   dozen). Each output is summed in one order, whatever the batch (batch invariance): LANES partial sums, lane l
+//   over r = l, l + LANES, ... (fp32 FMAs from zero), then added in sum_each's fixed tree. Two paths keep it: dot
+//   products over R, LANES columns at a time, the partials summed by sum_each (a transposing reduction); and, for
+//   a task of at least PACK_MIN_ROWS rows at rank up to PACK_MAX_RANK, lora_b's NB x R block packed transposed into
+//   fp32 and outer products, each lane's partial sum in turn, added in the same tree. In bf16, from 2 rows, the dot
+//   products read the block of lora_b widened to fp32 once. So a row's bits depend neither on how many rows share
+//   its adapter, nor on its place in the batch, nor on the kernel threads (they split rows and columns, never R or
+//   K); they may differ between an AVX-512 and an AVX2 build (LANES and the tree differ).
+// - the shrink is invariant too: each h[m, r] one chain of FMAs over K by vectors, one hsum, a scalar tail.
 // Decode (many 1-row segments: a BGMV) spreads over slots x rank or column blocks; a prefill segment (hundreds of
 // rows) over row blocks x rank or column blocks.
 //
@@ -112,11 +116,13 @@ void shrink_block(const T* x, int64_t ldx, const int64_t* x_rows, const T* a, in
 
 constexpr int64_t NB = 256;                       // columns of y per task
 constexpr int64_t EXPAND_ROWS = 256;              // rows per task (the packed path packs once per task)
-// rows of a task from which it packs lora_b (else dot products): one slot's rows over 3072 columns measured here
-// (bf16 and fp32, one thread): at 8 rows packing is as fast at rank 64 and 1.7x faster at rank 16; at 4, no faster
+// rows of a task from which it packs lora_b, and the largest rank it packs at (else dot products: both sum in one
+// order). python -m tandem.benchmarks.lora_kernel, 512 rows on 2 threads here (AVX-512, one unpaired run): time
+// packed / dot products about 0.4 at rank 8, 0.6 at 32, 1.5 at 48, 1.3 at 64 (the sum tree's adds, per output)
 constexpr int64_t PACK_MIN_ROWS = 8;
-constexpr int EXPAND_MT = LANES == 16 ? 6 : 4;    // rows per register tile of the packed path
-constexpr int EXPAND_NV = LANES == 16 ? 4 : 2;    // vectors of columns per register tile: MT * NV + NV + 1 vectors
+constexpr int64_t PACK_MAX_RANK = 32;
+constexpr int EXPAND_MT = 2;                      // rows per register tile of the packed path
+constexpr int EXPAND_NV = LANES == 16 ? 2 : 1;    // vectors of columns per register tile (4 tiles live in the sum)
 constexpr int64_t COLS = EXPAND_NV * LANES;       // columns per register tile (NB is a multiple)
 constexpr int64_t BT_STRIDE = NB + LANES;         // floats per row of packed lora_b (not a power of two: a column
                                                   // of it would fall into few cache sets)
@@ -214,33 +220,63 @@ void pack_transposed(const T* b, int64_t R, int64_t cols, int64_t width, float* 
   for (int64_t r = 0; r < R; ++r) std::fill(bt + r * BT_STRIDE + cols, bt + r * BT_STRIDE + width, 0.0f);
 }
 
-// Packed path: yr[i][c] for i < ROWS, c < cols (<= COLS), from bt's columns (COLS of them, zero past cols).
-template <int ROWS, typename T>
-inline void expand_packed_tile(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols,
-                               T* const* yr) {
-  V acc[ROWS][EXPAND_NV];
+// Packed path: outer products, in the dot-product path's order. A register tile of ROWS rows by EXPAND_NV vectors
+// of columns; `lane(l)` is its partial sum over r = l, l + LANES, ... (fp32 FMAs from zero, as a lane of
+// expand_dot's accumulators), and the partials are added in sum_each's tree. A lane with no r (l >= R) holds +0
+// there, which adds nothing (no partial sum is -0: a sum from +0 is -0 only if all its terms are), so it is left out.
+template <int ROWS>
+struct PackedTile {
+  V v[ROWS][EXPAND_NV];
+  bool some;  // false: a lane past R (zero)
+};
+
+template <int ROWS>
+__attribute__((always_inline)) inline PackedTile<ROWS> add_tiles(const PackedTile<ROWS>& a, const PackedTile<ROWS>& b) {
+  if (!b.some) return a;
+  PackedTile<ROWS> s = a;
   for (int i = 0; i < ROWS; ++i)
-    for (int v = 0; v < EXPAND_NV; ++v) acc[i][v] = vzero();
-  for (int64_t r = 0; r < R; ++r) {
+    for (int v = 0; v < EXPAND_NV; ++v) s.v[i][v] = vadd(a.v[i][v], b.v[i][v]);
+  return s;
+}
+
+template <int ROWS>
+__attribute__((always_inline)) inline PackedTile<ROWS> lane_sum(const float* h, int64_t ldh, int64_t R, const float* bt, int l) {
+  PackedTile<ROWS> t;
+  t.some = l < R;
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < EXPAND_NV; ++v) t.v[i][v] = vzero();
+  for (int64_t r = l; r < R; r += LANES) {
     V bv[EXPAND_NV];
     for (int v = 0; v < EXPAND_NV; ++v) bv[v] = vload(bt + r * BT_STRIDE + v * LANES);
     for (int i = 0; i < ROWS; ++i) {
       const V hv = vbroadcast(h + i * ldh + r);
-      for (int v = 0; v < EXPAND_NV; ++v) acc[i][v] = vfmadd(hv, bv[v], acc[i][v]);
+      for (int v = 0; v < EXPAND_NV; ++v) t.v[i][v] = vfmadd(bv[v], hv, t.v[i][v]);
     }
   }
-  for (int i = 0; i < ROWS; ++i)
-    for (int v = 0; v < EXPAND_NV && v * LANES < cols; ++v)
-      add_deltas(yr[i] + v * LANES, acc[i][v], std::min<int64_t>(LANES, cols - v * LANES));
+  return t;
 }
 
+// yr[i][c] for i < ROWS, c < cols (<= COLS), from bt's columns (COLS of them, zero past cols).
 template <int ROWS, typename T>
-inline void expand_packed_rows(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols, T* const* yr,
-                               int64_t rows) {
-  if constexpr (ROWS > 0) {
-    if (rows == ROWS) return expand_packed_tile<ROWS>(h, ldh, R, bt, cols, yr);
-    expand_packed_rows<ROWS - 1>(h, ldh, R, bt, cols, yr, rows);
-  }
+inline void expand_packed_tile(const float* h, int64_t ldh, int64_t R, const float* bt, int64_t cols,
+                               T* const* yr) {
+  const auto lane = [&](int l) __attribute__((always_inline)) { return lane_sum<ROWS>(h, ldh, R, bt, l); };
+#ifdef __AVX512F__
+  // sum_each: per block of 4 lanes (l0 + l2) + (l1 + l3), then (block 0 + block 1) + (block 2 + block 3)
+  const auto block = [&](int q) __attribute__((always_inline)) {
+    return add_tiles(add_tiles(lane(4 * q), lane(4 * q + 2)), add_tiles(lane(4 * q + 1), lane(4 * q + 3)));
+  };
+  const PackedTile<ROWS> sum = add_tiles(add_tiles(block(0), block(1)), add_tiles(block(2), block(3)));
+#else
+  // sum_each: per half (l0 + l1) + (l2 + l3), then half 0 + half 1
+  const auto half = [&](int q) __attribute__((always_inline)) {
+    return add_tiles(add_tiles(lane(4 * q), lane(4 * q + 1)), add_tiles(lane(4 * q + 2), lane(4 * q + 3)));
+  };
+  const PackedTile<ROWS> sum = add_tiles(half(0), half(1));
+#endif
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < EXPAND_NV && v * LANES < cols; ++v)
+      add_deltas(yr[i] + v * LANES, sum.v[i][v], std::min<int64_t>(LANES, cols - v * LANES));
 }
 
 // out [n] fp32 = b [n] widened (bf16: exact).
@@ -256,38 +292,41 @@ void widen(const T* b, int64_t n, float* out) {
 template <typename T>
 void expand_block(const float* h, int64_t ldh, const int64_t* y_rows, T* y, int64_t ldy, const T* b, int64_t M,
                   int64_t R, int64_t n0, int64_t n1) {
-  if (M < PACK_MIN_ROWS) {
-    if constexpr (!std::is_same_v<T, float>) {
-      if (M >= 2) {  // rows of one slot: lora_b's block widened once, for all of them
-        thread_local std::vector<float> wide;  // [n1 - n0, R]
-        if (static_cast<int64_t>(wide.size()) < NB * R) wide.resize(NB * R);
-        widen(b + n0 * R, (n1 - n0) * R, wide.data());
-        for (int64_t n = n0; n < n1; n += LANES)  // (columns outer: their block of lora_b stays in L1)
-          for (int64_t m = 0; m < M; ++m)
-            expand_dot(h + m * ldh, R, wide.data() + (n - n0) * R, std::min<int64_t>(LANES, n1 - n),
-                       y + y_rows[m] * ldy + n);
-        return;
+  if (M >= PACK_MIN_ROWS && R <= PACK_MAX_RANK) {
+    thread_local std::vector<float> bt;  // [R, BT_STRIDE]
+    if (static_cast<int64_t>(bt.size()) < R * BT_STRIDE) bt.resize(R * BT_STRIDE);
+    const int64_t width = (n1 - n0 + COLS - 1) / COLS * COLS;
+    pack_transposed(b + n0 * R, R, n1 - n0, width, bt.data());
+    T* yr[EXPAND_MT];
+    for (int64_t c = 0; c < width; c += COLS) {
+      const int64_t cols = std::min<int64_t>(COLS, n1 - n0 - c);
+      int64_t m = 0;
+      for (; m + EXPAND_MT <= M; m += EXPAND_MT) {
+        for (int i = 0; i < EXPAND_MT; ++i) yr[i] = y + y_rows[m + i] * ldy + n0 + c;
+        expand_packed_tile<EXPAND_MT>(h + m * ldh, ldh, R, bt.data() + c, cols, yr);
+      }
+      for (; m < M; ++m) {
+        yr[0] = y + y_rows[m] * ldy + n0 + c;
+        expand_packed_tile<1>(h + m * ldh, ldh, R, bt.data() + c, cols, yr);
       }
     }
-    for (int64_t n = n0; n < n1; n += LANES)
-      for (int64_t m = 0; m < M; ++m)
-        expand_dot(h + m * ldh, R, b + n * R, std::min<int64_t>(LANES, n1 - n), y + y_rows[m] * ldy + n);
     return;
   }
-  thread_local std::vector<float> bt;  // [R, BT_STRIDE]
-  if (static_cast<int64_t>(bt.size()) < R * BT_STRIDE) bt.resize(R * BT_STRIDE);
-  const int64_t width = (n1 - n0 + COLS - 1) / COLS * COLS;
-  pack_transposed(b + n0 * R, R, n1 - n0, width, bt.data());
-  T* yr[EXPAND_MT];
-  for (int64_t c = 0; c < width; c += COLS) {
-    const int64_t cols = std::min<int64_t>(COLS, n1 - n0 - c);
-    for (int64_t m = 0; m < M; m += EXPAND_MT) {
-      const int64_t rows = std::min<int64_t>(EXPAND_MT, M - m);
-      for (int64_t i = 0; i < rows; ++i) yr[i] = y + y_rows[m + i] * ldy + n0 + c;
-      if (rows == EXPAND_MT) expand_packed_tile<EXPAND_MT>(h + m * ldh, ldh, R, bt.data() + c, cols, yr);
-      else expand_packed_rows<EXPAND_MT - 1>(h + m * ldh, ldh, R, bt.data() + c, cols, yr, rows);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (M >= 2) {  // rows of one slot: lora_b's block widened once, for all of them
+      thread_local std::vector<float> wide;  // [n1 - n0, R]
+      if (static_cast<int64_t>(wide.size()) < NB * R) wide.resize(NB * R);
+      widen(b + n0 * R, (n1 - n0) * R, wide.data());
+      for (int64_t n = n0; n < n1; n += LANES)  // (columns outer: their block of lora_b stays in L1)
+        for (int64_t m = 0; m < M; ++m)
+          expand_dot(h + m * ldh, R, wide.data() + (n - n0) * R, std::min<int64_t>(LANES, n1 - n),
+                     y + y_rows[m] * ldy + n);
+      return;
     }
   }
+  for (int64_t n = n0; n < n1; n += LANES)
+    for (int64_t m = 0; m < M; ++m)
+      expand_dot(h + m * ldh, R, b + n * R, std::min<int64_t>(LANES, n1 - n), y + y_rows[m] * ldy + n);
 }
 
 // ---- the two phases ---------------------------------------------------------------------------------------------

@@ -155,6 +155,46 @@ def test_cpu_kernel_large_token_count(kernel_threads):
     _assert_matches_ref(y[rows], sy, sx, lora_a, lora_b, local_segs)
 
 
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rank", [5, 16, 64])
+def test_cpu_kernel_is_batch_invariant(rank, dtype):
+    """One row's output, bit for bit, whatever the batch around it: alone, or among 7, 8, 9 or 32 rows of its adapter
+    (as one-row decode segments between rows of another adapter, or as one prefill segment, the row at another
+    place each time), on one kernel thread or two. Each output element is summed in one order: the kernel's paths
+    for few and for many rows of one adapter, and its splits over threads, all keep it."""
+    K, N, L = 100, 300, 2  # (tails of every vector width; N past one block of columns)
+    x, y, lora_a, lora_b, _ = _tensors(2 * 32 + 1, K, N, rank, L, [], dtype)
+    before = cpu_ext.num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2):
+            cpu_ext.set_num_threads(threads)
+            for rows in (1, 7, 8, 9, 32):
+                place = (5 * rows) // 7  # the row's place among its adapter's rows
+                order = list(range(1, rows))  # the adapter's other rows
+                order.insert(place, 0)  # x[0] / y[0]: the row watched
+                # decode: one-row segments of slot 1, each followed by a row of slot 0
+                picked = torch.tensor([j for i in order for j in (i, 33 + i)])
+                segments = [(2 * p + q, 1, 1 - q) for p in range(rows) for q in (0, 1)]
+                segs = tuple(torch.tensor([s[i] for s in segments]) for i in range(3))
+                out = y[picked].clone()
+                cpu_lora.add_lora(out, x[picked], lora_a, lora_b, *segs)
+                outputs.append((threads, rows, "decode", out[2 * order.index(0)]))
+                # prefill: one segment of slot 1
+                out = y[order].clone()
+                segs = tuple(torch.tensor([v]) for v in (0, rows, 1))
+                cpu_lora.add_lora(out, x[order], lora_a, lora_b, *segs)
+                outputs.append((threads, rows, "prefill", out[order.index(0)]))
+    finally:
+        cpu_ext.set_num_threads(before)
+    first = outputs[0][3]
+    _assert_matches_ref(first[None], y[:1], x[:1], lora_a, lora_b, tuple(torch.tensor([v]) for v in (0, 1, 1)))
+    differ = [(t, m, layout, float((out.double() - first.double()).abs().max())) for t, m, layout, out in outputs
+              if not torch.equal(out, first)]
+    assert not differ, f"(threads, rows, layout, max |difference|) differ from the row alone: {differ}"
+
 # Triton (layout, K, N, rank): the interpreter runs each program in numpy, so the shapes stay small (sizes no
 # multiple of the tiles) and each layout takes one or two ranks (1 and 8: a rank tile mostly masked; 16, 64)
 TRITON_CASES = [("mixed", 72, 130, 1), ("mixed", 72, 130, 16), ("decode32", 40, 24, 64), ("prefill300", 24, 70, 8),
