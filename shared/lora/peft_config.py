@@ -42,9 +42,9 @@ Refuse = Callable[[str], NoReturn]
 class UserRegexes:
     """The user's regular expressions of one adapter read: compiled with checks, matched under one deadline."""
 
-    def __init__(self, refuse: Refuse, budget_s: float = PATTERN_BUDGET_S):
-        self.refuse, self.budget_s = refuse, budget_s
-        self.deadline = time.monotonic() + budget_s
+    def __init__(self, refuse: Refuse, budget_s: float | None = None):
+        self.refuse, self.budget_s = refuse, PATTERN_BUDGET_S if budget_s is None else budget_s
+        self.deadline = time.monotonic() + self.budget_s
 
     def compile(self, field: str, pattern, template: str = "{}") -> regex.Pattern:
         """pattern (a string from field) checked, then template.format(pattern) compiled by regex."""
@@ -65,7 +65,8 @@ class UserRegexes:
             self.refuse(f"{field}: {_short(pattern)} is not a valid regular expression ({e})")
 
     def match(self, field: str, pattern: regex.Pattern, text: str, full: bool = False) -> bool:
-        """Whether pattern matches the start (full: all) of text. Refuses once the read's budget is spent."""
+        """Whether pattern matches the start (full: all) of text. Refuses once the read's budget is spent (regex
+        counts a match's timeout in CPU seconds, so on a busy machine the wall time may be a few times more)."""
         timeout = self.deadline - time.monotonic()
         try:
             if timeout <= 0:

@@ -7,6 +7,10 @@ adapters. Adapters are written in the test by PEFT (tests/tiny_adapters.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -276,3 +280,21 @@ def test_speculation_with_adapters_keeps_hf_peft_tokens(tiny_factory, method):
     for r in requests:
         assert r.output_token_ids == tiny.expected(r.lora_name, r.prompt_token_ids), (method, r.request_id)
     assert engine.stats().spec_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("changes, error", [({"rank_pattern": {"([": 4}}, "rank_pattern: '\\(\\[' is not a valid"),
+                                            ({"target_modules": 123}, "target_modules must be a regex")])
+def test_a_malformed_adapter_of_lora_modules_is_a_one_line_start_up_error(tiny_factory, tmp_path, changes, error):
+    """The engine service refuses to start: `error: adapter 'bad' (...): <field> ...`, exit 1, no traceback."""
+    tiny = tiny_factory("llama3")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((tiny.adapters["attn"] / "adapter_config.json").read_text()) | changes
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    (bad / "adapter_model.safetensors").write_bytes((tiny.adapters["attn"] / "adapter_model.safetensors").read_bytes())
+    result = subprocess.run([sys.executable, "-P", "-m", "tandem.services.prefill", "--standalone", "--port", "0",
+                             "--model", str(tiny.path), "--lora-modules", f"bad={bad}"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: adapter 'bad' (") and re.search(error, last), last

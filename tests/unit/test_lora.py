@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -113,6 +114,110 @@ def test_what_is_not_served_is_refused_by_name(tiny, tmp_path, changes, error):
     _, _, adapters = tiny
     with pytest.raises(InvalidRequestError, match=f"adapter 'bad' .*{error}"):
         read(tiny, "bad", copy_adapter(adapters["qvg"], tmp_path / "bad", changes))
+
+
+# a pattern that backtracks exponentially on a module name: Python's re would hold the GIL on it for good
+BACKTRACKS = r"([^x]|[^y])*\d"
+
+
+@pytest.mark.parametrize("changes, error", [
+    ({"rank_pattern": {BACKTRACKS: 2}}, "rank_pattern: matching its patterns .* took over 0.2 s"),
+    ({"alpha_pattern": {"gate_proj": 2, BACKTRACKS: 3}}, "alpha_pattern: matching its patterns .* took over 0.2 s"),
+    ({"target_modules": r"(.*?.*?.*?)*\d|.*lm_head"}, "target_modules: matching its patterns .* took over 0.2 s"),
+    ({"rank_pattern": {"q" * 1001: 2}}, "rank_pattern: a pattern must be a string of 1-1000 characters"),
+    ({"rank_pattern": {"((q{10}){10}){10}": 2}}, "rank_pattern: the counted repeats of .* multiply to more than 100"),
+    ({"target_modules": 123}, "target_modules must be a regex or a list of module names, got 123"),
+    ({"target_modules": ["q_proj", 7]}, "target_modules must be a regex or a list of module names"),
+    ({"target_modules": "(["}, "target_modules: '\\(\\[' is not a valid regular expression"),
+    ({"rank_pattern": {"([": 4}}, "rank_pattern: '\\(\\[' is not a valid regular expression"),
+    ({"rank_pattern": {"a)(b": 4}}, "rank_pattern: 'a\\)\\(b' is not a valid regular expression"),
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern must be an object of at most 4096 module patterns"),
+    ({"rank_pattern": {"q_proj": "8"}}, "rank_pattern: the value for 'q_proj' must be a positive integer, got '8'"),
+    ({"rank_pattern": {"q_proj": 0}}, "rank_pattern: the value for 'q_proj' must be a positive integer, got 0"),
+    ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern: the value for 'q_proj' must be a finite number, got 'x'"),
+    ({"alpha_pattern": {"q_proj": math.nan}}, "alpha_pattern: the value for 'q_proj' must be a finite number"),
+    ({"lora_alpha": math.inf}, "lora_alpha must be a finite number, got inf"),
+    ({"lora_alpha": -math.inf}, "lora_alpha must be a finite number, got -inf"),
+    ({"lora_alpha": math.nan}, "lora_alpha must be a finite number, got nan"),
+    ({"lora_alpha": 10**400}, "lora_alpha must be a finite number"),
+    ({"lora_alpha": "16"}, "lora_alpha must be a finite number, got '16'"),
+    ({"r": "4"}, "r must be a positive integer, got '4'"),
+    ({"r": True}, "r must be a positive integer, got True"),
+    ({"use_rslora": "yes"}, "use_rslora must be true or false, got 'yes'"),
+])  # fmt: skip
+def test_malformed_configs_are_refused_naming_the_field_and_no_pattern_hangs(tiny, tmp_path, monkeypatch, changes,
+                                                                           error):
+    """Each is an InvalidRequestError (a ValueError: a 400, or a one-line start-up error), never a TypeError or
+    re.error; a pattern that backtracks without end is cut off by the read's budget (0.2 s here)."""
+    monkeypatch.setattr("tandem.shared.lora.peft_config.PATTERN_BUDGET_S", 0.2)
+    _, _, adapters = tiny
+    started = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=f"adapter 'bad' .*{error}"):
+        read(tiny, "bad", copy_adapter(adapters["qvg"], tmp_path / "bad", changes))
+    assert time.monotonic() - started < 10
+
+
+def test_nan_or_infinite_weights_and_scalings_that_overflow_are_refused(tiny, tmp_path):
+    _, _, adapters = tiny
+    weights = load_file(adapters["qvg"] / "adapter_model.safetensors")
+    key = f"{PREFIX}.1.mlp.gate_proj.lora_B.weight"
+    for value in (math.nan, math.inf):
+        bad = copy_adapter(adapters["qvg"], tmp_path / f"bad-{value}")
+        save_file(weights | {key: weights[key].index_fill(0, torch.tensor([3]), value)},
+                  bad / "adapter_model.safetensors")
+        with pytest.raises(InvalidRequestError, match="model.layers.1.mlp.gate_proj: its lora_A or lora_B holds NaN"):
+            read(tiny, "qvg", bad)
+    huge = copy_adapter(adapters["qvg"], tmp_path / "huge", {"lora_alpha": 1e300})
+    with pytest.raises(InvalidRequestError, match="scaled by lora_alpha / r are not finite in torch.float32"):
+        read(tiny, "qvg", huge)
+
+
+def header_only_adapter(tmp_path, config, rank: int):
+    """An adapter of layer 0's q_proj at rank whose safetensors file holds its header only (the tensor data is
+    missing, as if truncated): readable only as far as the header goes."""
+    q = config.num_attention_heads * config.head_dim
+    shapes = {"lora_A": [rank, config.hidden_size], "lora_B": [q, rank]}
+    header, offset = {}, 0
+    for kind, shape in shapes.items():
+        header[f"{PREFIX}.0.self_attn.q_proj.{kind}.weight"] = {"dtype": "F32", "shape": shape,
+                                                               "data_offsets": [offset, offset + 4 * math.prod(shape)]}
+        offset += 4 * math.prod(shape)
+    path = tmp_path / f"rank{rank}"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                          "target_modules": ["q_proj"]}))
+    text = json.dumps(header).encode()
+    (path / "adapter_model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text)
+    return path
+
+
+def test_an_adapter_above_max_lora_rank_is_refused_from_its_header_without_reading_weights(tiny, tmp_path):
+    """Rank 4096 (the header declares 100 MB of weights that the file does not even hold): refused by its rank,
+    so no weight was read; the same file within the rank is refused as truncated, when the weights would be read."""
+    _, config, _ = tiny
+    with pytest.raises(InvalidRequestError, match="q_proj has rank 4096, above --max-lora-rank 16"):
+        read(tiny, "big", header_only_adapter(tmp_path, config, 4096))
+    with pytest.raises(InvalidRequestError, match="is \\d+ bytes, but its header declares \\d+: truncated"):
+        read(tiny, "cut", header_only_adapter(tmp_path, config, 8))
+
+
+@pytest.mark.parametrize("name", ["", "x" * 257, "has space", "tab\t", "nul\x00", "bell\x07", "zero\u200bwidth",
+                                  "joiner\u200d", "bom\ufeff", "rtl\u202e", "lone\ud800", "line\u2028"])
+def test_adapter_names_without_controls_format_characters_or_lone_surrogates(name):
+    with pytest.raises(InvalidRequestError, match="must be 1-256 characters without whitespace, control or format"):
+        LoRARequest(name, "/adapters/x")
+    assert LoRARequest("é-日本_sql.v2", "/a").lora_name == "é-日本_sql.v2" and LoRARequest("x" * 256, "/a")
+
+
+def test_a_relative_lora_path_is_refused_naming_lora_path(tiny, monkeypatch):
+    """Each engine would resolve it against its own working directory (here: where the adapter is)."""
+    _, _, adapters = tiny
+    monkeypatch.chdir(adapters["qvg"].parent)
+    for path in ("qvg", "./qvg", "qvg/../qvg"):
+        with pytest.raises(InvalidRequestError, match="lora_path must be an absolute path"):
+            read(tiny, "rel", path)
+    with pytest.raises(InvalidRequestError, match="'/x\\\\x00y'\\): lora_path must be an absolute path of printable"):
+        read(tiny, "nul", "/x\x00y")
 
 
 def test_ranks_shapes_weights_and_files_that_do_not_fit_are_refused(tiny, tmp_path):
