@@ -131,6 +131,10 @@ def test_load_and_unload_refuse_bad_input_by_field(cluster, adapters, tmp_path):
         r = post(cluster, path, body)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
     assert "adapter_config.json" in post(cluster, *refusals[4][:2]).json()["error"]["message"]
+    r = httpx.post(cluster.openai_base_url + "/load_lora_adapter", timeout=30,  # (a lone surrogate, JSON-escaped)
+                   headers={"content-type": "application/json"},
+                   content=b'{"lora_name": "x", "lora_path": "/adapters/a\\ud800b"}')
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path"), r.text
     assert "x" not in [m["id"] for m in httpx.get(cluster.openai_base_url + "/models", timeout=30).json()["data"]]
 
 
