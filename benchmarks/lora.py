@@ -6,10 +6,11 @@
   --max-tokens each) all in flight at once, first all of the base model, then spread round-robin over N adapters
   (N = 1, 4, 16; rank 8 on every projection, random weights made with PEFT). Output tokens/s of each batch, against
   the base alone.
-- routing: two prefills and two decodes, each holding at most --max-cpu-loras 2 adapters in memory, serving 8
-  adapters of rank --routing-rank (64: about 78 MB each in fp32, so a read from disk costs what a real adapter's
-  does; loaded on every engine, so each engine keeps only the last ones in memory); requests cycle over the
-  adapters, --concurrency in flight, once with adapter-aware routing (the default cost model) and once with
+- routing: two prefills and two decodes, each holding at most --max-cpu-loras 2 adapters in memory, serving
+  --routing-adapters (4: more than one instance holds, as many as a tier's two hold together) adapters of rank
+  --routing-rank (64: about 78 MB each in fp32, so a read from disk costs what a real adapter's
+  does; loaded on every engine, so each engine keeps only the last ones in memory); requests pick adapters in a
+  seeded random order, --concurrency in flight, once with adapter-aware routing (the default cost model) and once with
   --routing round-robin. TTFT p50 / p99 of each, and how often the router chose a holder
   (tandem:router_lora_decisions_total).
 Adapters are written to a temporary directory with PEFT (no download).
@@ -17,6 +18,7 @@ Adapters are written to a temporary directory with PEFT (no download).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -94,8 +96,9 @@ def routing(model_dir: str, paths: dict[str, str], args) -> None:
 
     engine = ["--threads", "1", "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank",
               str(args.routing_rank)]
-    names = [f"lora{i % 8}" for i in range(args.requests)]
-    print(f"\nrouting: 8 adapters of rank {args.routing_rank}, engines holding 2 in memory; {args.requests} "
+    # (a seeded random order: a cycle would line up with round-robin's and give each instance a fixed pair)
+    names = [f"lora{i}" for i in random.Random(0).choices(range(len(paths)), k=args.requests)]
+    print(f"\nrouting: {len(paths)} adapters of rank {args.routing_rank}, engines holding 2 in memory; {args.requests} "
           f"requests, {args.concurrency} in flight, {args.max_tokens} tokens")
     print("| routing | TTFT p50 ms | TTFT p99 ms | holder chosen |\n|---|---|---|---|")
     for policy in ("cache-aware", "round-robin"):
@@ -132,6 +135,7 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--sections", default="mix,routing")
     parser.add_argument("--routing-rank", type=int, default=64, help="rank of the routing section's adapters")
+    parser.add_argument("--routing-adapters", type=int, default=4, help="adapters the routing section serves")
     args = parser.parse_args(argv)
     from tandem.tools.prepare_model import prepare_model
 
@@ -141,7 +145,8 @@ def main(argv=None) -> None:
         if "mix" in sections:
             mix(model_dir, make_adapters(model_dir, Path(tmp) / "mix", 16, rank=8), args)
         if "routing" in sections:
-            routing(model_dir, make_adapters(model_dir, Path(tmp) / "routing", 8, rank=args.routing_rank), args)
+            routing(model_dir, make_adapters(model_dir, Path(tmp) / "routing", args.routing_adapters,
+                                                 rank=args.routing_rank), args)
 
 
 if __name__ == "__main__":

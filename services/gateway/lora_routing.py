@@ -103,11 +103,18 @@ class AdapterPlan:
         """The seconds a load there takes: its measured time, else the slowest measured one; 0: none known."""
         return instance.lora_load_s or self._fallback_s
 
+    @staticmethod
+    def stalled(instance: InstanceInfo) -> int:
+        """The requests a load there holds up: an engine reads an adapter on its step thread, so on a decode every
+        request it serves waits too, the new one included (a prefill's queue is in its cost already)."""
+        return 1 + (instance.num_running + instance.num_waiting if instance.tier == "decode" else 0)
+
     def raw_cost(self, instance: InstanceInfo) -> float:
-        """Tokens of work a load there costs (0 for a holder; inf while the cost is not known)."""
+        """Tokens of work a load there costs: load_s x tokens_per_s per request it stalls (0 for a holder; inf while
+        the cost is not known)."""
         if self.holds(instance):
             return 0.0
-        tokens = self.load_s(instance) * instance.tokens_per_s
+        tokens = self.load_s(instance) * instance.tokens_per_s * self.stalled(instance)
         return tokens if tokens > 0 else math.inf
 
     def costs(self, candidates: list[InstanceInfo]) -> dict[str, float]:
@@ -125,8 +132,10 @@ class AdapterPlan:
         where = "reads it again" if self.loaded(instance) else "loads it"
         if math.isinf(cost):
             return f", {where}: adapter {self.adapter.name} (load time not measured yet: not moved off a holder)"
+        stalled = self.stalled(instance)
         return (f", {where}: adapter {self.adapter.name} +{cost:.0f} to load "
-                f"({self.load_s(instance) * 1e3:.0f} ms at {instance.tokens_per_s:.0f} tokens/s)")
+                f"({self.load_s(instance) * 1e3:.0f} ms at {instance.tokens_per_s:.0f} tokens/s"
+                + (f", x {stalled} requests it stalls)" if stalled > 1 else ")"))
 
     def reason(self, chosen: InstanceInfo, candidates: list[InstanceInfo]) -> str:
         """LORA_REASONS' entry for the instance chosen among candidates."""

@@ -172,3 +172,18 @@ def test_without_a_prefill_of_the_clusters_files_the_log_names_the_adapter_not_t
         assert "KV format" not in str(e.value)
 
     in_world(redis_server, body)
+
+
+def test_a_decodes_load_is_priced_for_every_request_it_stalls(redis_server):
+    """A decode reads an adapter on its step thread, so a load there holds up each request it serves: a holder with
+    3 running (768 tokens) beats a non-holder with 2 (512 + 3 x 100 to load), which a load priced once (612) would
+    not."""
+    async def body(world):
+        await world.register(holding("prefill-a", "prefill"), holding("decode-a", "decode", num_running=3),
+                             holding("decode-b", "decode", {}, num_running=2))  # fmt: skip
+        r = await route(world)
+        assert (r.decode.instance_id, r.lora_reasons["decode"]) == ("decode-a", "holder"), r.explain()
+        assert ("decode decode-b: 0 cached, 2 requests, loads it: adapter sql +300 to load (100 ms at 1000 tokens/s, "
+                "x 3 requests it stalls)") in r.explain()
+
+    in_world(redis_server, body)
