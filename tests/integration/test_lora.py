@@ -73,7 +73,7 @@ def run_all(engine: LLMEngine, requests: list[Request]) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("name", ["llama3", "phi3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "gemma2", "phi3"])
 def test_a_mixed_adapter_batch_equals_hf_peft_per_request(tiny_factory, name):
     """Base + three adapters in flight together, one prompt under two adapters; two slots and two adapters in memory
     for three adapters, so requests take turns and an adapter is read from disk again."""
