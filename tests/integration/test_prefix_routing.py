@@ -111,6 +111,7 @@ def test_redis_down_routes_on_load_and_recovers(routed_cluster, tokenizer, hf_gr
     assert out.cached_tokens > 0
 
 
+@pytest.mark.heavy  # (.ci/run's heavy pass: 14 s; test_faults.py and test_deployment.py restart instances too)
 def test_killed_then_restarted_prefill_leaves_routing_correct(routed_cluster, tokenizer, hf_greedy):
     cluster, salt = routed_cluster, "killed-prefill"
     before = loads(cluster)

@@ -109,7 +109,8 @@ def test_model_id_names_the_weights_whichever_flag_brings_them(model_dir, int8_d
     assert ModelConfig.from_dir(tmp_path, str(int8_dir)).model_id != alone.model_id
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "gguf"])
+@pytest.mark.parametrize("fmt", [pytest.param("fp32", marks=pytest.mark.heavy),
+                                 pytest.param("int8", marks=pytest.mark.heavy), "gguf"])  # (gguf: the default)
 def test_long_prompt_gives_finite_logits(model_dir, int8_dir, tokenizer, fmt):
     config = ModelConfig.from_dir(model_dir, {"fp32": None, "int8": str(int8_dir), "gguf": "gguf"}[fmt])
     ids = tokenizer((LONG_TEXT + "\n") * 8, add_special_tokens=False).input_ids[:2000]

@@ -119,6 +119,7 @@ def test_gateway_places_requests_elsewhere_when_a_decode_dies(two_by_two, hf_ref
 QUEUED_PROMPT = "\n\n".join(f"Part {i + 1}. {LONG_TEXT}" for i in range(4))  # raw, about 1,200 tokens
 
 
+@pytest.mark.heavy  # (.ci/run's heavy pass: a cluster of its own for 21 s)
 def test_a_prompt_queued_on_a_busy_prefill_keeps_its_reservation(model_dir, tokenizer, hf_greedy):
     """Found by the random-faults test with --kv-lease-timeout 10 on a loaded machine (long prompts queued at both
     prefills: 21 reservations lost in 162 s, both prefills marked down, one plain request failed UNAVAILABLE):

@@ -132,9 +132,11 @@ def test_triton_path_reads_and_writes_a_quantized_kv_cache(cut_model_dir):
     compare_paths(cut_model_dir, "none", "fp8_e4m3")
 
 
+@pytest.mark.heavy
 def test_triton_path_runs_mixed_precision_and_outlier_int8(cut_model_dir, tmp_path):
     """A mixed checkpoint (k_proj float inside an INT4 qkv: the unfused ConcatLinear; down_proj INT8) and an
-    outlier-aware INT8 one (the INT8 GEMM plus the float outlier columns) on the GPU code path."""
+    outlier-aware INT8 one (the INT8 GEMM plus the float outlier columns) on the GPU code path. (.ci/run's heavy
+    pass: 20 s of the interpreter, for layer formats the CPU path's tests cover.)"""
     from tandem.shared.quant import QuantConfig, save_quantized
     from tandem.tools.quant import quantize_model
     from tandem.tools.evaluation import load_hf_model

@@ -112,3 +112,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def close():
     """assert_close with the per-dtype tolerances above."""
     return assert_close
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def kernel_threads(request):
+    """The C++ CPU kernels' thread count for one test (1, then 2), restored after it."""
+    from tandem.kernels import cpu_ext
+
+    before = cpu_ext.num_threads()
+    cpu_ext.set_num_threads(request.param)
+    yield request.param
+    cpu_ext.set_num_threads(before)

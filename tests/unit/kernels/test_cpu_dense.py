@@ -30,13 +30,6 @@ def _kernel_at_every_m(monkeypatch, dtype):
     monkeypatch.setattr(cpu_dense, "MAX_ROWS_UNPACKED_BF16", None)  # (without AVX512-BF16: the per-row path)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def kernel_threads(request):
-    before = cpu_ext.num_threads()
-    cpu_ext.set_num_threads(request.param)
-    yield request.param
-    cpu_ext.set_num_threads(before)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M, N, K", SHAPES)

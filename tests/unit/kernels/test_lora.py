@@ -65,13 +65,6 @@ def _assert_matches_ref(out, y, x, lora_a, lora_b, segs):
     assert (err > 0).double().mean() <= 0.01, f"{int((err > 0).sum())} of {err.numel()} outputs differ"
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def kernel_threads(request):
-    before = cpu_ext.num_threads()
-    cpu_ext.set_num_threads(request.param)
-    yield request.param
-    cpu_ext.set_num_threads(before)
-
 
 # (layout, K, N): the default model's linears on the decode and prefill layouts; sizes no multiple of 8 or 16 on
 # the mixed one (K and N of 1 too: every loop is its tail)
