@@ -113,7 +113,8 @@ def compare_paths(*args):
     assert set(calls) == {"write_kv_cache", "paged_decode_attention", "paged_prefill_attention"} | gemms, calls
 
 
-# (INT8 and INT4 alone: .ci/run's heavy pass; make test runs both GEMMs in the mixed and llmint8 checkpoints below)
+# (INT8 and INT4: .ci/run's heavy pass, as are the mixed and llmint8 checkpoints below; make test runs the quantized
+# GEMM kernels in their own tests, tests/unit/kernels/test_quant_gemm.py)
 @pytest.mark.parametrize("fmt", ["fp32", pytest.param("int8", marks=pytest.mark.heavy),
                                  pytest.param("int4-g128", marks=pytest.mark.heavy)])
 def test_triton_path_gives_the_torch_path_tokens(cut_model_dir, tmp_path, fmt):
