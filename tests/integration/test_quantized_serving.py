@@ -72,6 +72,7 @@ def mixed_dir(model_dir, tmp_path_factory):
     return out, budget
 
 
+@pytest.mark.heavy  # (.ci/run's heavy pass: a cluster of its own, 17 s; mixed checkpoints: tests/unit/quant/)
 def test_mixed_checkpoint_serves_token_exact_within_its_budget(model_dir, mixed_dir, tokenizer):
     from tandem.services.launcher import LocalCluster
     from tandem.shared.model_files import read_safetensors

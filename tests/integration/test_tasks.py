@@ -1,10 +1,13 @@
 """The task suite through the engine: batched greedy outputs of the default fp32 model equal HF transformers'
 greedy outputs for the same prompts, and a report diffed against itself changes nothing."""
+import pytest
+
 from tandem.tools.tasks import CATEGORIES, diff_report, evaluate_tasks, load_tasks, prompt_token_ids
 
 NUM_TOKENS = 48
 
 
+@pytest.mark.heavy  # (.ci/run's heavy pass: 12 s; the tasks' checks and report format have unit tests)
 def test_engine_answers_equal_hf_greedy_and_a_report_does_not_differ_from_itself(model_config, tokenizer, hf_greedy):
     tasks = load_tasks(limit_per_category=3)
     assert len(tasks) == 12
