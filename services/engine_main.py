@@ -146,16 +146,36 @@ def _watch_ranks(engine) -> asyncio.Future:
     return failed
 
 
-async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> str | None:
+async def _serve_until_stopped(server, servicer, leave_registry, rank_failed) -> str | None:
+    """Serve until a signal drains the server (None), or until a tensor-parallel rank exits: then down at once
+    (NOT_SERVING, out of the registry, calls ended) and the rank's reason is returned."""
+    serving = asyncio.create_task(server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy))
+    await asyncio.wait([serving, rank_failed], return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        return None
+    serving.cancel()
+    await server.health.enter_graceful_shutdown()
+    server.drain.draining = True
+    await leave_registry()
+    await server.grpc.stop(grace=1.0)
+    return rank_failed.result()
+
+
+async def _check_start(engine_args: EngineArgs, redis_url: str | None) -> None:
+    """What stops a start before the model loads: --device cuda without a usable GPU, a wrong Redis password."""
     import torch
 
+    if engine_args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is usable here (torch {torch.__version__})")
+    if redis_url:
+        await check_redis_auth(redis_url)
+
+
+async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: bool) -> str | None:
     from tandem.shared.model_files import default_model_dir
 
     engine_args = EngineArgs.from_namespace(args)
-    if engine_args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device cuda: no CUDA device is usable here (torch {torch.__version__})")
-    if args.redis_url:
-        await check_redis_auth(args.redis_url)  # (a wrong password stops the start, before the model loads)
+    await _check_start(engine_args, args.redis_url)
     registry = Registry(args.redis_url) if args.redis_url else None
     publish_index = registry is not None and engine_args.enable_prefix_caching
     engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
@@ -213,18 +233,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
 
     print(_serving_line(engine, engine_args, info, registry is not None,
                         metrics_url(args.advertise_host, metrics_port)), flush=True)
-    rank_failed = _watch_ranks(engine)
     try:
-        serving = asyncio.create_task(server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy))
-        await asyncio.wait([serving, rank_failed], return_when=asyncio.FIRST_COMPLETED)
-        if not serving.done():  # a rank died: down at once (NOT_SERVING, out of the registry, calls ended)
-            serving.cancel()
-            await server.health.enter_graceful_shutdown()
-            server.drain.draining = True
-            await leave_registry()
-            await server.grpc.stop(grace=1.0)
-            return rank_failed.result()
-        return None
+        return await _serve_until_stopped(server, servicer, leave_registry, _watch_ranks(engine))
     finally:
         stats_refresh.cancel()
         lora_refresh.cancel()
