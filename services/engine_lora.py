@@ -66,21 +66,16 @@ class EngineLoRA:
         """Instance.LoadLoRAAdapter. InvalidRequestError naming the adapter and what is wrong; with expected_digest,
         also when the directory's files have another digest (they changed since the cluster loaded them), and then
         nothing is loaded here."""
-        lora_request = LoRARequest(request.lora_name, request.lora_path)
         expected = request.expected_digest if request.HasField("expected_digest") else None
-        if expected is not None:  # (read first: files of another digest must never serve, not even a moment)
-            self._check_digest(await asyncio.to_thread(self.read_lora, lora_request), expected)
         started = time.perf_counter()
-        added = await self.engine.add_lora(lora_request)
+        read = await asyncio.to_thread(self.read_lora, LoRARequest(request.lora_name, request.lora_path))
+        if expected is not None:  # (files of another digest must never serve, not even a moment)
+            self._check_digest(read, expected)
+        added = await self.engine.add_lora(read)
         elapsed = time.perf_counter() - started
         self.adapters = await self.engine.list_loras()
         adapter = next(a for a in self.adapters if a.name == request.lora_name)
-        if expected is not None and adapter.digest != expected:  # (the files changed again between the two reads)
-            if added:
-                await self.engine.remove_lora(adapter.name)
-                self.adapters = await self.engine.list_loras()
-            self._check_digest(adapter, expected)
-        self._measured(elapsed)  # (the same files again were read again, too)
+        self._measured(elapsed)  # (the same files again were read again, too: a load's cost either way)
         if added:
             log.info("LoRA adapter %s (digest %s, rank %d) loaded from %s in %.0f ms", adapter.name, adapter.digest,
                      adapter.rank, adapter.path, elapsed * 1e3)  # fmt: skip

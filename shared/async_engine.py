@@ -156,10 +156,11 @@ class AsyncEngine:
         state a rebuilt prefix index starts from (events not yet handed out go out first, as batch seq)."""
         return await self._call(GetKVSnapshot())
 
-    async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Serve a LoRA adapter from the next step on (LLMEngine.add_lora): its directory is read and checked on a
-        worker thread, so the steps go on meanwhile. InvalidRequestError naming the adapter."""
-        adapter = await asyncio.to_thread(self._engine.read_lora, lora_request)
+    async def add_lora(self, lora: LoRARequest | LoRAAdapter) -> bool:
+        """Serve a LoRA adapter from the next step on (LLMEngine.add_lora): a LoRARequest's directory is read and
+        checked on a worker thread first (a LoRAAdapter was read already), so the steps go on meanwhile.
+        InvalidRequestError naming the adapter."""
+        adapter = await asyncio.to_thread(self._engine.read_lora, lora) if isinstance(lora, LoRARequest) else lora
         return await self._call(AddLoRA(adapter))
 
     async def remove_lora(self, lora_name: str) -> None:
