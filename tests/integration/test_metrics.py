@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.services.client import Client
-from tests.integration.helpers import wait_all_blocks_free
+from tests.integration.helpers import wait_all_blocks_free, wait_idle
 
 LONG = "Explain, step by step and with examples, how a bicycle's gears let a rider climb a steep hill. " * 4
 
@@ -41,6 +41,7 @@ def scrape_all(cluster) -> dict[str, dict]:
 
 def test_metrics_follow_the_traffic(cluster):
     assert set(cluster.metrics_urls) == {"gateway", "prefill0", "decode0"}
+    wait_idle(cluster)  # (the shared cluster: nothing of an earlier test's may run into these counts)
     before = scrape_all(cluster)
     received, requests = 0, 4
     with Client(cluster.gateway_address) as client:
