@@ -17,8 +17,8 @@ import time
 import grpc
 
 from tandem.services.flags import (HelpFormatter, add_drain_arg, add_engine_args, add_gateway_policy_args,
-                           add_observability_args, apply_env, engine_argv, gateway_policy_argv, port_number,
-                           positive_int)
+                           add_observability_args, add_tier_parallel_args, apply_env, engine_argv,
+                           gateway_policy_argv, port_number, positive_int)
 from tandem.services.security import (add_api_key_args, add_client_tls_args, add_tls_args, api_keys_from_args,
                                client_tls_from_args, tls_from_args)
 from tandem.shared import envs
@@ -162,10 +162,13 @@ def cmd_up(args) -> int:
         ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else [])
     engine_flags = engine_argv(engine_args) + observability
     chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
+    prefill_tp, decode_tp = (["--tensor-parallel-size", str(size)] if size is not None else []
+                             for size in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size))
     tls, api_keys = tls_from_args(args), api_keys_from_args(args)
     cluster = LocalCluster(model=model, gateway_port=port or free_port(), http_port=http_port or free_port(),
                            num_prefill=args.prefill,
-                           num_decode=args.decode, prefill_args=engine_flags + chunk, decode_args=engine_flags,
+                           num_decode=args.decode, prefill_args=engine_flags + chunk + prefill_tp,
+                           decode_args=engine_flags + decode_tp,
                            gateway_args=engine_argv(engine_args, groups=("model",)) + observability
                            + gateway_policy_argv(args),
                            log_dir=args.log_dir, drain_timeout_s=args.drain_timeout, tls=tls,
@@ -216,7 +219,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare_model)
 
     up_text = ("Every engine flag is passed to each prefill and decode process (python -m tandem.services.decode --help); "
-               "--prefill-chunk to the prefills only; the gateway's policy flags (routing, admission) to the gateway.")
+               "--prefill-chunk to the prefills only, --prefill- and --decode-tensor-parallel-size to their tier; the "
+               "gateway's policy flags (routing, admission) to the gateway.")
     p = sub.add_parser("up", help="run a local cluster (redis, gateway, prefill, decode) in the foreground",
                        formatter_class=defaults, description=up_text)
     add_engine_args(p)
@@ -229,6 +233,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--decode", type=positive_int, default=1, help="decode instances")
     p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="the prefills' --max-num-batched-tokens (default: theirs, 512)")
+    add_tier_parallel_args(p)
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temp dir)")
     add_observability_args(p)  # (passed to every process)
     add_drain_arg(p)

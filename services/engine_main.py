@@ -195,6 +195,9 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
                         cache_config.block_size, cache_config.num_blocks, incarnation=incarnation,
                         hash_contract=contract.to_dict() if contract else None,
                         kv_dtype=cache_config.kv_dtype)  # fmt: skip
+    # (its ranks, and where each takes KV: rank 0 on its address, the others' TransferKVShard servers)
+    info.tensor_parallel_size = engine.tp_workers.group.size if engine.tp_workers is not None else 1
+    info.kv_endpoints = [info.address] + list(getattr(servicer, "kv_rank_endpoints", ()))
 
     async def current_info() -> InstanceInfo:
         return _with_load(info, metrics, lora)

@@ -238,6 +238,15 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
                              "are refused meanwhile, and those still running then are cancelled")  # fmt: skip
 
 
+def add_tier_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """`tandem up`: each tier's tensor-parallel size, over --tensor-parallel-size (which sets both)."""
+    for tier in ("prefill", "decode"):
+        parser.add_argument(f"--{tier}-tensor-parallel-size", type=positive_int, default=None,
+                            help=f"the {tier}s' --tensor-parallel-size (default: --tensor-parallel-size); the tiers "
+                                 "may differ: each rank ships its KV heads to the ranks holding them "
+                                 "(docs/parallelism.md)")  # fmt: skip
+
+
 def add_registry_args(parser: argparse.ArgumentParser, required_unless: str = "") -> None:
     parser.add_argument("--redis-url", default=None,
                         help=f"Redis holding the instance registry; required{required_unless}. A password and TLS "

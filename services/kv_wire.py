@@ -29,9 +29,10 @@ def kv_to_messages(
     request_id: str, kv: KVBlocks, model_config: ModelConfig, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     kv_dtype: str | None = None,
 ) -> list[decode_pb2.KVBlocksMessage]:
-    """Split exported blocks (all layers) into messages of at most max_bytes of tensor data (at least one
-    block of one layer each). kv_dtype: the pool's KV dtype name (CacheConfig.kv_dtype; None: the data's float
-    type's name); a quantized pool's data is uint8 rows (kernels/kv_quant.row_size)."""
+    """Split exported blocks (all layers; the model's KV heads kv.head_start.. of the data's) into messages of
+    at most max_bytes of tensor data (at least one block of one layer each). kv_dtype: the pool's KV dtype name
+    (CacheConfig.kv_dtype; None: the data's float type's name); a quantized pool's data is uint8 rows
+    (kernels/kv_quant.row_size)."""
     data = kv.data.contiguous()
     num_layers, _, num_blocks, block_size, num_kv_heads, row = data.shape
     kv_dtype = kv_dtype or dtype_name(data.dtype)
@@ -62,6 +63,8 @@ def kv_to_messages(
                     checksum=checksum(raw),
                 )
             )
+            if kv.head_start:  # (absent: 0; two single-rank instances send what they always sent)
+                messages[-1].kv_head_start = kv.head_start
     return messages
 
 
@@ -70,12 +73,16 @@ def checksum(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def last_message(request_id: str, first_token_id: int, num_messages_sent: int,
+def last_message(request_id: str, first_token_id: int | None, num_messages_sent: int,
                  num_blocks_sent: int) -> decode_pb2.KVBlocksMessage:
-    """The message that ends a transfer: the first sampled token and the totals the receiver checks
-    (num_messages_sent: data messages before it; num_blocks_sent: blocks they carried, each counted once)."""
-    return decode_pb2.KVBlocksMessage(request_id=request_id, first_token_id=first_token_id,
-                                      num_messages_sent=num_messages_sent, num_blocks_sent=num_blocks_sent)
+    """The message that ends a transfer: the first sampled token (None: a shard stream's end, TransferKVShard) and
+    the totals the receiver checks (num_messages_sent: data messages before it; num_blocks_sent: blocks they
+    carried, each counted once)."""
+    msg = decode_pb2.KVBlocksMessage(request_id=request_id, num_messages_sent=num_messages_sent,
+                                     num_blocks_sent=num_blocks_sent)
+    if first_token_id is not None:
+        msg.first_token_id = first_token_id
+    return msg
 
 
 class KVTransferTally:
@@ -109,23 +116,30 @@ class KVTransferTally:
                                           f"{received} arrived")  # fmt: skip
 
 
-def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, cache_config: CacheConfig) -> KVBlocks:
+def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, cache_config: CacheConfig,
+                    kv_heads: tuple[int, int] | None = None) -> KVBlocks:
     """Check a data message (num_blocks > 0) against this instance and its checksum, and view its bytes as a
     tensor [layer_end - layer_start, 2, num_blocks, block_size, num_kv_heads, row] in the pool's element type (row:
-    head_dim; a quantized KV dtype's kernels/kv_quant.row_size bytes).
+    head_dim; a quantized KV dtype's kernels/kv_quant.row_size bytes). kv_heads: the model's KV heads [start, end)
+    this rank holds (shared/parallel/kv_heads.py; None: all); the message's heads [kv_head_start, kv_head_start +
+    num_kv_heads) must lie inside them.
     InvalidRequestError naming the field on any mismatch (the block range is checked on import, against the
     request's reserved blocks: KVConnector.import_kv)."""
     want = {
         "model_id": model_config.model_id,
         "dtype": cache_config.kv_dtype,
         "block_size": cache_config.block_size,
-        "num_kv_heads": model_config.num_key_value_heads,
         "head_dim": model_config.head_dim,
     }
     for field, expected in want.items():
         got = getattr(msg, field)
         if got != expected:
             raise InvalidRequestError(f"KV transfer refused: {field} is {got!r}, this decode instance has {expected!r}")
+    start, end = kv_heads or (0, model_config.num_key_value_heads)
+    if not (msg.num_kv_heads and start <= msg.kv_head_start and msg.kv_head_start + msg.num_kv_heads <= end):
+        raise InvalidRequestError(f"KV transfer refused: kv_head_start {msg.kv_head_start} and num_kv_heads "
+                                  f"{msg.num_kv_heads} name KV heads this decode rank does not hold (it holds "
+                                  f"[{start}, {end}))")  # fmt: skip
     if not 0 <= msg.layer_start < msg.layer_end <= model_config.num_hidden_layers:
         raise InvalidRequestError(
             f"KV transfer refused: layer range [{msg.layer_start}, {msg.layer_end}) is out of bounds")
@@ -142,4 +156,4 @@ def kv_from_message(msg: decode_pb2.KVBlocksMessage, model_config: ModelConfig, 
                                   f"{msg.first_block_index + msg.num_blocks} of layers [{msg.layer_start}, "
                                   f"{msg.layer_end}): the data is corrupt")  # fmt: skip
     data = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(cache_config.dtype).view(shape)
-    return KVBlocks(msg.first_block_index, data, msg.layer_start)
+    return KVBlocks(msg.first_block_index, data, msg.layer_start, msg.kv_head_start)

@@ -124,6 +124,13 @@ class AsyncEngine:
     def cache_config(self) -> CacheConfig:
         return self._engine.cache_config
 
+    @property
+    def tp_workers(self):
+        """The other ranks of a tensor-parallel engine (shared/parallel/executor.py TensorParallelWorkers), or None:
+        fixed at start. Their pipes are the engine thread's once it steps (services/kv_shards.py starts their KV
+        transfer before the server serves)."""
+        return self._engine.tp_workers
+
     # -- the interface (event-loop thread) -----------------------------------------------------------------
     async def add_request(self, request: Request) -> asyncio.Queue:
         """Queue a request to compute from its first token; return the queue its RequestOutputs arrive on."""

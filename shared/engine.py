@@ -95,7 +95,7 @@ class LLMEngine:
         self.model_config = model_config
         self.tp_workers = None  # the other ranks of a tensor-parallel instance (None: this process alone)
         if parallel_config is not None and parallel_config.tensor_parallel_size > 1:
-            check_tensor_parallel_features(model_config, parallel_config.tensor_parallel_size, export_kv,
+            check_tensor_parallel_features(model_config, parallel_config.tensor_parallel_size,
                                            speculative_config, kv_tier_config, lora_config, model)
             self.tp_workers = TensorParallelWorkers.start(model_config, cache_config, device, parallel_config)
         try:
@@ -195,10 +195,8 @@ class LLMEngine:
         (KVConnector.reserve, reusing the longest cached prefix, preempting running requests of lower priority).
         Returns the prompt tokens already cached here (a multiple of block_size): KV for them need not come.
         InvalidRequestError on bad input, NoCapacityError if the pool has no room now (with room_soon when
-        requests of lower priority still waiting for their KV hold blocks: preemptible once they decode)."""
-        if self.tp_workers is not None:
-            raise InvalidRequestError(f"this instance runs {self.tp_workers.group.size} tensor-parallel ranks: it "
-                                      "receives no KV from a prefill (compute the prompt here)")
+        requests of lower priority still waiting for their KV hold blocks: preemptible once they decode). At tensor
+        parallelism each rank receives its own KV heads (KVConnector: ExpectKV to the other ranks)."""
         self._admit(request)
         try:
             return self.kv_connector.reserve(request)

@@ -188,6 +188,9 @@ class Request:
     # leading blocks whose KV does not travel: the receiving decode holds them, or (every layer sliding) they lie
     # wholly before its first query's window. Decode tier: set by its reserve; prefill tier: from the request.
     kv_skip_blocks: int = 0
+    # prefill tier at tensor parallelism: where its KV goes (shared/parallel/messages.py KVDestination), for the
+    # other ranks, which ship their own heads (None: a single-rank prefill, or no transfer)
+    kv_destination: object | None = None
     # with sampling_params.prompt_logprobs: prompt tokens 1, 2, ... as computed so far (TokenLogprobs)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: Grammar | None = None  # with structured_output: the grammar's state after the output so far

@@ -12,11 +12,13 @@ from tandem.services.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling
 from tandem.services.engine_main import engine_main
 from tandem.services.flags import DEFAULT_KV_LEASE_S
 from tandem.services.grpc_errors import status_for
+from tandem.services.kv_shards import start_kv_transfer
 from tandem.services.kv_wire import KVTransferTally, kv_from_message
 from tandem.services.metrics import EngineMetrics
 from tandem.services.tracing import annotate
 from tandem.shared.async_engine import AsyncEngine
 from tandem.shared.errors import InvalidRequestError
+from tandem.shared.parallel.kv_heads import kv_head_range
 from tandem.shared.request import Request
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 
@@ -33,6 +35,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.kv_lease_s = kv_lease_s
         self._kv_progress: dict[str, float] = {}  # reserved request id -> when its KV last made progress
         self._transfers: set[str] = set()  # request ids whose TransferKV call is under way
+        workers = engine.tp_workers
+        # the model's KV heads this rank holds (tensor parallelism: the other ranks receive theirs themselves)
+        self.kv_heads = kv_head_range(0, workers.group.size if workers is not None else 1,
+                                      engine.model_config.num_key_value_heads)
+        self.kv_rank_endpoints: list[str] = []  # ranks 1..'s TransferKVShard endpoints (services/kv_shards.py)
 
     async def Generate(self, request, context):
         if not request.request_id:
@@ -124,7 +131,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if not msg.num_blocks:
                         raise InvalidRequestError(f"KV transfer refused: num_blocks is 0 but data has {len(msg.data)} "
                                                   "bytes")  # fmt: skip
-                    kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config)
+                    kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config, self.kv_heads)
                     await self.engine.import_kv(msg.request_id, kv)
                 if msg.HasField("first_token_id"):
                     tally.check_totals(msg)
@@ -147,8 +154,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._transfers.discard(tally.request_id)
 
 
+    async def TransferKVShard(self, request_iterator, context):
+        """One prefill rank's KV heads for this rank (tensor parallelism on either tier; docs/parallelism.md):
+        data messages checked as TransferKV's (their heads must be this rank's: INVALID_ARGUMENT naming
+        kv_head_start) and written at once, then the totals. The request must be reserved and waiting for its KV
+        (NOT_FOUND otherwise). A failure ends this stream only: the prefill then fails its call and breaks the
+        control stream (TransferKV), which fails the request."""
+        tally = None
+        async for msg in request_iterator:
+            tally = tally or KVTransferTally(msg.request_id, self.engine.model_config.num_hidden_layers)
+            tally.add(msg)
+            if msg.request_id in self._kv_progress:  # (renews the reservation's lease)
+                self._kv_progress[msg.request_id] = time.monotonic()
+            if msg.num_blocks or msg.data:
+                if not msg.num_blocks:
+                    raise InvalidRequestError(f"KV transfer refused: num_blocks is 0 but data has {len(msg.data)} "
+                                              "bytes")  # fmt: skip
+                kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config, self.kv_heads)
+                await self.engine.import_kv(msg.request_id, kv)
+            if msg.HasField("num_messages_sent"):
+                tally.check_totals(msg)
+                return decode_pb2.TransferKVResponse(num_blocks_received=tally.num_blocks)
+        raise InvalidRequestError("KV transfer incomplete: the shard stream ended without its last message "
+                                  "(num_messages_sent)")  # fmt: skip
+
+
 def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics, args) -> DecodeServicer:
     servicer = DecodeServicer(engine, server.instance_id, metrics, args.kv_lease_timeout)
+    servicer.kv_rank_endpoints = start_kv_transfer(engine, "decode", args)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server.grpc)
     return servicer
 

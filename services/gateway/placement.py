@@ -210,7 +210,10 @@ class Placer:
                                            decode_address=decode.address, decode_instance_id=decode.instance_id,
                                            num_skip_blocks=reply.num_skip_blocks,
                                            cache_salt=request.cache_salt, priority=request.priority,
-                                           output_token_ids=request.output_token_ids, lora_name=request.lora_name),
+                                           output_token_ids=request.output_token_ids, lora_name=request.lora_name,
+                                           decode_tensor_parallel_size=decode.tensor_parallel_size,
+                                           decode_kv_endpoints=decode.kv_endpoints
+                                           if decode.tensor_parallel_size > 1 else ()),
                 timeout=timeout,
             )  # fmt: skip
             prefill_reply, decode_call = await prefill_watching_decode(prefill_call, decode_call, prefill)

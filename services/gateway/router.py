@@ -8,8 +8,9 @@ and the prefix index (shared/cluster_state/prefix_index.py). docs/prefix-caching
   tokens it could have computed meanwhile. So a pool hit beats a host hit, which beats a disk hit, which beats
   computing, by measured costs; before a rate is measured a tier hit costs nothing extra and ties go to the
   instance holding more in its pool.
-- Pairs: a prefill and a decode only when they share a KV format (InstanceInfo.shares_kv_format: KV dtype and block
-  size; a fleet changing --kv-dtype mixes them). A decode no prefill pairs with computes prompts itself.
+- Pairs: a prefill and a decode only when the prefill can send it KV (InstanceInfo.can_send_kv_to: KV dtype and
+  block size, as a fleet changing --kv-dtype mixes them; with tensor parallelism on either side, records that list
+  the decode's rank endpoints). A decode no prefill pairs with computes prompts itself.
 - Decode: among instances with room for the request, the highest score: prompt tokens it already holds in its
   pool (not shipped: received KV is reserved in the pool alone) minus DECODE_LOAD_TOKENS per request it serves or
   holds.
@@ -175,7 +176,7 @@ class Router:
                 raise NoInstanceError(plan.no_prefill())
         roomy = [d for d in decodes if d.num_free_blocks * d.block_size >= max_total_tokens]
         # (a fleet mid-way through a change of --kv-dtype or --block-size: only pairs that can move KV)
-        paired = [d for d in roomy or decodes if any(p.shares_kv_format(d) for p in prefills)] or roomy or decodes
+        paired = [d for d in roomy or decodes if any(p.can_send_kv_to(d) for p in prefills)] or roomy or decodes
         if session_id is None:
             return annotate(await self._route(prompt_ids, paired, prefills, cache_salt, local, plan), plan, paired,
                             prefills)
@@ -256,7 +257,7 @@ class Router:
                        for d in roomy]  # fmt: skip
         decode = self._turn("decode", _best(roomy, decode_score, max))
         uncached = n - cached[decode.instance_id]
-        if local and not any(p.shares_kv_format(decode) for p in prefills):
+        if local and not any(p.can_send_kv_to(decode) for p in prefills):
             why = plan.no_prefill() if plan is not None and not prefills else (
                 f"no prefill shares its KV format ({decode.kv_dtype}, blocks of {decode.block_size})")  # fmt: skip
             explanation.append(f"-> decode {decode.instance_id} computes the prompt itself: {why}")
@@ -310,15 +311,16 @@ class Router:
         return prefill
 
     def _paired(self, decode: InstanceInfo, prefills: list[InstanceInfo]) -> list[InstanceInfo]:
-        """The prefills whose KV the decode can take (InstanceInfo.shares_kv_format), logged once per prefill that
+        """The prefills whose KV the decode can take (InstanceInfo.can_send_kv_to), logged once per prefill that
         cannot. NoInstanceError when there is none."""
-        paired = [p for p in prefills if p.shares_kv_format(decode)]
+        paired = [p for p in prefills if p.can_send_kv_to(decode)]
         for p in prefills:
             if p not in paired and (p.instance_id, decode.instance_id) not in self._unpaired_logged:
                 self._unpaired_logged.add((p.instance_id, decode.instance_id))
-                log.warning("prefill %s (KV %s, blocks of %d) cannot send KV to decode %s (KV %s, blocks of %d): not "
-                            "paired", p.instance_id, p.kv_dtype, p.block_size, decode.instance_id, decode.kv_dtype,
-                            decode.block_size)  # fmt: skip
+                log.warning("prefill %s (KV %s, blocks of %d, TP %d) cannot send KV to decode %s (KV %s, blocks of "
+                            "%d, TP %d, %d rank endpoints): not paired", p.instance_id, p.kv_dtype, p.block_size,
+                            p.tensor_parallel_size, decode.instance_id, decode.kv_dtype, decode.block_size,
+                            decode.tensor_parallel_size, len(decode.kv_endpoints))  # fmt: skip
         if not paired:
             raise NoInstanceError(f"no live prefill shares decode {decode.instance_id}'s KV format ({decode.kv_dtype},"
                                   f" blocks of {decode.block_size}): start every engine with the same --kv-dtype and "

@@ -116,7 +116,7 @@ class SessionTable:
             kept[tier] = found
             loads.append(f"{tier} {found.instance_id} +{excess}")
         decode, prefill = kept["decode"], kept["prefill"]
-        if prefill is not None and not prefill.shares_kv_format(decode):
+        if prefill is not None and not prefill.can_send_kv_to(decode):
             return None, f"session {session_id}: moves: prefill {prefill.instance_id} no longer shares its KV format"
         return (decode, prefill), (f"session {session_id}: stays ({', '.join(loads)} tokens above the least loaded, "
                                    f"<= {max_load})")

@@ -1,10 +1,18 @@
 """Prefill service: chunked prefill batched across prompts; after each step the blocks it completed stream to
 the target decode instance while the next chunk computes; the first token returns to the gateway at once.
 Embed runs prefill-only work: pooling requests (embeddings), with no decode and no KV shipped.
+
+Tensor parallelism on either tier (docs/parallelism.md): each prefill rank ships the KV heads it is the lowest
+holder of straight to each decode rank holding them (shared/parallel/kv_heads.py kv_transfer_routes); this rank's
+go on TransferKV to decode rank 0 (the control stream) and on TransferKVShard streams to the other decode ranks,
+the other ranks' from their own processes (services/kv_shards.py). The control stream's last message (the first
+token and its totals) goes only once every shard stream was acknowledged; a failed one fails the call
+(UNAVAILABLE, naming the decode), and the gateway places the request again.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -14,16 +22,30 @@ from tandem.services.channels import ChannelPool
 from tandem.services.convert import logprobs_to_proto, sampling_params_from_proto
 from tandem.services.engine_main import engine_main
 from tandem.services.grpc_errors import upstream_error
+from tandem.services.kv_shards import start_kv_transfer
 from tandem.services.kv_wire import kv_to_messages, last_message
 from tandem.services.metrics import EngineMetrics
 from tandem.services.tracing import annotate, bind_request, end_when_done, start_span, traced, use_span
 from tandem.shared.async_engine import AsyncEngine
-from tandem.shared.errors import InvalidRequestError, RequestFailedError
+from tandem.shared.errors import InvalidRequestError, RequestFailedError, UpstreamError
+from tandem.shared.kv_connector import KVBlocks
+from tandem.shared.parallel.kv_heads import KVRoute, kv_head_range, kv_transfer_routes
+from tandem.shared.parallel.messages import KVDestination, kv_outcome_key
 from tandem.shared.request import FinishReason, PoolingParams, Request, SamplingParams
 from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 KV_KEEPALIVE_S = 0.5  # most seconds between two messages of a transfer (the decode's --kv-lease-timeout is >= 2)
+SHARD_POLL_S = 0.002  # how often rank 0 looks for its other ranks' shard stream outcomes (the instance's TCPStore)
+
+
+class _Outbox:
+    """One outgoing stream of a transfer (rank 0's): the messages queued for it and the totals sent so far."""
+
+    def __init__(self, route: KVRoute):
+        self.route, self.queue = route, asyncio.Queue()
+        self.num_messages = self.num_blocks = 0
+        self.call = None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -32,6 +54,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine, self.metrics = engine, metrics
         self.channels = channels or ChannelPool()  # (to the decodes; with the service's TLS settings)
         self._transfers: set[asyncio.Task] = set()
+        workers = engine.tp_workers
+        self.tp_size = workers.group.size if workers is not None else 1
+        self.store = workers.store if workers is not None else None  # (the other ranks' shard outcomes)
+        self._serials = itertools.count(1)  # (names each transfer in the store)
 
     @traced("prefill")
     async def Prefill(self, request, context):
@@ -52,28 +78,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "
                                       f"before its last token")  # fmt: skip
         req.kv_skip_blocks = request.num_skip_blocks
-        outbox: asyncio.Queue = asyncio.Queue()
+        routes, endpoints = self._routes(request)
+        serial = next(self._serials)
+        if self.tp_size > 1:  # (the other ranks ship their own heads)
+            req.kv_destination = KVDestination(serial, decode_id, len(endpoints), endpoints)
+        outboxes = [_Outbox(r) for r in routes if r.prefill_rank == 0]  # decode rank 0's first: the control stream
+        control = outboxes[0]
         stream = await self.engine.add_request(req)
         kv_span = start_span("kv_transfer", decode_instance_id=decode_id)  # (its call carries it to the decode)
         with use_span(kv_span):
             channel = self.channels.get(request.decode_address, request.decode_instance_id or None)
-            transfer_call = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(outbox, req.request_id))
+            transfer_call = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(control.queue, req.request_id))
+            for box in outboxes[1:]:
+                box.call = decode_pb2_grpc.DecodeStub(self.channels.get(endpoints[box.route.decode_rank])) \
+                    .TransferKVShard(_drain(box.queue, req.request_id))
         transfer = asyncio.ensure_future(transfer_call)
+        shard_calls = [asyncio.ensure_future(box.call) for box in outboxes[1:]]
         end_when_done(kv_span, transfer)
         first_token_id = first_logprobs = None
         prompt_logprobs = []
-        num_blocks_sent = num_bytes_sent = num_messages_sent = 0
+        num_blocks_sent = num_bytes_sent = 0
         try:
             while (out := await stream.get()) is not None:
                 if out.kv is not None:
                     num_blocks_sent += out.kv.data.shape[2]
                     num_bytes_sent += out.kv.data.nbytes
-                    for msg in kv_to_messages(req.request_id, out.kv, self.engine.model_config,
-                                              kv_dtype=self.engine.cache_config.kv_dtype):
-                        outbox.put_nowait(msg)
-                        num_messages_sent += 1
-                        if self.metrics is not None:
-                            self.metrics.observe_kv_message(decode_id, msg.ByteSize())
+                    self._queue_kv(req.request_id, out.kv, outboxes, decode_id)
                 if out.finish_reason == FinishReason.ABORT:
                     error = InvalidRequestError if out.error_is_invalid_request else RequestFailedError
                     raise error(f"prefill failed: {out.error or 'aborted'}")
@@ -83,11 +113,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     prompt_logprobs = out.prompt_logprobs or []
             if first_token_id is None:  # (the engine always samples one; never send a last message without it)
                 raise RequestFailedError("prefill failed: the prompt ended without a first token")
-            outbox.put_nowait(last_message(req.request_id, first_token_id, num_messages_sent, num_blocks_sent))
-            outbox.put_nowait(None)
+            for box in outboxes[1:]:
+                box.queue.put_nowait(last_message(req.request_id, None, box.num_messages, box.num_blocks))
+                box.queue.put_nowait(None)
+            await self._shards_acknowledged(outboxes[1:], shard_calls, serial, routes, decode_id)
+            control.queue.put_nowait(last_message(req.request_id, first_token_id, control.num_messages,
+                                                  control.num_blocks))  # fmt: skip
+            control.queue.put_nowait(None)
             annotate(kv_span, blocks_sent=num_blocks_sent, bytes_sent=num_bytes_sent)
         except BaseException:
             transfer_call.cancel()  # the decode side sees the broken stream and frees its reservation
+            for call in shard_calls:
+                call.cancel()
             self.engine.abort(req.request_id)
             log.info("request %s aborted during prefill", req.request_id)
             raise
@@ -97,8 +134,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise upstream_error(e, "decode", decode_id, "receiving KV")
             raise e
         self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
-        transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id, num_blocks_sent,
-                                                                    start))  # fmt: skip
+        transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id,
+                                                                    control.num_blocks, start))  # fmt: skip
         bind_request(req.request_id, prompt_tokens=len(req.prompt_token_ids), cached_tokens=req.num_cached_tokens or 0)
         prefill_ms = (time.perf_counter() - start) * 1000
         return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
@@ -108,6 +145,60 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            num_blocks_sent=num_blocks_sent, queue_ms=(req.queue_time_s or 0.0) * 1000,
                                            first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
                                            prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
+
+    def _routes(self, request) -> tuple[list[KVRoute], list[str]]:
+        """The transfer's streams (kv_transfer_routes from this instance's ranks to the decode's) and the decode
+        ranks' KV endpoints (rank 0's: decode_address). InvalidRequestError naming the field when the decode's
+        size and endpoints disagree or do not split the model's KV heads."""
+        size = request.decode_tensor_parallel_size or 1
+        endpoints = list(request.decode_kv_endpoints) if size > 1 else [request.decode_address]
+        if len(endpoints) != size:
+            raise InvalidRequestError(f"decode_kv_endpoints lists {len(endpoints)} endpoints for "
+                                      f"decode_tensor_parallel_size {size}")  # fmt: skip
+        try:
+            return kv_transfer_routes(self.tp_size, size, self.engine.model_config.num_key_value_heads), endpoints
+        except ValueError as e:
+            raise InvalidRequestError(f"decode_tensor_parallel_size {size}: {e}") from None
+
+    def _queue_kv(self, request_id: str, kv: KVBlocks, outboxes: list[_Outbox], decode_id: str) -> None:
+        """A step's blocks of this rank's heads, as messages on each of rank 0's streams (its heads' slice)."""
+        held = kv_head_range(0, self.tp_size, self.engine.model_config.num_key_value_heads)
+        for box in outboxes:
+            h0, h1 = box.route.head_start - held[0], box.route.head_end - held[0]
+            part = kv if (h0, h1) == (0, kv.data.shape[4]) else KVBlocks(
+                kv.first_block_index, kv.data[:, :, :, :, h0:h1], head_start=box.route.head_start)  # fmt: skip
+            for msg in kv_to_messages(request_id, part, self.engine.model_config,
+                                      kv_dtype=self.engine.cache_config.kv_dtype):
+                box.queue.put_nowait(msg)
+                box.num_messages += 1
+                if self.metrics is not None:
+                    self.metrics.observe_kv_message(decode_id, msg.ByteSize())
+            box.num_blocks += kv.data.shape[2]
+
+    async def _shards_acknowledged(self, outboxes: list[_Outbox], calls: list[asyncio.Future], serial: int,
+                                   routes: list[KVRoute], decode_id: str) -> None:
+        """Wait until every shard stream of the transfer was acknowledged by its decode rank: rank 0's own
+        (calls) and the other ranks' (their outcomes in the TCPStore). UpstreamError UNAVAILABLE naming the
+        decode when one failed."""
+        for box, call in zip(outboxes, calls):
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as e:
+                raise _shard_failed(decode_id, 0, box.route.decode_rank, f"{e.code().name}: {e.details()}") from None
+            if response.num_blocks_received != box.num_blocks:
+                raise _shard_failed(decode_id, 0, box.route.decode_rank, f"acknowledged "
+                                    f"{response.num_blocks_received} blocks, {box.num_blocks} were sent")
+        pending = {kv_outcome_key(serial, r.prefill_rank, r.decode_rank): r for r in routes if r.prefill_rank > 0}
+        while pending:
+            for key in [k for k in pending if self.store.check([k])]:
+                route, outcome = pending.pop(key), self.store.get(key).decode()
+                self.store.delete_key(key)
+                if outcome:
+                    for rest in pending:  # (nothing else reads them)
+                        self.store.delete_key(rest)
+                    raise _shard_failed(decode_id, route.prefill_rank, route.decode_rank, outcome)
+            if pending:
+                await asyncio.sleep(SHARD_POLL_S)
 
     @traced("embed")
     async def Embed(self, request, context):
@@ -159,6 +250,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                       decode_id, task.result().num_blocks_received, num_blocks_sent)  # fmt: skip
 
 
+def _shard_failed(decode_id: str, prefill_rank: int, decode_rank: int, why: str) -> UpstreamError:
+    log.warning("KV shard stream from prefill rank %d to decode %s rank %d failed: %s", prefill_rank, decode_id,
+                decode_rank, why)  # fmt: skip
+    return UpstreamError("UNAVAILABLE", f"decode {decode_id}: its rank {decode_rank} did not take the prompt's KV "
+                                        f"from prefill rank {prefill_rank}")
+
+
 async def _drain(outbox: asyncio.Queue, request_id: str):
     """The TransferKV stream: outbox's messages until None. While none comes for KV_KEEPALIVE_S (the prompt is
     queued behind others, or a long chunk computes), an empty message naming the request renews the decode's
@@ -181,6 +279,7 @@ async def _drain(outbox: asyncio.Queue, request_id: str):
 
 
 def _add_servicer(server, engine: AsyncEngine, metrics: EngineMetrics, args) -> PrefillServicer:
+    start_kv_transfer(engine, "prefill", args)
     servicer = PrefillServicer(engine, metrics, ChannelPool(args.tls))
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.grpc)
     return servicer

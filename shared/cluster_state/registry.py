@@ -40,17 +40,28 @@ class InstanceInfo:
     kv_tier_load_s: dict[str, float] = field(default_factory=dict)
     kv_dtype: str = ""  # its KV cache element type (CacheConfig.kv_dtype; "": a record of an older instance)
 
-    def shares_kv_format(self, other: InstanceInfo) -> bool:
-        """Whether KV blocks can move between the two: the same KV dtype and block size (the KV transfer refuses
-        any other pair). A record without kv_dtype (an older instance) is taken to match."""
-        return self.block_size == other.block_size and (not self.kv_dtype or not other.kv_dtype
-                                                        or self.kv_dtype == other.kv_dtype)
+    def can_send_kv_to(self, decode: InstanceInfo) -> bool:
+        """Whether this prefill's KV blocks can move to decode: the same KV dtype and block size (the KV transfer
+        refuses any other pair; a record without kv_dtype, an older instance, is taken to match), and when either
+        runs several tensor-parallel ranks, a transfer both know (docs/parallelism.md): the decode lists a KV
+        endpoint per rank and the prefill's record has kv_endpoints (an older prefill's has not: it sends all heads
+        to rank 0)."""
+        if self.block_size != decode.block_size or (self.kv_dtype and decode.kv_dtype
+                                                    and self.kv_dtype != decode.kv_dtype):
+            return False
+        if self.tensor_parallel_size == 1 and decode.tensor_parallel_size == 1:
+            return True
+        return bool(self.kv_endpoints) and len(decode.kv_endpoints) == decode.tensor_parallel_size
     incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
     # LoRA adapters loaded here (docs/lora.md): name -> {"digest": 16 hex digits of its files, "path": its PEFT
     # directory}; the router prefers instances holding a request's adapter, and loads it on another from path
     lora_adapters: dict[str, dict[str, str]] = field(default_factory=dict)
     lora_load_s: float = 0.0  # measured seconds to load an adapter here (a running mean; 0: not measured yet)
+    tensor_parallel_size: int = 1  # its ranks (docs/parallelism.md); an older record: 1
+    # each rank's KV endpoint, in rank order (rank 0's: address): a decode's TransferKVShard servers; a prefill
+    # lists its address (a record with it knows the re-sharding transfer). An older record: none
+    kv_endpoints: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:

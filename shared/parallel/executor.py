@@ -75,7 +75,7 @@ class TensorParallelWorkers:
             raise
         log.info("tensor parallel: %d ranks joined (pids %s)", size, [os.getpid()] + [p.pid for p in procs])
         workers = cls(group, procs)
-        workers._store = store  # (kept alive with the group)
+        workers.store = store  # (kept alive with the group; the KV transfer reports outcomes through it)
         return workers
 
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:

@@ -6,14 +6,12 @@ from tandem.shared.config import KVTierConfig, LoRAConfig, ModelConfig, Speculat
 from tandem.shared.parallel.layers import check_tensor_parallel
 
 
-def check_tensor_parallel_features(model_config: ModelConfig, size: int, export_kv: bool,
+def check_tensor_parallel_features(model_config: ModelConfig, size: int,
                                    speculative_config: SpeculativeConfig | None, kv_tier_config: KVTierConfig | None,
                                    lora_config: LoRAConfig | None, model) -> None:
     """ValueError naming the first setting that --tensor-parallel-size size > 1 does not combine with."""
     check_tensor_parallel(model_config, size)
     refused = []
-    if export_kv:
-        refused.append("the prefill tier (its KV export to a decode: the KV of a rank's heads lives on that rank)")
     if speculative_config is not None and speculative_config.method in ("draft", "early-exit"):
         refused.append(f"--speculative-method {speculative_config.method} (its drafts run the model outside the "
                        f"ranks' steps; ngram and suffix work)")

@@ -50,6 +50,16 @@ class TensorParallelGroup:
         """A rank > 0: the next message from rank 0 (EOFError once rank 0 is gone)."""
         return decode(self.pipes[0].recv_bytes())
 
+    def ask(self, message) -> list:
+        """Rank 0: send message to every other rank and return their answers, in rank order (each rank answers
+        with reply; EOFError if one is gone). Only on the thread that sends the steps."""
+        self.send(message)
+        return [decode(pipe.recv_bytes()) for pipe in self.pipes]
+
+    def reply(self, answer) -> None:
+        """A rank > 0: answer rank 0's last ask (a plain value: str, None, ...)."""
+        self.pipes[0].send_bytes(encode(answer))
+
     def broadcast(self, message):
         """Rank 0 sends message and returns it; the others return what rank 0 sent."""
         if self.rank == 0:

@@ -1,7 +1,8 @@
 """The process of a tensor-parallel rank > 0 (started by rank 0: shared/parallel/executor.py): join the group,
 build a ModelRunner on this rank's shards and KV pool from rank 0's WorkerInit, then run each StepInput rank 0
 sends until Shutdown (exit 0) or until rank 0 is gone (its pipe closes or a collective fails: exit 1). Only rank 0
-schedules, samples and owns the KV cache manager; this rank pages its KV heads by the same block ids.
+schedules, samples and owns the KV cache manager; this rank pages its KV heads by the same block ids. Between two
+tiers it ships or receives its own KV heads (services/kv_shards.py, from rank 0's KVTransferInit on).
 
     python -P -m tandem.shared.parallel.worker --rank R --size N --store-port P --pipe-fd FD --threads T
         --kernel-threads K --device cpu|cuda
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.kernels import cpu_ext
     from tandem.shared.model_runner import ModelRunner
     from tandem.shared.parallel.group import TensorParallelGroup, make_backend
-    from tandem.shared.parallel.messages import Shutdown, StepInput, WorkerInit
+    from tandem.shared.parallel.messages import CheckKV, KVTransferInit, Shutdown, StepInput, WorkerInit
 
     torch.set_num_threads(args.threads)
     pipe = Connection(args.pipe_fd)
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(init.model_config, init.cache_config, str(device), tp=group)
     if device.type == "cpu":
         cpu_ext.set_num_threads(args.kernel_threads)
+    kv = None  # this rank's part of the KV transfer between tiers (services/kv_shards.py), once rank 0 starts it
     while True:
         try:
             message = group.recv()
@@ -71,8 +73,20 @@ def main(argv: list[str] | None = None) -> int:
             log.error("rank 0 is gone: exiting")
             return 1
         if isinstance(message, Shutdown):
+            if kv is not None:
+                kv.close()
             return 0
-        assert isinstance(message, StepInput), message
+        if isinstance(message, KVTransferInit):
+            from tandem.services.kv_shards import RankKVTransfer  # (gRPC and the wire format: the services' side)
+
+            kv = RankKVTransfer(message, runner, args.rank, args.size, store)
+            group.reply(kv.endpoint)
+            continue
+        if not isinstance(message, StepInput):  # (a KV message: ExpectKV, ForgetKV, CheckKV, ExportKV, CancelKV)
+            answer = kv.handle(message) if kv is not None else "this rank receives no KV (no KVTransferInit)"
+            if isinstance(message, CheckKV):
+                group.reply(answer)
+            continue
         try:
             runner.run_step(message)
         except RuntimeError as e:  # a collective failed: another rank is gone

@@ -1,0 +1,91 @@
+"""Heterogeneous P/D (docs/parallelism.md, "Prefill and decode of different sizes"): a cluster (real Redis, gateway,
+one prefill, one decode) whose tiers run different tensor-parallel sizes, each prefill rank shipping its KV heads
+straight to the decode ranks holding them. One cluster serves both cases: prefill TP 2 -> decode TP 1, then (both
+engines restarted with the sizes swapped, the same gateway and Redis) prefill TP 1 -> decode TP 2, on the tiny
+Qwen2 checkpoint of 4 query heads over 2 KV heads; greedy tokens equal HF transformers' in fp32, and a second
+prompt extending the first hits the prefix cache on both tiers (the decode's num_skip_blocks > 0: only the blocks it
+lacks travel)."""
+import pytest
+import torch
+
+from tests.integration.helpers import load, wait_idle
+from tests.prompts import LONG_TEXT
+from tests.tiny_models import NUM_TOKENS, save_tiny
+
+ENGINE = ["--num-blocks", "128", "--threads", "1", "--kernel-threads", "1", "--block-size", "16"]
+TEXTS = [LONG_TEXT[:300], LONG_TEXT[:300] + " And then, as the evening came,"]  # (the second extends the first)
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir, tokenizer, tmp_path_factory):
+    """(cluster, HF model) of prefill TP 2 -> decode TP 1 at first; switch_sizes() changes it."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.services.launcher import LocalCluster
+
+    path = save_tiny("qwen2", tmp_path_factory.mktemp("pd") / "qwen2", tokenizer_from=model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cluster = LocalCluster(str(path), prefill_args=ENGINE + ["--max-num-batched-tokens", "32",
+                                                             "--tensor-parallel-size", "2"],
+                           decode_args=ENGINE + ["--tensor-parallel-size", "1"],
+                           gateway_args=["--local-prefill-tokens", "0"]).start()  # fmt: skip
+    try:
+        yield cluster, hf
+    finally:
+        cluster.stop()
+
+
+def switch_sizes(cluster, prefill_tp: int, decode_tp: int) -> None:
+    """Restart the prefill and the decode at these tensor-parallel sizes (each drains first)."""
+    for name, size in (("decode0", decode_tp), ("prefill0", prefill_tp)):
+        argv = cluster.argv[name]
+        i = len(argv) - 1 - argv[::-1].index("--tensor-parallel-size")
+        if argv[i + 1] != str(size):
+            cluster.terminate(name)
+            argv[i + 1] = str(size)
+            cluster.restart(name)
+
+
+def check_through_the_cluster(cluster, hf, tokenizer, prefill_tp: int, decode_tp: int) -> None:
+    from tandem.services.client import generate, make_request
+
+    records = {name: load(address) for name, address in cluster.addresses.items()}
+    imported = records["decode0"].num_blocks_imported
+    outs = [generate(cluster.gateway_address, make_request(text, raw=True, max_tokens=NUM_TOKENS, temperature=0.0),
+                     timeout=120) for text in TEXTS]  # fmt: skip
+    for text, out in zip(TEXTS, outs):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        with torch.inference_mode():  # (HF stops at an EOS, as the engine does)
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)[0, len(ids):]
+        expected = expected.tolist()
+        assert out.token_ids == expected, (prefill_tp, decode_tp, text[-20:])
+    assert outs[1].cached_tokens >= 48, "the second prompt extends the first: its leading blocks are cached"
+    after = {name: load(address) for name, address in cluster.addresses.items()}
+    assert after["decode0"].num_blocks_imported > imported, "the KV came from the prefill"
+    for name in ("prefill0", "decode0"):  # (on the decode: num_skip_blocks > 0, only the blocks it lacks came)
+        assert after[name].prefix_cache_hits >= records[name].prefix_cache_hits + 48, name
+    loads = wait_idle(cluster)  # (every block freed on both tiers, nothing left waiting for KV)
+    assert all(lo.num_waiting_for_kv == 0 for lo in loads.values())
+
+
+def test_prefill_tp2_to_decode_tp1(pd, tokenizer):
+    cluster, hf = pd
+    switch_sizes(cluster, 2, 1)
+    check_through_the_cluster(cluster, hf, tokenizer, 2, 1)
+
+
+def test_prefill_tp1_to_decode_tp2(pd, tokenizer):
+    import json
+
+    import redis
+
+    cluster, hf = pd
+    switch_sizes(cluster, 1, 2)
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        record = json.loads(client.get(client.keys("tandem:instance:decode:*")[0]))
+    finally:
+        client.close()
+    assert record["tensor_parallel_size"] == 2 and len(record["kv_endpoints"]) == 2
+    assert record["kv_endpoints"][0] == record["address"]
+    check_through_the_cluster(cluster, hf, tokenizer, 1, 2)
