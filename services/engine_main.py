@@ -54,8 +54,9 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     """Parse the engine flags, load the engine, add_servicer(server, async_engine, metrics, args) -> the servicer
     (its busy(): work that outlives its calls), serve (gRPC, and Prometheus metrics on --metrics-port) until
     SIGTERM/SIGINT, then drain (services/server.py) and exit 0. With --tensor-parallel-size N the other ranks run
-    as child processes (shared/parallel/); one that exits takes the instance down: NOT_SERVING, its registry record
-    removed, calls ended, exit 1; a drain stops them all.
+    as child processes (shared/parallel/); one that exits, or a step that fails, takes the instance down:
+    NOT_SERVING, its registry record removed, every call ended UNAVAILABLE at once (as the process's death would
+    end them: the gateway places its requests elsewhere, migrating the streams), exit 1; a drain stops them all.
 
     Exits with a one-line error when no registry is given and --standalone is not set: an instance nobody can
     find would look healthy and never get a request."""
@@ -81,7 +82,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
         failure = asyncio.run(_serve(args, tier, instance_id, add_servicer, export_kv))
     except (ValueError, OSError) as e:  # a model or setting that cannot be served: one line, no traceback
         sys.exit(f"error: {e}")
-    if failure is not None:  # (a tensor-parallel rank died: the instance is down, not drained)
+    if failure is not None:  # (a tensor-parallel instance was lost: down, not drained)
         sys.exit(f"error: {failure}")
 
 
@@ -136,29 +137,36 @@ def _serving_line(engine, engine_args: EngineArgs, info: InstanceInfo, registere
             f"weights: {engine_args.weights_line(model_config)}")
 
 
-def _watch_ranks(engine) -> asyncio.Future:
-    """A future that gets the reason once a tensor-parallel rank of engine exits (never, for one process)."""
+def _watch_ranks(engine) -> tuple[asyncio.Future, Callable[[str], None]]:
+    """A future that gets the reason once a tensor-parallel instance is lost (never, for one process): a rank of
+    engine exits, or lost(reason) is called (AsyncEngine's on_lost: a step failed). lost runs on the event loop."""
     loop = asyncio.get_running_loop()
     failed = loop.create_future()
+
+    def lost(reason: str) -> None:
+        if not failed.done():
+            failed.set_result(reason)
+
     if engine.tp_workers is not None:
-        engine.tp_workers.add_failure_callback(
-            lambda reason: loop.call_soon_threadsafe(lambda: failed.done() or failed.set_result(reason)))
-    return failed
+        engine.tp_workers.add_failure_callback(lambda reason: loop.call_soon_threadsafe(lost, reason))
+    return failed, lost
 
 
-async def _serve_until_stopped(server, servicer, leave_registry, rank_failed) -> str | None:
-    """Serve until a signal drains the server (None), or until a tensor-parallel rank exits: then down at once
-    (NOT_SERVING, out of the registry, calls ended) and the rank's reason is returned."""
+async def _serve_until_stopped(server, servicer, leave_registry, instance_lost) -> str | None:
+    """Serve until a signal drains the server (None), or until the tensor-parallel instance is lost: then down at
+    once (NOT_SERVING, out of the registry, every call ended UNAVAILABLE as by a dead process, which the gateway
+    answers by placing its requests elsewhere: no request fails for it) and the reason is returned."""
     serving = asyncio.create_task(server.serve_until_signal(on_drain=leave_registry, busy=servicer.busy))
-    await asyncio.wait([serving, rank_failed], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([serving, instance_lost], return_when=asyncio.FIRST_COMPLETED)
     if serving.done():
         return None
     serving.cancel()
+    log.error("the instance is lost (%s): ending its calls and exiting", instance_lost.result())
     await server.health.enter_graceful_shutdown()
     server.drain.draining = True
     await leave_registry()
-    await server.grpc.stop(grace=1.0)
-    return rank_failed.result()
+    await server.grpc.stop(grace=None)  # (nothing would answer them: the engine steps no more)
+    return instance_lost.result()
 
 
 async def _check_start(engine_args: EngineArgs, redis_url: str | None) -> None:
@@ -182,7 +190,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     model_config = engine.model_config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     metrics = EngineMetrics(tier, model_config.name, instance_id)
-    async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step)
+    instance_lost, lost = _watch_ranks(engine)
+    async_engine = AsyncEngine(engine, asyncio.get_running_loop(), on_step=metrics.observe_step, on_lost=lost)
     server = Server(tier, instance_id, args.host, args.port, args.drain_timeout, ADMISSION_METHODS[tier], args.tls)
     metrics_port = serve_metrics(metrics.registry, args.host, args.metrics_port)
     servicer = add_servicer(server, async_engine, metrics, args)
@@ -237,7 +246,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     print(_serving_line(engine, engine_args, info, registry is not None,
                         metrics_url(args.advertise_host, metrics_port)), flush=True)
     try:
-        return await _serve_until_stopped(server, servicer, leave_registry, _watch_ranks(engine))
+        return await _serve_until_stopped(server, servicer, leave_registry, instance_lost)
     finally:
         stats_refresh.cancel()
         lora_refresh.cancel()

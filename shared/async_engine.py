@@ -97,12 +97,20 @@ Command = (AddRequest | ImportKV | FinishKVImport | FailKVImport | Abort | GetSt
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[StepStats], None] | None = None):
+                 on_step: Callable[[StepStats], None] | None = None, on_lost: Callable[[str], None] | None = None):
         """on_step: called on the engine thread with each step's StepStats (metrics; must be quick and
-        thread-safe)."""
+        thread-safe). on_lost: for a tensor-parallel engine, called on the event loop with the reason once a step
+        fails (a rank died mid-step, or rank 0 failed between its messages and the collectives): the ranks may be
+        out of step, so the instance steps no more (lost). Its requests are then no request's own failure: they get
+        no output, and on_lost's caller ends them as the instance's death would (services/engine_main.py stops the
+        server: their calls end UNAVAILABLE and the gateway places them elsewhere). Without on_lost they end with
+        the error (ABORT). A single-process engine whose step fails keeps serving: that batch ends with an
+        error."""
         self._engine = engine
         self._loop = loop
         self._on_step = on_step
+        self._on_lost = on_lost
+        self.lost: str | None = None  # why the tensor-parallel instance can step no more, once it cannot
         self._commands: queue.SimpleQueue[tuple[Command, asyncio.Future | None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (admission serial, queue)
         self._serials = itertools.count()
@@ -251,6 +259,11 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopped:
+            if self.lost is not None:  # (commands are still answered; nothing steps)
+                self._drain_commands(timeout=0.5)
+                if self._on_lost is None:
+                    self._publish(self._abort_all(self.lost))
+                continue
             if not self._engine.has_unfinished_requests():
                 self._drain_commands(timeout=0.5)
             else:  # a stalled engine (queued work, no room) waits for a command instead of spinning
@@ -261,9 +274,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self._engine.step()
-            except Exception:  # a bug must not take the service down: fail this batch, keep serving
+            except Exception as e:
                 log.exception("engine step failed")
-                outputs = self._abort_all("engine step failed")
+                outputs = self._step_failed(e)
             self._publish(outputs)
             if self._on_step is not None and self._engine.last_step_stats is not None:
                 try:
@@ -308,6 +321,18 @@ class AsyncEngine:
         self._parked = []
         for command, future in parked:
             self._run_command(command, future)
+
+    def _step_failed(self, error: Exception) -> list[RequestOutput]:
+        """The outputs of a step that raised. One process: a bug must not take the service down, so the batch's
+        requests end with an error and the engine keeps serving. Tensor-parallel: the instance is lost
+        (see __init__'s on_lost)."""
+        if self._engine.tp_workers is None:
+            return self._abort_all("engine step failed")
+        self.lost = f"a step of this tensor-parallel instance failed ({type(error).__name__}: {error})"
+        if self._on_lost is None:
+            return self._abort_all(self.lost)
+        self._loop.call_soon_threadsafe(self._on_lost, self.lost)
+        return []
 
     def _abort_all(self, error: str) -> list[RequestOutput]:
         outputs = []

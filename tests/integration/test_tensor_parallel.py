@@ -7,6 +7,8 @@ killed mid-stream takes the instance down (the stream fails, the process exits n
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 
 import grpc
@@ -96,61 +98,154 @@ def test_refusals_name_what_does_not_split(model_dir, tmp_path):
         LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(16, 8), export_kv=True, parallel_config=TP2)
 
 
-def test_a_decode_at_tp2_serves_then_a_killed_rank_takes_it_down(model_dir, tmp_path):
-    """python -m tandem.services.decode --tensor-parallel-size 2: registered and SERVING once both ranks are up, a
-    request computed and streamed over gRPC equals HF; then rank 1 SIGKILLed mid-stream: the stream ends in an
-    error (no hang), the record leaves the registry, the process exits non-zero, and no rank is left behind."""
+# -- a decode at TP 2 in a cluster: its requests outlive the instance -------------------------------------------------
+ENGINE = ["--num-blocks", "256", "--threads", "1", "--kernel-threads", "1"]
+KILL_TOKENS = 200  # greedy tokens per stream: enough to be mid-stream at the kill
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(model_dir, tmp_path_factory):
+    """A tiny Qwen2 (4 query heads over 2 KV heads) with the default model's tokenizer, behind a gateway with one
+    decode at TP 1 and a prefill (the prompts are short: decodes compute them); each test adds a decode at TP 2 of
+    its own (start_tp2_decode), sends streams and kills a rank. Yields (cluster, its checkpoint, HF's fp32
+    model)."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.services.launcher import free_port
-    from tandem.v1 import decode_pb2, decode_pb2_grpc
-    from tests.integration.helpers import RedisServer
+    from tandem.services.launcher import LocalCluster
 
-    path = save_tiny("qwen2", tmp_path / "qwen2", tokenizer_from=model_dir)
+    path = save_tiny("qwen2", tmp_path_factory.mktemp("tp") / "qwen2", tokenizer_from=model_dir)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = prompts_for(3, 512)["p37"]
-    server = RedisServer()
-    server.start()
+    with LocalCluster(str(path), prefill_args=ENGINE, decode_args=ENGINE) as cluster:
+        yield cluster, path, hf
+
+
+def start_tp2_decode(cluster, path) -> tuple[subprocess.Popen, str]:
+    """python -m tandem.services.decode --tensor-parallel-size 2 in the cluster's registry; (its process, its
+    address) once it is registered (SERVING: both ranks up). Its log: the cluster's log dir."""
+    from tandem.services.launcher import free_port
+
     port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.services.decode", "--model", str(path), "--port",
-                             str(port), "--metrics-port", str(metrics_port), "--redis-url", server.url,
-                             "--tensor-parallel-size", "2", "--threads", "1", "--kernel-threads", "1",
-                             "--num-blocks", "128"], stdout=subprocess.PIPE, text=True)  # fmt: skip
-    client = redis.Redis.from_url(server.url)
+    address = f"127.0.0.1:{port}"
+    with open(cluster.log_dir / f"decode-tp2-{port}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.services.decode", "--model", str(path),
+                                 "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--port", str(port),
+                                 "--metrics-port", str(metrics_port), "--redis-url", cluster.redis_url,
+                                 "--tensor-parallel-size", "2", *ENGINE], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not cluster.registered_at(address):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the TP 2 decode did not start: {log.name}"
+        time.sleep(0.2)
+    return proc, address
+
+
+def story(i: int) -> str:
+    return f"Write a long story about the number {i}."
+
+
+def stream_request(i: int):
+    from tandem.services.client import make_request
+
+    return make_request(story(i), raw=True, max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def watch_health(channel, seen: list[str]) -> None:
+    """Health.Watch on channel (read as each message comes: a message not read before the call ends is lost)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     try:
-        for line in proc.stdout:  # (the start-up line once both ranks are up and the server is on)
-            if " serving " in line:
-                break
-        assert proc.poll() is None
-        ranks = psutil.Process(proc.pid).children()
-        assert len(ranks) == 1 and "tandem.shared.parallel.worker" in " ".join(ranks[0].cmdline())
-        assert client.keys("tandem:instance:decode:*")
+        for msg in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60):
+            seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status))
+    except grpc.RpcError as e:
+        seen.append(e.code().name)
 
-        def request(request_id: str, max_tokens: int):
-            r = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=ids, compute_prompt=True)
-            r.sampling_params.max_tokens, r.sampling_params.temperature = max_tokens, 0.0
-            r.sampling_params.ignore_eos = True
-            return r
 
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = decode_pb2_grpc.DecodeStub(channel)
-            replies = list(stub.Generate(request("whole", NUM_TOKENS), timeout=120))
-            assert [t for r in replies for t in r.token_ids] == hf_greedy(hf, ids, NUM_TOKENS)
-            call = stub.Generate(request("killed", 900), timeout=120)
-            assert next(call).reserved
-            assert next(call).token_ids  # decoding now
-            ranks[0].send_signal(signal.SIGKILL)
-            try:
-                errors = [r.error for r in call if r.error]
-                assert errors, "the stream ended without an error"
-            except grpc.RpcError as e:  # (or the server ended the call)
-                assert e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
-        assert proc.wait(timeout=60) != 0
-        assert not client.keys("tandem:instance:decode:*")
-        assert not psutil.pid_exists(ranks[0].pid) or ranks[0].status() == psutil.STATUS_ZOMBIE
+def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
+    """Streams through the gateway, one at a time until the TP 2 decode (started here) has 2 in flight; then
+    kill(its process, its rank 1's psutil.Process). Every stream must end whole, equal to HF fp32's greedy
+    tokens, and the ones on the TP 2 decode must have migrated (decode_failed). Returns what the caller checks
+    next: proc (exited), rank (rank 1's), key (its registry key), health (what a Health.Watch of it opened before
+    the kill saw: statuses, then the call's end)."""
+    from tandem.services.client import Completion
+    from tandem.v1 import gateway_pb2_grpc
+    from tests.integration.helpers import load, metric_samples
+
+    cluster, path, hf = tp_cluster
+    proc, address = start_tp2_decode(cluster, path)
+    (key,) = cluster.registered_at(address)
+    (rank,) = psutil.Process(proc.pid).children()
+    assert "tandem.shared.parallel.worker" in " ".join(rank.cmdline())
+    results: list[dict] = []
+    channel = grpc.insecure_channel(cluster.gateway_address)
+    health_channel = grpc.insecure_channel(address)
+
+    def read(i: int) -> None:
+        try:
+            for msg in gateway_pb2_grpc.GatewayStub(channel).Generate(stream_request(i), timeout=120):
+                results[i]["out"].add(msg)
+        except grpc.RpcError as e:
+            results[i].update(code=e.code(), details=e.details())
+
+    readers: list[threading.Thread] = []
+    try:
+        deadline = time.monotonic() + 60
+        while load(address).num_running < 2 or not all(len(r["out"].token_ids) >= 2 for r in results):
+            assert time.monotonic() < deadline and len(readers) < 8, ("no 2 streams on the TP 2 decode", results)
+            if load(address).num_running < 2:
+                results.append(dict(out=Completion()))
+                readers.append(threading.Thread(target=read, args=(len(readers),), daemon=True))
+                readers[-1].start()
+            time.sleep(0.1)
+        health: list[str] = []  # what a Health.Watch of the TP 2 decode sees: statuses, then how the call ends
+        watcher = threading.Thread(target=watch_health, args=(health_channel, health), daemon=True)
+        watcher.start()
+        while not health:
+            assert watcher.is_alive()
+            time.sleep(0.01)
+        url = cluster.metrics_urls["gateway"]
+        migrations_before = metric_samples(url, "tandem:request_migrations_total")
+        running = load(address).num_running
+        kill(proc, rank)
+        for t in readers:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in readers)
+        assert not [r for r in results if "code" in r], "a stream failed"
+        for i, r in enumerate(results):
+            ids = tokenizer(story(i), add_special_tokens=False).input_ids
+            assert r["out"].token_ids == hf_greedy(hf, ids, KILL_TOKENS), i
+            assert r["out"].finish_reason == "length"
+        migrations = {dict(k)["reason"]: v - migrations_before.get(k, 0)
+                      for k, v in metric_samples(url, "tandem:request_migrations_total").items()}  # fmt: skip
+        assert migrations == {"decode_failed": running}, (migrations, running)
+        watcher.join(timeout=30)
+        proc.wait(timeout=30)
+        return dict(proc=proc, rank=rank, key=key, health=health)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        client.close()
-        server.stop()
+        channel.close()
+        health_channel.close()
+
+
+def test_a_killed_rank_1_loses_no_request(tp_cluster, tokenizer):
+    """Rank 1 of a decode at TP 2 SIGKILLed mid-stream: the instance is down at once (NOT_SERVING, its record out
+    of the registry, every call ended UNAVAILABLE as by a dead process, exit 1, rank 0 ending with a one-line
+    error) and its streams go on at the other decode (TP 1), token for token as HF's."""
+    cluster = tp_cluster[0]
+    seen = kill_mid_stream(tp_cluster, tokenizer, lambda proc, rank: rank.send_signal(signal.SIGKILL))
+    assert seen["proc"].returncode == 1
+    assert not redis.Redis.from_url(cluster.redis_url).exists(seen["key"])
+    assert seen["health"] == ["SERVING", "NOT_SERVING", "UNAVAILABLE"], seen["health"]
+
+
+def test_a_killed_rank_0_loses_no_request_and_leaves_no_rank(tp_cluster, tokenizer):
+    """Rank 0 (the decode's process) SIGKILLed mid-stream: rank 1 exits with it (PR_SET_PDEATHSIG), the record
+    leaves the registry by its TTL as any dead decode's, and the streams go on at the other decode, token for
+    token as HF's."""
+    cluster = tp_cluster[0]
+    seen = kill_mid_stream(tp_cluster, tokenizer, lambda proc, rank: proc.kill())
+    assert seen["proc"].returncode == -signal.SIGKILL
+    assert seen["health"] == ["SERVING", "UNAVAILABLE"], seen["health"]
+    assert psutil.wait_procs([seen["rank"]], timeout=10)[1] == [], "rank 1 outlived rank 0"
+    ttl_ms = redis.Redis.from_url(cluster.redis_url).pttl(seen["key"])
+    assert ttl_ms == -2 or 0 < ttl_ms <= 10_000, ttl_ms  # (gone, or going within its TTL)
