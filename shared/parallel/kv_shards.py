@@ -57,11 +57,12 @@ class KVShardReceiver:
         self.forget(request_id)
         return error
 
-    def write(self, request_id: str, kv: KVBlocks, wait_s: float = EXPECT_WAIT_S) -> int:
+    def write(self, request_id: str, kv: KVBlocks, wait_s: float | None = None) -> int:
         """Write a message's blocks (checked by services/kv_wire.py kv_from_message) into the pool; returns the
         blocks written. Waits up to wait_s for the request's ExpectKV; UnknownRequestError for a request not
-        expected (never reserved, or forgotten: its blocks may be another's now); InvalidRequestError when the
+        expected (never reserved, or forgotten: its blocks may be another's now; refused at once); InvalidRequestError when the
         blocks, layers or heads overrun it."""
+        wait_s = EXPECT_WAIT_S if wait_s is None else wait_s
         with self._cond:
             if not self._cond.wait_for(lambda: request_id in self._expected or request_id in self._forgotten,
                                        timeout=wait_s) or request_id not in self._expected:  # fmt: skip
