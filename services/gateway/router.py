@@ -259,7 +259,8 @@ class Router:
         uncached = n - cached[decode.instance_id]
         if local and not any(p.can_send_kv_to(decode) for p in prefills):
             why = plan.no_prefill() if plan is not None and not prefills else (
-                f"no prefill shares its KV format ({decode.kv_dtype}, blocks of {decode.block_size})")  # fmt: skip
+                f"no prefill shares its KV format ({decode.kv_dtype}, blocks of {decode.block_size}) and knows its "
+                f"{decode.tensor_parallel_size} ranks")  # fmt: skip
             explanation.append(f"-> decode {decode.instance_id} computes the prompt itself: {why}")
             self._add_queued(decode, uncached)
             return Route(decode, None, 0, cached[decode.instance_id], explanation, reason="decode_local")
@@ -317,14 +318,16 @@ class Router:
         for p in prefills:
             if p not in paired and (p.instance_id, decode.instance_id) not in self._unpaired_logged:
                 self._unpaired_logged.add((p.instance_id, decode.instance_id))
-                log.warning("prefill %s (KV %s, blocks of %d, TP %d) cannot send KV to decode %s (KV %s, blocks of "
-                            "%d, TP %d, %d rank endpoints): not paired", p.instance_id, p.kv_dtype, p.block_size,
-                            p.tensor_parallel_size, decode.instance_id, decode.kv_dtype, decode.block_size,
-                            decode.tensor_parallel_size, len(decode.kv_endpoints))  # fmt: skip
+                log.warning("prefill %s (KV %s, blocks of %d) cannot send KV to decode %s (KV %s, blocks of %d): not "
+                            "paired (tensor-parallel ranks: %d and %d, the decode's with %d KV endpoints)",
+                            p.instance_id, p.kv_dtype, p.block_size, decode.instance_id, decode.kv_dtype,
+                            decode.block_size, p.tensor_parallel_size, decode.tensor_parallel_size,
+                            len(decode.kv_endpoints))  # fmt: skip
         if not paired:
             raise NoInstanceError(f"no live prefill shares decode {decode.instance_id}'s KV format ({decode.kv_dtype},"
-                                  f" blocks of {decode.block_size}): start every engine with the same --kv-dtype and "
-                                  "--block-size")
+                                  f" blocks of {decode.block_size}) and knows its {decode.tensor_parallel_size} ranks: "
+                                  "start every engine with the same --kv-dtype and --block-size (and, with tensor "
+                                  "parallelism, of this version)")  # fmt: skip
         return paired
 
     def _load_tokens(self, instance: InstanceInfo, held: dict[str, int]) -> float:

@@ -89,3 +89,21 @@ def test_prefill_tp1_to_decode_tp2(pd, tokenizer):
     assert record["tensor_parallel_size"] == 2 and len(record["kv_endpoints"]) == 2
     assert record["kv_endpoints"][0] == record["address"]
     check_through_the_cluster(cluster, hf, tokenizer, 1, 2)
+
+
+@pytest.mark.heavy  # (a cluster of its own: about 25 s more)
+def test_one_kv_head_replicated_prefill_tp2_to_decode_tp2(model_dir, tokenizer, tmp_path):
+    """Llama 3 with 1 KV head (4 query heads) at TP 2 on both tiers: both prefill ranks hold the head and only rank
+    0 sends it (rank 1's ExportKV opens no stream); both decode ranks hold it and each gets it (rank 0 on the
+    control stream, rank 1 on its TransferKVShard)."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.services.launcher import LocalCluster
+
+    path = save_tiny("llama3", tmp_path / "llama3", tokenizer_from=model_dir,
+                     overrides={"num_key_value_heads": 1, "attention_bias": True})  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tp2 = ["--tensor-parallel-size", "2"]
+    with LocalCluster(str(path), prefill_args=ENGINE + ["--max-num-batched-tokens", "32"] + tp2,
+                      decode_args=ENGINE + tp2, gateway_args=["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
+        check_through_the_cluster(cluster, hf, tokenizer, 2, 2)

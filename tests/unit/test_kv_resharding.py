@@ -137,3 +137,26 @@ def test_a_decode_ranks_server_refuses_by_name(wire, monkeypatch):
         assert torch.equal(runner.kv_caches[:, :, 1:4], data)
     finally:
         rank.close()
+
+
+def test_pairing_needs_rank_endpoints_when_a_tier_runs_several_ranks():
+    from tandem.shared.cluster_state.registry import InstanceInfo
+
+    def record(tier, size=1, endpoints=None):
+        info = InstanceInfo(f"{tier}-{size}", tier, f"{tier}:1", "m", 16, kv_dtype="float32")
+        info.tensor_parallel_size = size
+        info.kv_endpoints = [info.address] + [f"{tier}:{r}" for r in range(2, size + 1)] if endpoints is None \
+            else endpoints  # fmt: skip
+        return info
+
+    old_prefill = InstanceInfo.from_json('{"instance_id": "p", "tier": "prefill", "address": "p:1", '
+                                         '"model_id": "m", "block_size": 16}')  # (fields of an older record)
+    assert (old_prefill.tensor_parallel_size, old_prefill.kv_endpoints) == (1, [])
+    assert old_prefill.can_send_kv_to(record("decode"))  # (TP 1 -> TP 1: as before)
+    assert not old_prefill.can_send_kv_to(record("decode", 2))  # (an older prefill sends all heads to rank 0)
+    for p in (1, 2):
+        for d in (1, 2):
+            assert record("prefill", p).can_send_kv_to(record("decode", d)), (p, d)
+    assert not record("prefill", 2).can_send_kv_to(record("decode", 2, endpoints=["decode:1"]))  # (rank 1's missing)
+    assert not record("prefill", 2).can_send_kv_to(record("decode", 1, endpoints=[]))  # (an older decode)
+    assert not record("prefill").can_send_kv_to(InstanceInfo("d", "decode", "d:1", "m", 32))  # (block size)
