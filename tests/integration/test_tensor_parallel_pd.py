@@ -4,11 +4,16 @@ straight to the decode ranks holding them. One cluster serves both cases: prefil
 engines restarted with the sizes swapped, the same gateway and Redis) prefill TP 1 -> decode TP 2, on the tiny
 Qwen2 checkpoint of 4 query heads over 2 KV heads; greedy tokens equal HF transformers' in fp32, and a second
 prompt extending the first hits the prefix cache on both tiers (the decode's num_skip_blocks > 0: only the blocks it
-lacks travel)."""
+lacks travel); requests cancelled at points through their prefill and transfer leave nothing behind on either
+tier."""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 import pytest
 import torch
 
-from tests.integration.helpers import load, wait_idle
+from tests.integration.helpers import load, tracebacks, wait_idle
 from tests.prompts import LONG_TEXT
 from tests.tiny_models import NUM_TOKENS, save_tiny
 
@@ -64,8 +69,36 @@ def check_through_the_cluster(cluster, hf, tokenizer, prefill_tp: int, decode_tp
     assert after["decode0"].num_blocks_imported > imported, "the KV came from the prefill"
     for name in ("prefill0", "decode0"):  # (on the decode: num_skip_blocks > 0, only the blocks it lacks came)
         assert after[name].prefix_cache_hits >= records[name].prefix_cache_hits + 48, name
+    cancel_at_points(cluster)
     loads = wait_idle(cluster)  # (every block freed on both tiers, nothing left waiting for KV)
-    assert all(lo.num_waiting_for_kv == 0 for lo in loads.values())
+    assert all(lo.num_waiting_for_kv == 0 for lo in loads.values()), loads
+    assert all((lo.num_free_blocks, lo.num_running, lo.num_waiting) == (lo.num_blocks, 0, 0) for lo in loads.values())
+    assert not tracebacks(cluster)
+
+
+def cancel_at_points(cluster) -> None:
+    """Long prompts (a prefix of their own each: cache_salt) cancelled by the client at points through their
+    prefill and KV transfer (the prefill aborts: its ranks' shard streams are cancelled; the decode frees the
+    reservation: its ranks forget the request)."""
+    from tandem.services.client import make_request
+    from tandem.v1 import gateway_pb2_grpc
+
+    def run(delay: float) -> None:
+        request = make_request(LONG_TEXT[:1500], raw=True, max_tokens=4, temperature=0.0, cache_salt=f"c{delay}")
+        with grpc.insecure_channel(cluster.gateway_address) as channel:
+            call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=60)
+            timer = threading.Timer(delay, call.cancel)
+            timer.start()
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.CANCELLED, e
+            finally:
+                timer.cancel()
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, [0.05, 0.2, 0.4, 0.7]))
 
 
 def test_prefill_tp2_to_decode_tp1(pd, tokenizer):
