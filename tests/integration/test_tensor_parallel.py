@@ -2,8 +2,9 @@
 rank 1 a process it starts), greedy in fp32 token for token against HF transformers on tiny checkpoints whose heads
 divide (4 query heads over 2 KV heads, and over 1 KV head replicated on both ranks, with o_proj bias), a batch of
 prompts in flight with chunked prefill; an INT8 (RTN) checkpoint at TP 2 against the same checkpoint at TP 1; what
-is refused, by name; and through the real service: a decode process at TP 2 serving over gRPC, then its rank 1
-killed mid-stream takes the instance down (the stream fails, the process exits non-zero, no rank is left)."""
+is refused, by name; the default model at TP 3 against HF; and through the real services (a gateway, a decode at
+TP 1 and one at TP 2 in a real Redis): a rank of the TP 2 decode killed mid-stream, rank 1 or rank 0, loses no
+request (its streams migrate, token-exact) and leaves no rank behind."""
 import signal
 import subprocess
 import sys
@@ -21,9 +22,12 @@ from tandem.shared.config import CacheConfig, LoRAConfig, ModelConfig, ParallelC
 from tandem.shared.engine import LLMEngine
 from tandem.shared.parallel.layers import check_tensor_parallel, row_parallel
 from tandem.shared.quant.layers import WeightOnlyInt4Linear
+from tandem.shared.request import Request, SamplingParams
+from tests.prompts import PROMPTS, prompt_token_ids
 from tests.tiny_models import NUM_TOKENS, hf_greedy, prompts_for, run, save_tiny
 
 TP2 = ParallelConfig(tensor_parallel_size=2, threads=1, kernel_threads=1)
+DEFAULT_MODEL_TOKENS = 12  # greedy tokens of the default model at TP 3 (3 ranks on the test machine's 2 cores)
 # name -> (family, config overrides): 4 query heads over 2 KV heads (Qwen2: q/k/v bias); over 1 KV head, which
 # both ranks hold (Llama 3 with attention_bias: o_proj's bias added after the all-reduce; tied embeddings)
 CHECKPOINTS = {"qwen2-4q-2kv": ("qwen2", {}),
@@ -94,8 +98,33 @@ def test_refusals_name_what_does_not_split(model_dir, tmp_path):
     config = ModelConfig.from_dir(save_tiny("qwen2", tmp_path / "qwen2"))
     with pytest.raises(ValueError, match="--tensor-parallel-size 2 does not run with LoRA adapters"):
         LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(16, 8), lora_config=LoRAConfig(), parallel_config=TP2)
-    with pytest.raises(ValueError, match="does not run with the prefill tier"):
-        LLMEngine(config, CacheConfig(16, 64), SchedulerConfig(16, 8), export_kv=True, parallel_config=TP2)
+
+
+@pytest.mark.heavy  # (three ranks loading the 135M model in fp32 on two cores: about 50 s)
+def test_the_default_model_at_tp3_equals_hf(model_config, tokenizer, hf_model):
+    """SmolLM2-135M in fp32 (its safetensors, as --quantization none serves it): 9 query heads over 3 KV heads
+    split at TP 3 (3 query heads and 1 KV head per rank); two prompts in one batch, greedy (EOS held back), equal HF
+    fp32's tokens. TP 2 is refused before any rank starts, naming the flag and the field."""
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 2: num_attention_heads 9 of SmolLM2\S* is not "
+                                         r"divisible by 2$"):  # fmt: skip
+        LLMEngine(model_config, CacheConfig(16, 32), SchedulerConfig(64, 4), parallel_config=TP2)
+    prompts = {name: prompt_token_ids(tokenizer, kind, text) for name, kind, text in PROMPTS
+               if name in ("capital", "raw_story")}  # fmt: skip
+    engine = LLMEngine(model_config, CacheConfig(16, 32), SchedulerConfig(64, 4),
+                       parallel_config=replace(TP2, tensor_parallel_size=3))
+    try:
+        assert engine.model_runner.kv_caches.shape[4] == 1  # (one KV head per rank)
+        for name, ids in prompts.items():
+            engine.add_request(Request(name, ids, SamplingParams(max_tokens=DEFAULT_MODEL_TOKENS,
+                                                                 min_tokens=DEFAULT_MODEL_TOKENS, temperature=0.0)))
+        outs = {name: [] for name in prompts}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] += o.new_token_ids
+    finally:
+        engine.close()
+    assert outs == {name: hf_greedy(hf_model, ids, DEFAULT_MODEL_TOKENS) for name, ids in prompts.items()}
+    assert all(p.poll() == 0 for p in engine.tp_workers.procs)
 
 
 # -- a decode at TP 2 in a cluster: its requests outlive the instance -------------------------------------------------
@@ -161,13 +190,13 @@ def watch_health(channel, seen: list[str]) -> None:
 
 def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
     """Streams through the gateway, one at a time until the TP 2 decode (started here) has 2 in flight; then
-    kill(its process, its rank 1's psutil.Process). Every stream must end whole, equal to HF fp32's greedy
-    tokens, and the ones on the TP 2 decode must have migrated (decode_failed). Returns what the caller checks
-    next: proc (exited), rank (rank 1's), key (its registry key), health (what a Health.Watch of it opened before
-    the kill saw: statuses, then the call's end)."""
+    kill(its process, its rank 1's psutil.Process). Every stream must end whole, equal to the same request run
+    again without a fault, and the ones on the TP 2 decode must have migrated (decode_failed). Returns what the
+    caller checks next: proc (exited), rank (rank 1's), key (its registry key), health (what a Health.Watch of it
+    opened before the kill saw: statuses, then the call's end)."""
     from tandem.services.client import Completion
     from tandem.v1 import gateway_pb2_grpc
-    from tests.integration.helpers import load, metric_samples
+    from tests.integration.helpers import generate_all, load, metric_samples
 
     cluster, path, hf = tp_cluster
     proc, address = start_tp2_decode(cluster, path)
@@ -209,10 +238,14 @@ def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in readers)
         assert not [r for r in results if "code" in r], "a stream failed"
-        for i, r in enumerate(results):
-            ids = tokenizer(story(i), add_special_tokens=False).input_ids
-            assert r["out"].token_ids == hf_greedy(hf, ids, KILL_TOKENS), i
-            assert r["out"].finish_reason == "length"
+        # each stream equals the same request run again without a fault (at the TP 1 decode), whose first tokens
+        # equal HF fp32's (HF's run of every stream whole would cost more than the rest of the scenario here)
+        again = generate_all(cluster.gateway_address, [stream_request(i) for i in range(len(results))])
+        for i, (r, out) in enumerate(zip(results, again)):
+            assert r["out"].token_ids == out.token_ids and len(out.token_ids) == KILL_TOKENS, i
+            assert r["out"].finish_reason == out.finish_reason == "length", i
+        ids = tokenizer(story(0), add_special_tokens=False).input_ids
+        assert again[0].token_ids[:NUM_TOKENS] == hf_greedy(hf, ids, NUM_TOKENS)
         migrations = {dict(k)["reason"]: v - migrations_before.get(k, 0)
                       for k, v in metric_samples(url, "tandem:request_migrations_total").items()}  # fmt: skip
         assert migrations == {"decode_failed": running}, (migrations, running)
@@ -230,7 +263,7 @@ def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
 def test_a_killed_rank_1_loses_no_request(tp_cluster, tokenizer):
     """Rank 1 of a decode at TP 2 SIGKILLed mid-stream: the instance is down at once (NOT_SERVING, its record out
     of the registry, every call ended UNAVAILABLE as by a dead process, exit 1, rank 0 ending with a one-line
-    error) and its streams go on at the other decode (TP 1), token for token as HF's."""
+    error) and its streams go on at the other decode (TP 1), token for token as without the fault."""
     cluster = tp_cluster[0]
     seen = kill_mid_stream(tp_cluster, tokenizer, lambda proc, rank: rank.send_signal(signal.SIGKILL))
     assert seen["proc"].returncode == 1
@@ -241,7 +274,7 @@ def test_a_killed_rank_1_loses_no_request(tp_cluster, tokenizer):
 def test_a_killed_rank_0_loses_no_request_and_leaves_no_rank(tp_cluster, tokenizer):
     """Rank 0 (the decode's process) SIGKILLed mid-stream: rank 1 exits with it (PR_SET_PDEATHSIG), the record
     leaves the registry by its TTL as any dead decode's, and the streams go on at the other decode, token for
-    token as HF's."""
+    token as without the fault."""
     cluster = tp_cluster[0]
     seen = kill_mid_stream(tp_cluster, tokenizer, lambda proc, rank: proc.kill())
     assert seen["proc"].returncode == -signal.SIGKILL
