@@ -198,3 +198,49 @@ async def abort_scenario():
 
 def test_an_abort_frees_the_request_before_the_next_step():
     asyncio.run(abort_scenario())
+
+
+class FailingEngine(SteppingEngine):
+    """Every step raises gloo's error for a rank gone; tensor_parallel: whether it stands for an instance of several
+    ranks (LLMEngine.tp_workers set)."""
+
+    def __init__(self, tensor_parallel: bool):
+        super().__init__()
+        self.tp_workers = object() if tensor_parallel else None
+
+    def step(self):
+        super().step()
+        self.requests = dict.fromkeys(self.running)  # (what _abort_all ends)
+        raise RuntimeError("Connection closed by peer")
+
+
+async def failed_step_scenario(tensor_parallel: bool, with_on_lost: bool):
+    """(the stream's outputs within 0.5 s, the on_lost calls, the steps taken, AsyncEngine.lost)."""
+    fake, lost = FailingEngine(tensor_parallel), []
+    engine = AsyncEngine(fake, asyncio.get_running_loop(), on_lost=lost.append if with_on_lost else None)
+    try:
+        stream = await engine.add_request(make_request("a"))
+        outputs = []
+        try:
+            while (out := await asyncio.wait_for(stream.get(), 0.5)) is not None:
+                outputs.append(out)
+        except asyncio.TimeoutError:
+            pass
+        await engine.stats()  # (commands are still answered)
+        return outputs, lost, len(fake.steps), engine.lost
+    finally:
+        engine.stop()
+
+
+def test_a_failed_step_ends_the_batch_or_loses_a_tensor_parallel_instance():
+    # one process: the batch ends with an error (ABORT), and the engine serves on
+    outputs, lost, _, state = asyncio.run(failed_step_scenario(False, True))
+    assert [(o.finish_reason, o.error) for o in outputs] == [(FinishReason.ABORT, "engine step failed")]
+    assert lost == [] and state is None
+    # tensor-parallel: lost, stepping no more; its requests get no output (the service ends their calls) ...
+    outputs, lost, steps, state = asyncio.run(failed_step_scenario(True, True))
+    assert outputs == [] and steps == 1
+    assert lost == [state] and "RuntimeError: Connection closed by peer" in state
+    # ... or, with no one to end them, an error naming the loss
+    outputs, lost, steps, state = asyncio.run(failed_step_scenario(True, False))
+    assert [(o.finish_reason, o.error) for o in outputs] == [(FinishReason.ABORT, state)] and steps == 1
