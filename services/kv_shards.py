@@ -34,7 +34,7 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 SHARD_STREAM_TIMEOUT_S = 600.0  # a stream's deadline (a prefill's prompt computes within it)
-SERVER_THREADS = 8  # TransferKVShard streams a decode rank receives at once
+SERVER_THREADS = 32  # TransferKVShard streams a decode rank receives at once (more wait for a thread)
 
 
 class ShardServicer(decode_pb2_grpc.DecodeServicer):
@@ -86,6 +86,8 @@ class _ShardStream:
         self.call.add_done_callback(self._done)
 
     def put(self, kv: KVBlocks) -> None:
+        if self.call.done():  # (it failed: its outcome is reported, nothing reads the queue)
+            return
         for msg in kv_to_messages(self.request_id, kv, self.owner.model_config, kv_dtype=self.owner.kv_dtype):
             self.queue.put(msg)
             self.num_messages += 1
@@ -130,21 +132,24 @@ class ShardSender:
 
     def export(self, message: ExportKV) -> None:
         """Copy this rank's heads of each export's blocks out of the pool (now: the next step may reuse them) and
-        queue them on the request's streams (opened on its first export); the last export closes them."""
+        queue them on the request's streams (opened on its first export); the last export closes them. A rank
+        that sends none of the request's heads (a replica) does nothing."""
         for export in message.exports:
             with self._lock:
                 streams = self._streams.get(export.request_id)
             if streams is None:
                 streams = self._open(export)
-            if not streams:
-                continue
-            data = self.pool.index_select(2, torch.tensor(export.block_ids, device=self.pool.device)).cpu()
+            if streams:
+                data = self.pool.index_select(2, torch.tensor(export.block_ids, device=self.pool.device)).cpu()
             for stream in streams:
                 h0, h1 = stream.heads[0] - self.kv_heads[0], stream.heads[1] - self.kv_heads[0]
                 part = data if (h0, h1) == (0, data.shape[4]) else data[:, :, :, :, h0:h1].contiguous()
                 stream.put(KVBlocks(export.first_block_index, part, head_start=stream.heads[0]))
                 if export.last:
                     stream.close()
+            if export.last:  # (its streams end on their own; CancelKV finds nothing left to cancel)
+                with self._lock:
+                    self._streams.pop(export.request_id, None)
 
     def _open(self, export: KVExport) -> list[_ShardStream]:
         destination = export.destination
@@ -152,8 +157,9 @@ class ShardSender:
                                                 self.model_config.num_key_value_heads) if r.prefill_rank == self.rank]
         streams = [_ShardStream(self, export.request_id, export, r.decode_rank, (r.head_start, r.head_end))
                    for r in routes]  # fmt: skip
-        with self._lock:
-            self._streams[export.request_id] = streams
+        if streams and not export.last:
+            with self._lock:
+                self._streams[export.request_id] = streams
         return streams
 
     def cancel(self, request_id: str) -> None:
@@ -163,15 +169,12 @@ class ShardSender:
             stream.call.cancel()
 
     def finished(self, stream: _ShardStream, outcome: str) -> None:
-        """A stream ended: its outcome to the store (rank 0 waits for it), and the request forgotten once all
-        its streams ended."""
+        """A stream ended: its outcome to the store, where rank 0 waits for it (or, once it gave up waiting,
+        deletes it)."""
         if outcome:
             log.warning("request %s: KV shard stream to decode rank %d failed: %s", stream.request_id,
                         stream.decode_rank, outcome)  # fmt: skip
-        with self._lock:
-            streams = self._streams.get(stream.request_id)
-            if streams is not None and all(s.call.done() for s in streams):
-                del self._streams[stream.request_id]
+        with self._lock:  # (the store's client, from gRPC's threads)
             try:
                 self.store.set(stream.key, outcome)
             except Exception as e:  # (rank 0 is gone: nothing waits for it)
@@ -179,8 +182,9 @@ class ShardSender:
 
 
 class RankKVTransfer:
-    """A rank > 0's part of the KV transfer, built from KVTransferInit: handle(message) takes rank 0's KV
-    messages and returns the answer of those that are asked (KVTransferInit, CheckKV)."""
+    """A rank > 0's part of the KV transfer, built from KVTransferInit (ValueError naming a setting it cannot
+    serve with, e.g. a TLS file it cannot read): handle(message) takes rank 0's KV messages and returns the answer
+    of those that are asked (CheckKV)."""
 
     def __init__(self, init: KVTransferInit, runner, rank: int, size: int, store):
         self.role = init.role
@@ -230,8 +234,16 @@ class RankKVTransfer:
 def start_kv_transfer(engine, role: str, args) -> list[str]:
     """Rank 0, before the server serves (the engine thread sends nothing yet): start the other ranks' part of the
     KV transfer (KVTransferInit, with the service's --host, --advertise-host and TLS settings). Returns their KV
-    endpoints, ranks 1.. in order ("" each on a prefill); [] for a single-process engine."""
+    endpoints, ranks 1.. in order ("" each on a prefill); [] for a single-process engine. ValueError with a rank's
+    reason when one cannot start it."""
     workers = engine.tp_workers
     if workers is None:
         return []
-    return workers.group.ask(KVTransferInit(role, args.host, args.advertise_host, args.tls))
+    try:
+        answers = workers.group.ask(KVTransferInit(role, args.host, args.advertise_host, args.tls))
+    except (EOFError, OSError) as e:
+        raise ValueError(f"a tensor-parallel rank exited while starting its KV transfer ({e!r}): see its log") from e
+    for rank, (_, error) in enumerate(answers, start=1):
+        if error:
+            raise ValueError(f"tensor-parallel rank {rank} cannot serve its KV transfer: {error}")
+    return [endpoint for endpoint, _ in answers]

@@ -37,6 +37,7 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 log = logging.getLogger(__name__)
 KV_KEEPALIVE_S = 0.5  # most seconds between two messages of a transfer (the decode's --kv-lease-timeout is >= 2)
 SHARD_POLL_S = 0.002  # how often rank 0 looks for its other ranks' shard stream outcomes (the instance's TCPStore)
+SHARD_FORGET_S = 60.0  # how long a failed or cancelled transfer's outcomes are looked for, to delete them
 
 
 class _Outbox:
@@ -58,6 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.tp_size = workers.group.size if workers is not None else 1
         self.store = workers.store if workers is not None else None  # (the other ranks' shard outcomes)
         self._serials = itertools.count(1)  # (names each transfer in the store)
+        self._forgetting: set[asyncio.Task] = set()
 
     @traced("prefill")
     async def Prefill(self, request, context):
@@ -125,7 +127,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             transfer_call.cancel()  # the decode side sees the broken stream and frees its reservation
             for call in shard_calls:
                 call.cancel()
-            self.engine.abort(req.request_id)
+            self.engine.abort(req.request_id)  # (its ranks' streams are cancelled: CancelKV)
+            self._forget_outcomes(serial, routes)
             log.info("request %s aborted during prefill", req.request_id)
             raise
         if transfer.done() and not transfer.cancelled() and transfer.exception() is not None:
@@ -194,11 +197,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 route, outcome = pending.pop(key), self.store.get(key).decode()
                 self.store.delete_key(key)
                 if outcome:
-                    for rest in pending:  # (nothing else reads them)
-                        self.store.delete_key(rest)
                     raise _shard_failed(decode_id, route.prefill_rank, route.decode_rank, outcome)
             if pending:
                 await asyncio.sleep(SHARD_POLL_S)
+
+    def _forget_outcomes(self, serial: int, routes: list[KVRoute]) -> None:
+        """A transfer given up: delete its ranks' outcomes from the store as they come (in the background)."""
+        keys = [kv_outcome_key(serial, r.prefill_rank, r.decode_rank) for r in routes if r.prefill_rank > 0]
+        if not keys:
+            return
+
+        async def forget() -> None:
+            deadline = time.monotonic() + SHARD_FORGET_S
+            while keys and time.monotonic() < deadline:
+                for key in [k for k in keys if self.store.check([k])]:
+                    self.store.delete_key(key)
+                    keys.remove(key)
+                await asyncio.sleep(0.1)
+
+        task = asyncio.ensure_future(forget())
+        self._forgetting.add(task)  # (kept referenced; a drain does not wait for it)
+        task.add_done_callback(self._forgetting.discard)
 
     @traced("embed")
     async def Embed(self, request, context):

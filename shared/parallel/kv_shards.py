@@ -59,9 +59,9 @@ class KVShardReceiver:
 
     def write(self, request_id: str, kv: KVBlocks, wait_s: float | None = None) -> int:
         """Write a message's blocks (checked by services/kv_wire.py kv_from_message) into the pool; returns the
-        blocks written. Waits up to wait_s for the request's ExpectKV; UnknownRequestError for a request not
-        expected (never reserved, or forgotten: its blocks may be another's now; refused at once); InvalidRequestError when the
-        blocks, layers or heads overrun it."""
+        blocks written. Waits up to wait_s (default EXPECT_WAIT_S) for the request's ExpectKV. UnknownRequestError
+        for a request not expected (never reserved, or forgotten: its blocks may be another's now; refused at
+        once); InvalidRequestError when the blocks, layers or heads overrun it."""
         wait_s = EXPECT_WAIT_S if wait_s is None else wait_s
         with self._cond:
             if not self._cond.wait_for(lambda: request_id in self._expected or request_id in self._forgotten,

@@ -44,8 +44,8 @@ class Shutdown:
 class KVTransferInit:
     """The service's KV role, sent once before it serves: "decode" (the rank serves TransferKVShard on
     bind_host, an OS-chosen port, with tls: services.security.TLSConfig or None) or "prefill" (it ships its heads'
-    KV, calling the decodes with tls). Answered with the rank's KV endpoint, advertise_host:port ("" on a
-    prefill)."""
+    KV, calling the decodes with tls). Answered with (the rank's KV endpoint, advertise_host:port ("" on a
+    prefill), None), or ("", why it cannot)."""
 
     role: str
     bind_host: str

@@ -79,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(message, KVTransferInit):
             from tandem.services.kv_shards import RankKVTransfer  # (gRPC and the wire format: the services' side)
 
-            kv = RankKVTransfer(message, runner, args.rank, args.size, store)
-            group.reply(kv.endpoint)
+            try:
+                kv = RankKVTransfer(message, runner, args.rank, args.size, store)
+                group.reply((kv.endpoint, None))
+            except (ValueError, RuntimeError, OSError) as e:  # (rank 0 says why and stops the instance)
+                group.reply(("", str(e)))
             continue
         if not isinstance(message, StepInput):  # (a KV message: ExpectKV, ForgetKV, CheckKV, ExportKV, CancelKV)
             answer = kv.handle(message) if kv is not None else "this rank receives no KV (no KVTransferInit)"
