@@ -8,7 +8,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zero_scales,
                         int64_t group_size);
 torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zero_scales,
-                      int64_t N, int64_t group_size, bool int4);
+                      int64_t N, int64_t group_size, bool int4, c10::optional<bool> panels);
 bool has_vnni();
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
@@ -27,7 +27,11 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
   m.def("int4_gemm", &int4_gemm, "y = x @ ((int4 codes - zeros) * scales).T");
-  m.def("gemm_vnni", &gemm_vnni, "y = x~ @ dequant(int4 or int8 W).T, x~ = x quantized to int16 per 32 columns");
+  m.def("gemm_vnni", &gemm_vnni,
+        "y = x~ @ dequant(int4 or int8 W).T, x~ = x quantized to int16 per 32 columns; panels: the many-row path "
+        "(None: by M)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zero_scales"), py::arg("N"), py::arg("group_size"),
+        py::arg("int4"), py::arg("panels") = py::none());
   m.def("has_vnni", &has_vnni, "whether gemm_vnni runs here (built for a CPU with AVX-512 VNNI)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per sequence over the paged KV cache (float or quantized)");

@@ -43,6 +43,9 @@ namespace {
 
 constexpr int TILE = 16;   // output rows per tile: one int32 lane each
 constexpr int BLOCK = 32;  // columns per activation block
+constexpr int64_t PANEL_MIN_ROWS = 10;  // from this M the panel path (below), under it the tile path
+constexpr int PANEL_TILES_INT4 = 3, PANEL_ROWS_INT4 = 4;  // NT x MR of the panel path's register tiles
+constexpr int PANEL_TILES_INT8 = 4, PANEL_ROWS_INT8 = 3;
 
 #ifdef TANDEM_HAS_VNNI
 
@@ -180,8 +183,113 @@ void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int
 #undef TANDEM_TILES
 }
 
+// ---- Many rows (PANEL_MIN_ROWS and up): register tiles of MR rows x NT weight tiles ----
+//
+// NT tiles' codes are unpacked once per pair of columns and multiplied with MR rows' broadcast pairs: MR * NT
+// independent int32 chains, each broadcast feeding NT vpdpwssd and each unpacked code vector MR (tile_kernel: 8
+// chains, one broadcast per vpdpwssd). A task is a group of NT tiles over a block of rows; the group's codes
+// (NT * K / 2 bytes for int4) stay in L1 while the rows pass over them. Each output element's arithmetic is
+// tile_kernel's, in the same order: the same bits as the tile path for every M (tests/unit/kernels).
+template <bool INT4, int NT, int MR>
+void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y) {
+  constexpr int LOADS = INT4 ? 8 : 16;  // 32-byte loads per block of a tile
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  const int64_t K = a.K, nb = a.nb, tile_bytes = w.nb * LOADS * 32, tile_scales = w.num_groups * TILE;
+  const uint8_t* codes = w.codes + t0 * tile_bytes;
+  const float* scales = w.scales + t0 * tile_scales;
+  const float* zs = w.zs + t0 * tile_scales;
+  const int16_t* xr = a.qx + m0 * K;
+  const float* dx = a.dx + m0 * nb;
+  const float* xsum = a.xsum + m0 * nb;
+  __m512 f[NT][MR];
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < MR; ++i) f[t][i] = _mm512_setzero_ps();
+  for (int64_t b = 0, g = 0, in_group = 0; b < nb; ++b) {
+    const uint8_t* cb = codes + b * LOADS * 32;
+    __m512i acc[NT][MR];
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < MR; ++i) acc[t][i] = _mm512_setzero_si512();
+    const int16_t* xb = xr + b * BLOCK;
+#pragma GCC unroll 16
+    for (int p = 0; p < LOADS; ++p) {
+      __m512i lo[NT], hi[NT];
+      for (int t = 0; t < NT; ++t) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + t * tile_bytes + p * 32));
+        if constexpr (INT4) {
+          const __m512i words = _mm512_cvtepu8_epi16(bytes);
+          lo[t] = _mm512_and_si512(words, nibble);
+          hi[t] = _mm512_srli_epi16(words, 4);
+        } else {
+          lo[t] = _mm512_cvtepi8_epi16(bytes);
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = broadcast_pair(xb + i * K + 2 * p);
+        for (int t = 0; t < NT; ++t) acc[t][i] = _mm512_dpwssd_epi32(acc[t][i], lo[t], xv);
+      }
+      if constexpr (INT4) {
+        for (int i = 0; i < MR; ++i) {
+          const __m512i xv = broadcast_pair(xb + i * K + 2 * (p + 8));
+          for (int t = 0; t < NT; ++t) acc[t][i] = _mm512_dpwssd_epi32(acc[t][i], hi[t], xv);
+        }
+      }
+    }
+    // the fold: tile_kernel's operations on the same operands
+    for (int t = 0; t < NT; ++t) {
+      const __m512 s = _mm512_loadu_ps(scales + t * tile_scales + g * TILE);
+      const __m512 z = _mm512_loadu_ps(zs + t * tile_scales + g * TILE);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[i * nb + b]));
+        f[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][i]), sd, f[t][i]);
+        if constexpr (INT4) f[t][i] = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[i * nb + b]), f[t][i]);
+      }
+    }
+    if (++in_group == w.blocks_per_group) in_group = 0, ++g;
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (t0 + t) * TILE;
+    const int rows = static_cast<int>(std::min<int64_t>(TILE, w.N - n0));
+    const __mmask16 mask = rows == TILE ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * w.N + n0, mask, f[t][i]);
+  }
+}
+
+template <bool INT4, int NT, int MR>  // rows <= MR
+void panel_rows(const Packed& w, const Acts& a, int64_t t0, int64_t m0, int rows, float* y) {
+  if (rows == MR) return panel_kernel<INT4, NT, MR>(w, a, t0, m0, y);
+  if constexpr (MR > 1) panel_rows<INT4, NT, MR - 1>(w, a, t0, m0, rows, y);
+}
+
+template <bool INT4, int NT, int MR>
+void gemm_panels(const Packed& w, const Acts& a, int64_t M, float* y) {
+  const int64_t tiles = (w.N + TILE - 1) / TILE, groups = (tiles + NT - 1) / NT;
+  // rows per task: all of them, unless the groups are fewer than 4 per thread (then blocks of MR-multiples)
+  const int64_t want = 4 * tandem_pool::num_threads();
+  int64_t row_blocks = groups >= want ? 1 : std::min((want + groups - 1) / groups, (M + MR - 1) / MR);
+  const int64_t rows_per_block = ((M + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;
+  row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  const int64_t tasks = groups * row_blocks;
+  tandem_pool::parallel_for(tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t0 = (task / row_blocks) * NT, nt = std::min<int64_t>(NT, tiles - t0);
+      const int64_t r0 = (task % row_blocks) * rows_per_block, rows = std::min(rows_per_block, M - r0);
+      // row tiles of equal size (+-1): no short last tile, whose few chains would wait on vpdpwssd's latency
+      const int64_t num = (rows + MR - 1) / MR, base = rows / num, longer = rows % num;
+      for (int64_t j = 0, m = r0; j < num; ++j) {
+        const int r = static_cast<int>(base + (j < longer));
+        if (nt == NT) {
+          panel_rows<INT4, NT, MR>(w, a, t0, m, r, y);
+        } else {
+          for (int64_t t = t0; t < t0 + nt; ++t) panel_rows<INT4, 1, MR>(w, a, t, m, r, y);
+        }
+        m += r;
+      }
+    }
+  });
+}
+
 template <bool INT4>
-torch::Tensor gemm_vnni(const torch::Tensor& x, const Packed& w) {
+torch::Tensor gemm_vnni(const torch::Tensor& x, const Packed& w, bool panels) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / BLOCK;
   auto y = torch::empty({M, w.N}, x.options());
   if (M == 0) return y;
@@ -190,6 +298,11 @@ torch::Tensor gemm_vnni(const torch::Tensor& x, const Packed& w) {
   quantize_rows(x.data_ptr<float>(), M, K, qx.data(), dx.data(), xsum.data());
   const Acts a{qx.data(), dx.data(), xsum.data(), K, nb};
   float* yp = y.data_ptr<float>();
+  if (panels) {
+    if constexpr (INT4) gemm_panels<true, PANEL_TILES_INT4, PANEL_ROWS_INT4>(w, a, M, yp);
+    else gemm_panels<false, PANEL_TILES_INT8, PANEL_ROWS_INT8>(w, a, M, yp);
+    return y;
+  }
   const int64_t tiles = (w.N + TILE - 1) / TILE;
   constexpr int64_t MT = 8;
   // Small M: chunks of 4 tiles (enough work per claim); large M: one tile each, all rows (the tile's codes stay
@@ -221,7 +334,7 @@ bool has_vnni() {
 // x fp32 [M, K]; codes uint8 [tiles, K / 32, 8 (int4) or 16 (int8), 32] (pack_vnni); scales and zero_scales fp32
 // [tiles, num_groups, 16] -> y fp32 [M, N]. RuntimeError on a CPU build without AVX-512 VNNI.
 torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zero_scales,
-                      int64_t N, int64_t group_size, bool int4) {
+                      int64_t N, int64_t group_size, bool int4, c10::optional<bool> panels) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t K = x.size(1), tiles = (N + TILE - 1) / TILE;
@@ -239,7 +352,8 @@ torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 #ifdef TANDEM_HAS_VNNI
   const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zero_scales.data_ptr<float>(),
                  K / BLOCK, num_groups, group_size / BLOCK, N};
-  return int4 ? gemm_vnni<true>(x, w) : gemm_vnni<false>(x, w);
+  const bool use_panels = panels.has_value() ? *panels : x.size(0) >= PANEL_MIN_ROWS;
+  return int4 ? gemm_vnni<true>(x, w, use_panels) : gemm_vnni<false>(x, w, use_panels);
 #else
   TORCH_CHECK(false, "gemm_vnni needs AVX-512 VNNI (this build targets a CPU without it)");
   return x;

@@ -222,16 +222,65 @@ def test_pack_vnni_and_gemm_vnni_refuse_bad_arguments():
 
 @vnni
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_gemm_vnni_keeps_a_non_finite_row_non_finite(bad):
+@pytest.mark.parametrize("panels", [False, True], ids=["tiles", "panels"])
+def test_gemm_vnni_keeps_a_non_finite_row_non_finite(bad, panels):
     """A NaN or infinity in a row makes that row's outputs non-finite (so the engine's check of the logits still
-    sees it), as with float activations; the other rows are unchanged."""
+    sees it), as with float activations; the other rows are unchanged. On both paths."""
     weight, dequantized = _vnni_weight("int4", 40, 128, 32)
     x = torch.randn(3, 128, generator=_gen(7))
-    clean = cpu_qgemm.gemm_vnni(x, weight)
+    clean = cpu_qgemm.gemm_vnni(x, weight, panels=panels)
     x[1, 70] = bad
-    y = cpu_qgemm.gemm_vnni(x, weight)
+    y = cpu_qgemm.gemm_vnni(x, weight, panels=panels)
     assert not torch.isfinite(y[1]).any() and not torch.isfinite(cpu_qgemm.gemm_vnni_ref(x, dequantized)[1]).any()
     assert torch.equal(y[[0, 2]], clean[[0, 2]])
+
+
+# M: under and at the panel path's threshold, tails of its row tiles (3 and 4 rows) and row blocks; N: a tail of
+# a 16-row tile, whole groups of 3 and 4 tiles and a group's tail, one tile; K: one block, two, 18 (the model's)
+PANEL_SHAPES = [(1, 40, 64), (9, 48, 32), (10, 64, 576), (11, 100, 64), (13, 16, 96), (37, 200, 576), (70, 40, 128),
+                (130, 112, 64)]
+
+
+@vnni
+@pytest.mark.parametrize("M, N, K", PANEL_SHAPES)
+@pytest.mark.parametrize("kind, group_size", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None)])
+@pytest.mark.parametrize("kernel_threads", [1, 2])
+def test_gemm_vnni_panels_give_the_tile_paths_bits(M, N, K, kind, group_size, kernel_threads):
+    """The many-row path (register tiles of several weight tiles x rows) does each output element's arithmetic in
+    the tile path's order: the same bits at every M, N and thread count, and what gemm_vnni picks by M is one of
+    them."""
+    G = group_size or K
+    if K % G:
+        pytest.skip("group does not divide K")
+    weight, _ = _vnni_weight(kind, N, K, G)
+    x = torch.randn(M, K, generator=_gen(9)) * torch.logspace(-3, 3, K)  # blocks of very different scales
+    x[M // 2, :32] = 0  # an all-zero block
+    tiles = cpu_qgemm.gemm_vnni(x, weight, panels=False)
+    cpu_ext.set_num_threads(kernel_threads)
+    try:
+        assert torch.equal(cpu_qgemm.gemm_vnni(x, weight, panels=True), tiles)
+        assert torch.equal(cpu_qgemm.gemm_vnni(x, weight), tiles)
+    finally:
+        cpu_ext.set_num_threads(1)
+
+
+@vnni
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_gemm_vnni_panel_rows_do_not_depend_on_the_batch(kind):
+    """A row through the panel path (in batches of 10 to 517 rows, on 1 and 2 threads) gives the bits it gives
+    alone (through the tile path: M = 1)."""
+    weight, _ = _vnni_weight(kind, 960, 576, 32)
+    x = torch.randn(517, 576, generator=_gen(10))
+    alone = torch.cat([cpu_qgemm.gemm_vnni(x[m:m + 1], weight) for m in (0, 9, 516)])
+    for kernel_threads in (1, 2):
+        cpu_ext.set_num_threads(kernel_threads)
+        try:
+            for batch in (10, 32, 517):
+                rows = [m for m in (0, 9, 516) if m < batch]
+                y = cpu_qgemm.gemm_vnni(x[:batch], weight)
+                assert torch.equal(y[rows], alone[:len(rows)])
+        finally:
+            cpu_ext.set_num_threads(1)
 
 
 @vnni
