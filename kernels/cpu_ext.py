@@ -23,8 +23,8 @@ import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "qgemm_vnni.cpp", "dense_gemm.cpp",
                                                                "dense_gemm_packed.cpp", "attention.cpp",
-                                                               "layer_ops.cpp", "lora.cpp", "thread_pool.cpp",
-                                                               "module.cpp")]
+                                                               "prefill_attention.cpp", "layer_ops.cpp", "lora.cpp",
+                                                               "thread_pool.cpp", "module.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h")]
 log = logging.getLogger(__name__)
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: torch ops on CPU, Triton kernels on CUDA (shared.device.use_triton picks).
+"""Attention over the paged KV cache: C++ kernels or torch ops on CPU, Triton kernels on CUDA
+(shared.device.use_triton picks).
 
 The batch is flat: request i owns query rows query_start_loc[i]:query_start_loc[i+1], which are the last
 positions of its context of context_lens[i] tokens (cached prefix + this step's tokens). Causal masking is
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import cpu_attention
+from tandem.kernels import cpu_attention, cpu_prefill_attention
 from tandem.kernels.kv_quant import dequantize, quantize
 from tandem.kernels.masks import causal_mask, soft_cap
 from tandem.shared.device import use_triton
@@ -76,8 +77,9 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
     head_dim] (already holding this step's K/V; with meta.kv_quant, uint8 rows of kv_quant.row_size); window: a sliding
     window (None: the whole context); softcap: the scores' tanh cap (None: none); returns [num_tokens, num_q_heads,
     head_dim].
-    CUDA: Triton kernels (decode and extend). CPU: decode batches and short queries in the C++ kernel (fp32, bf16;
-    float or quantized KV) or one padded scaled_dot_product_attention (fp16); mixed batches per-request gather +
+    CUDA: Triton kernels (decode and extend). CPU: decode batches and short queries in the C++ decode kernel
+    (fp32, bf16; float or quantized KV) or one padded scaled_dot_product_attention (fp16); longer queries (prefill
+    chunks, mixed batches) in the C++ prefill kernel (fp32, bf16; float KV), otherwise per-request gather +
     attention.
     """
     if use_triton(query):
@@ -86,6 +88,10 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
         return _decode_attention_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
     if meta.max_query_len <= MAX_ROWS_AS_DECODE and cpu_attention.supports(query, key_cache, meta.kv_quant):
         return _short_queries_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
+    if cpu_prefill_attention.supports(query, key_cache, meta.kv_quant):
+        return cpu_prefill_attention.paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
+                                                             meta.query_start_loc_t, meta.context_lens_t, scale,
+                                                             window, softcap)
     return _per_request_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
 
 

@@ -17,6 +17,8 @@
 // Only the order of the sum of squares differs from torch's reduction.
 //
 // Any width: the SIMD loops end with a scalar tail (H, D / 2 and I need not be multiples of the vector width).
+// Rows are independent: a prefill chunk's are split over the kernels' threads (for_rows), a decode step's few run
+// on the caller.
 //
 // Layouts: x, residual [T, H]; qkv [T, Hq + 2 Hkv, D] (query heads, then key heads, then value heads); cos, sin
 // [T, D] fp32; key_cache, value_cache [num_blocks, block_size, Hkv, D] (one layer's pool, viewed as
@@ -29,9 +31,20 @@
 #include <cstring>
 
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace {
 using namespace tandem_simd;
+
+// fn(begin, end) over rows [0, T) of elems_per_row elements each: on the kernels' threads (tandem_pool) in chunks of
+// at least ROW_CHUNK_ELEMS elements, so a prefill chunk's rows are split and a decode step's few rows stay on the
+// caller (waking a helper costs more than they do).
+constexpr int64_t ROW_CHUNK_ELEMS = 1 << 16;
+template <typename Fn>
+void for_rows(int64_t T, int64_t elems_per_row, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, ROW_CHUNK_ELEMS / std::max<int64_t>(1, elems_per_row));
+  tandem_pool::parallel_for(T, grain, [&](int64_t begin, int64_t end) { fn(begin, end); });
+}
 
 void check_float(const torch::Tensor& t, int64_t dim, const char* name) {
   TORCH_CHECK((t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16) && t.is_contiguous() &&
@@ -119,9 +132,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t T = x.size(0), H = x.size(1);
   dispatch(x, [&](auto zero) {
     using E = decltype(zero);
-    for (int64_t t = 0; t < T; ++t)
-      rms_norm_row(x.data_ptr<E>() + t * H, weight.data_ptr<E>(), out.data_ptr<E>() + t * H, H,
-                   static_cast<float>(eps));
+    const E* xp = x.data_ptr<E>();
+    const E* w = weight.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    for_rows(T, H, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) rms_norm_row(xp + t * H, w, op + t * H, H, static_cast<float>(eps));
+    });
   });
   return out;
 }
@@ -138,14 +154,19 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   const int64_t T = x.size(0), H = x.size(1);
   dispatch(x, [&](auto zero) {
     using E = decltype(zero);
-    for (int64_t t = 0; t < T; ++t) {
-      E* xr = x.data_ptr<E>() + t * H;
-      E* rr = residual.data_ptr<E>() + t * H;
-      const int64_t end = vector_end(H);
-      for (int64_t h = 0; h < end; h += LANES) store_f32(rr + h, vadd(load_f32(xr + h), load_f32(rr + h)));
-      for (int64_t h = end; h < H; ++h) rr[h] = from_f32<E>(to_f32(xr[h]) + to_f32(rr[h]));
-      rms_norm_row(rr, weight.data_ptr<E>(), xr, H, static_cast<float>(eps));
-    }
+    E* xp = x.data_ptr<E>();
+    E* rp = residual.data_ptr<E>();
+    const E* w = weight.data_ptr<E>();
+    for_rows(T, H, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        E* xr = xp + t * H;
+        E* rr = rp + t * H;
+        const int64_t stop = vector_end(H);
+        for (int64_t h = 0; h < stop; h += LANES) store_f32(rr + h, vadd(load_f32(xr + h), load_f32(rr + h)));
+        for (int64_t h = stop; h < H; ++h) rr[h] = from_f32<E>(to_f32(xr[h]) + to_f32(rr[h]));
+        rms_norm_row(rr, w, xr, H, static_cast<float>(eps));
+      }
+    });
   });
 }
 
@@ -181,17 +202,23 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     const E* src = qkv.data_ptr<E>();
     E* kc = key_cache.data_ptr<E>();
     E* vc = value_cache.data_ptr<E>();
-    for (int64_t t = 0; t < T; ++t) {
-      const float* c = cos.data_ptr<float>() + t * D;
-      const float* s = sin.data_ptr<float>() + t * D;
-      const E* row = src + t * qkv.size(1) * D;
-      for (int64_t h = 0; h < num_heads + Hkv; ++h) {
-        E* out = h < num_heads ? q.data_ptr<E>() + (t * num_heads + h) * D
-                               : kc + (slots[t] * Hkv + (h - num_heads)) * D;
-        rope_head(row + h * D, c, s, out, half);
+    E* qp = q.data_ptr<E>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t width = qkv.size(1) * D;
+    // (rows write distinct query rows and, through distinct slots, distinct cache rows)
+    for_rows(T, width, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + t * D;
+        const float* s = sp + t * D;
+        const E* row = src + t * width;
+        for (int64_t h = 0; h < num_heads + Hkv; ++h) {
+          E* out = h < num_heads ? qp + (t * num_heads + h) * D : kc + (slots[t] * Hkv + (h - num_heads)) * D;
+          rope_head(row + h * D, c, s, out, half);
+        }
+        std::memcpy(vc + slots[t] * Hkv * D, row + (num_heads + Hkv) * D, sizeof(E) * Hkv * D);
       }
-      std::memcpy(vc + slots[t] * Hkv * D, row + (num_heads + Hkv) * D, sizeof(E) * Hkv * D);
-    }
+    });
   });
   return q;
 }
@@ -204,10 +231,11 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({T, I}, gate_up.options());
   dispatch(gate_up, [&](auto zero) {
     using E = decltype(zero);
-    for (int64_t t = 0; t < T; ++t) {
-      const E* g = gate_up.data_ptr<E>() + t * 2 * I;
-      silu_and_mul_row(g, g + I, out.data_ptr<E>() + t * I, I);
-    }
+    const E* gp = gate_up.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    for_rows(T, 2 * I, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_and_mul_row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
+    });
   });
   return out;
 }

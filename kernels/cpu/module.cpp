@@ -1,5 +1,6 @@
 // The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, qgemm_vnni.cpp, dense_gemm.cpp,
-// dense_gemm_packed.cpp, attention.cpp, layer_ops.cpp, lora.cpp, thread_pool.cpp and this file).
+// dense_gemm_packed.cpp, attention.cpp, prefill_attention.cpp, layer_ops.cpp, lora.cpp, thread_pool.cpp and this
+// file).
 #include <torch/extension.h>
 
 #include "thread_pool.h"
@@ -13,6 +14,9 @@ bool has_vnni();
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      int64_t window, double softcap, int64_t kv_format);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor query_start_loc,
+                                      torch::Tensor context_lens, double scale, int64_t window, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
@@ -35,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether gemm_vnni runs here (built for a CPU with AVX-512 VNNI)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per sequence over the paged KV cache (float or quantized)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of query chunks over the paged KV cache (fp32 or bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on query and key heads; keys and values into the KV cache");
