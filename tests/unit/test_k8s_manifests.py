@@ -2,8 +2,9 @@
 kustomize`, every object validates against the Kubernetes JSON schemas of K8S_VERSION (kubernetes-validate,
 strict: an unknown or misplaced field fails), and what no schema sees holds: each tandem container is probed over
 gRPC on the port its environment makes it serve, its grace period outlasts its drain, it sets only environment
-variables its service reads (as `--help` names them), and the Services, PodDisruptionBudgets and
-HorizontalPodAutoscalers find their pods, each HPA on its tier's metric with an adapter rule serving it.
+variables its service reads (as `--help` names them), an engine pod's CPUs cover its tensor-parallel ranks'
+threads, and the Services, PodDisruptionBudgets and HorizontalPodAutoscalers find their pods, each HPA on its
+tier's metric with an adapter rule serving it.
 test_checks_catch_broken_manifests breaks a rendered copy in each of those ways and expects each to be reported."""
 import base64
 import copy
@@ -154,6 +155,7 @@ def wiring_problems(objects) -> list[str]:
         for kind in ("requests", "limits"):
             if "memory" not in c.get("resources", {}).get(kind, {}):
                 problems.append(f"{where}: no memory {kind}")
+        problems += [f"{where}: {p}" for p in rank_problems(env, c)]
     if tiers_seen != set(TIERS):
         problems.append(f"tandem Deployments run {sorted(tiers_seen)}, not each of {TIERS}")
     for pdb in find(objects, "PodDisruptionBudget"):
@@ -185,6 +187,28 @@ def wiring_problems(objects) -> list[str]:
     return problems
 
 
+def cpus(quantity: str | None) -> float | None:
+    """A CPU quantity ("6", "500m") in CPUs; None when unset."""
+    if quantity is None:
+        return None
+    return float(quantity[:-1]) / 1000 if str(quantity).endswith("m") else float(quantity)
+
+
+def rank_problems(env: dict[str, str], container: dict) -> list[str]:
+    """An engine pod is one instance of TANDEM_TENSOR_PARALLEL_SIZE ranks, each a process in its container with
+    TANDEM_THREADS torch threads and TANDEM_KERNEL_THREADS kernel threads (docs/parallelism.md, "Deployment"): its
+    CPU request must cover every rank's threads, and at TP > 1 the kernel threads must be set (unset, each rank
+    takes every CPU it sees: the node's, not the pod's)."""
+    ranks = int(env.get("TANDEM_TENSOR_PARALLEL_SIZE", "1"))
+    requested = cpus(container.get("resources", {}).get("requests", {}).get("cpu"))
+    if ranks > 1 and "TANDEM_KERNEL_THREADS" not in env:
+        return [f"{ranks} tensor-parallel ranks without TANDEM_KERNEL_THREADS (each would take every CPU it sees)"]
+    needed = ranks * max(int(env.get("TANDEM_THREADS", "1")), int(env.get("TANDEM_KERNEL_THREADS", "1")))
+    if requested is not None and requested < needed:
+        return [f"requests {requested:g} CPUs for {ranks} tensor-parallel ranks of {needed // ranks} threads each"]
+    return []
+
+
 def adapter_metrics(objects) -> set[str]:
     """The custom metric names the rendered prometheus-adapter rules serve, each from an engine gauge."""
     names = set()
@@ -210,7 +234,7 @@ def test_probes_drain_env_and_selectors_fit(build):
 
 
 def test_overlays():
-    assert {"example", "external-redis", "autoscaling"} <= set(BUILDS)
+    assert {"example", "external-redis", "autoscaling", "tensor-parallel"} <= set(BUILDS)
     external = render("external-redis")
     assert not [o for o in external if o["metadata"]["name"] == "redis"], "external-redis keeps the redis pod"
     for _, _, c, _ in tandem_containers(external):
@@ -218,6 +242,15 @@ def test_overlays():
     scaled = render("autoscaling")
     assert {h["spec"]["scaleTargetRef"]["name"] for h in find(scaled, "HorizontalPodAutoscaler")} == set(TIERS)
     assert adapter_metrics(scaled) == set(HPA_METRIC.values())
+    # one pod per instance, its ranks inside: the engines at TP 3 with the CPUs and memory of three ranks
+    base, parallel = render("base"), render("tensor-parallel")
+    for (_, _, c, tier), (_, _, one, _) in zip(tandem_containers(parallel), tandem_containers(base)):
+        env = container_env(parallel, c)[0]
+        assert env.get("TANDEM_TENSOR_PARALLEL_SIZE") == ("3" if tier != "gateway" else None), tier
+        if tier != "gateway":
+            assert cpus(c["resources"]["requests"]["cpu"]) == 3 * cpus(one["resources"]["requests"]["cpu"]), tier
+            assert c["resources"]["requests"]["memory"] != one["resources"]["requests"]["memory"], tier
+            assert c["resources"]["requests"] == c["resources"]["limits"], tier  # (Guaranteed QoS, as the base)
     example = render("example")
     assert all(o["metadata"].get("namespace") == "tandem" for o in example if o["kind"] != "Namespace")
     assert all(c["image"] != "tandem:latest" for _, _, c, _ in tandem_containers(example))
@@ -247,6 +280,11 @@ BREAKAGES = {  # name: (kind, name, change, the check that must report it)
         {"name": "TANDEM_NO_SUCH_FLAG", "value": "1"}), wiring_problems),
     "engine flag on the gateway": ("Deployment", "gateway", lambda d: _container(d)["env"].append(
         {"name": "TANDEM_NUM_BLOCKS", "value": "8"}), wiring_problems),
+    "ranks without their CPUs": ("Deployment", "decode", lambda d: _container(d)["env"].extend(
+        [{"name": "TANDEM_TENSOR_PARALLEL_SIZE", "value": "3"}, {"name": "TANDEM_KERNEL_THREADS", "value": "2"}]),
+        wiring_problems),
+    "ranks without kernel threads": ("Deployment", "prefill", lambda d: _container(d)["env"].append(
+        {"name": "TANDEM_TENSOR_PARALLEL_SIZE", "value": "3"}), wiring_problems),
     "PDB selecting nothing": ("PodDisruptionBudget", "decode", lambda p: p["spec"]["selector"]["matchLabels"].update(
         {"app.kubernetes.io/component": "decoder"}), wiring_problems),
     "HPA on a missing Deployment": ("HorizontalPodAutoscaler", "prefill", lambda h: h["spec"]["scaleTargetRef"].update(
