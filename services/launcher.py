@@ -269,24 +269,28 @@ class LocalCluster:
         self.processes[name].kill()
         self.processes[name].wait()
 
-    def restart(self, name: str, timeout_s: float = 180) -> None:
-        """Start a killed or stopped child again with the same flags (the same port; an engine gets a new
-        instance id and incarnation), and wait until the cluster is ready again: for an engine, until its old
-        record has left the registry (its TTL) and the new one is in."""
-        if self.processes[name].poll() is None:
-            raise RuntimeError(f"{name} is still running")
-        address = self.addresses.get(name)
-        old = self.registered_at(address) if address else set()
-        self._spawn(name, self.argv[name])
+    def restart(self, *names: str, timeout_s: float = 180) -> None:
+        """Start killed or stopped children again (all at once) with the flags in self.argv (as they were, unless
+        changed since; the same port; an engine gets a new instance id and incarnation), and wait until the
+        cluster is ready again: for an engine, until its old record has left the registry (its TTL) and the new
+        one is in."""
+        for name in names:
+            if self.processes[name].poll() is None:
+                raise RuntimeError(f"{name} is still running")
+        addresses = {name: self.addresses.get(name) for name in names}
+        old = {name: self.registered_at(address) if address else set() for name, address in addresses.items()}
+        for name in names:
+            self._spawn(name, self.argv[name])
         deadline = time.monotonic() + timeout_s
-        while address:
-            self.check_alive()
-            now = self.registered_at(address)
-            if now and not now & old:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not register again within {timeout_s:.0f}s")
-            time.sleep(0.3)
+        for name, address in addresses.items():
+            while address:
+                self.check_alive()
+                now = self.registered_at(address)
+                if now and not now & old[name]:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not register again within {timeout_s:.0f}s")
+                time.sleep(0.3)
         self.wait_ready(max(1.0, deadline - time.monotonic()))
 
     def registered_at(self, address: str) -> set[bytes]:

@@ -5,7 +5,7 @@ engines restarted with the sizes swapped, the same gateway and Redis) prefill TP
 Qwen2 checkpoint of 4 query heads over 2 KV heads; greedy tokens equal HF transformers' in fp32, and a second
 prompt extending the first hits the prefix cache on both tiers (the decode's num_skip_blocks > 0: only the blocks it
 lacks travel); requests cancelled at points through their prefill and transfer leave nothing behind on either
-tier."""
+tier, and a shard stream that fails fails the Prefill call (UNAVAILABLE, naming the decode)."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,14 +41,17 @@ def pd(model_dir, tokenizer, tmp_path_factory):
 
 
 def switch_sizes(cluster, prefill_tp: int, decode_tp: int) -> None:
-    """Restart the prefill and the decode at these tensor-parallel sizes (each drains first)."""
+    """Restart the prefill and the decode at these tensor-parallel sizes (each drains first; both start at once)."""
+    changed = []
     for name, size in (("decode0", decode_tp), ("prefill0", prefill_tp)):
         argv = cluster.argv[name]
         i = len(argv) - 1 - argv[::-1].index("--tensor-parallel-size")
         if argv[i + 1] != str(size):
             cluster.terminate(name)
             argv[i + 1] = str(size)
-            cluster.restart(name)
+            changed.append(name)
+    if changed:
+        cluster.restart(*changed)
 
 
 def check_through_the_cluster(cluster, hf, tokenizer, prefill_tp: int, decode_tp: int) -> None:
@@ -105,6 +108,43 @@ def test_prefill_tp2_to_decode_tp1(pd, tokenizer):
     cluster, hf = pd
     switch_sizes(cluster, 2, 1)
     check_through_the_cluster(cluster, hf, tokenizer, 2, 1)
+    a_failed_shard_stream_fails_the_prefill(cluster)
+
+
+def a_failed_shard_stream_fails_the_prefill(cluster) -> None:
+    """The prefill told of a decode rank 1 whose endpoint nothing serves: prefill rank 1's shard stream fails, it
+    reports so through the TCPStore, and the Prefill call fails UNAVAILABLE naming the decode, whose reservation is
+    then freed (its Generate stream ends with the error the gateway re-places on)."""
+    import json
+
+    import redis
+
+    from tandem.services.launcher import free_port
+    from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        decode = json.loads(client.get(client.keys("tandem:instance:decode:*")[0]))
+    finally:
+        client.close()
+    ids = list(range(3, 60))
+    with grpc.insecure_channel(decode["address"]) as d, grpc.insecure_channel(cluster.addresses["prefill0"]) as p:
+        request = decode_pb2.DecodeRequest(request_id="broken", prompt_token_ids=ids)
+        request.sampling_params.max_tokens = 4
+        call = decode_pb2_grpc.DecodeStub(d).Generate(request, timeout=60)
+        assert next(call).reserved
+        prefill = prefill_pb2.PrefillRequest(request_id="broken", prompt_token_ids=ids, decode_address=decode["address"],
+                                             decode_instance_id=decode["instance_id"], decode_tensor_parallel_size=2,
+                                             decode_kv_endpoints=[decode["address"], f"127.0.0.1:{free_port()}"])
+        prefill.sampling_params.max_tokens = 1
+        with pytest.raises(grpc.RpcError) as e:
+            prefill_pb2_grpc.PrefillStub(p).Prefill(prefill, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert f"decode {decode['instance_id']}: its rank 1 did not take" in e.value.details()
+        replies = list(call)
+        assert replies[-1].error and replies[-1].error_is_unavailable, replies
+    loads = wait_idle(cluster)
+    assert all((lo.num_free_blocks, lo.num_running, lo.num_waiting) == (lo.num_blocks, 0, 0) for lo in loads.values())
 
 
 def test_prefill_tp1_to_decode_tp2(pd, tokenizer):
