@@ -160,3 +160,36 @@ def test_pairing_needs_rank_endpoints_when_a_tier_runs_several_ranks():
     assert not record("prefill", 2).can_send_kv_to(record("decode", 2, endpoints=["decode:1"]))  # (rank 1's missing)
     assert not record("prefill", 2).can_send_kv_to(record("decode", 1, endpoints=[]))  # (an older decode)
     assert not record("prefill").can_send_kv_to(InstanceInfo("d", "decode", "d:1", "m", 32))  # (block size)
+
+
+def test_a_decode_ranks_server_speaks_the_instances_mutual_tls(wire, tmp_path):
+    """The rank's TransferKVShard server takes the instance's TLS settings: a peer presenting a certificate of its
+    CA is served; one without a certificate is refused in the handshake."""
+    trustme = pytest.importorskip("trustme")
+    from tandem.services.kv_shards import RankKVTransfer
+    from tandem.services.security import TLSConfig, open_channel
+    from tandem.v1 import decode_pb2_grpc
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    cert.cert_chain_pems[0].write_to_path(tmp_path / "service.pem")
+    cert.private_key_pem.write_to_path(tmp_path / "service.key")
+    tls = TLSConfig(str(tmp_path / "service.pem"), str(tmp_path / "service.key"), str(tmp_path / "ca.pem"),
+                    require_client_cert=True)
+    config, cache, data = wire
+    runner = SimpleNamespace(model_config=config, cache_config=cache,
+                             kv_caches=torch.zeros(2, 2, 8, 4, 1, config.head_dim))
+    rank = RankKVTransfer(KVTransferInit("decode", "127.0.0.1", "127.0.0.1", tls), runner, 1, 2, store=None)
+    try:
+        rank.handle(ExpectKV("r", [1, 2, 3], 0))
+        msgs = kv_to_messages("r", KVBlocks(0, data, head_start=1), config)
+        msgs.append(last_message("r", None, len(msgs), 3))
+        with open_channel(rank.endpoint, tls, aio=False) as channel:
+            assert decode_pb2_grpc.DecodeStub(channel).TransferKVShard(iter(msgs), timeout=30).num_blocks_received == 3
+        anonymous = TLSConfig(None, None, str(tmp_path / "ca.pem"))
+        with open_channel(rank.endpoint, anonymous, aio=False) as channel, pytest.raises(grpc.RpcError) as e:
+            decode_pb2_grpc.DecodeStub(channel).TransferKVShard(iter(msgs), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        rank.close()
