@@ -133,8 +133,9 @@ def a_failed_shard_stream_fails_the_prefill(cluster) -> None:
         request.sampling_params.max_tokens = 4
         call = decode_pb2_grpc.DecodeStub(d).Generate(request, timeout=60)
         assert next(call).reserved
-        prefill = prefill_pb2.PrefillRequest(request_id="broken", prompt_token_ids=ids, decode_address=decode["address"],
-                                             decode_instance_id=decode["instance_id"], decode_tensor_parallel_size=2,
+        prefill = prefill_pb2.PrefillRequest(request_id="broken", prompt_token_ids=ids,
+                                             decode_address=decode["address"], decode_instance_id=decode["instance_id"],
+                                             decode_tensor_parallel_size=2,
                                              decode_kv_endpoints=[decode["address"], f"127.0.0.1:{free_port()}"])
         prefill.sampling_params.max_tokens = 1
         with pytest.raises(grpc.RpcError) as e:
