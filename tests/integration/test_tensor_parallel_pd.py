@@ -5,7 +5,8 @@ engines restarted with the sizes swapped, the same gateway and Redis) prefill TP
 Qwen2 checkpoint of 4 query heads over 2 KV heads; greedy tokens equal HF transformers' in fp32, and a second
 prompt extending the first hits the prefix cache on both tiers (the decode's num_skip_blocks > 0: only the blocks it
 lacks travel); requests cancelled at points through their prefill and transfer leave nothing behind on either
-tier, and a shard stream that fails fails the Prefill call (UNAVAILABLE, naming the decode)."""
+tier, a shard stream that fails fails the Prefill call (UNAVAILABLE, naming the decode), and a decode size and
+endpoints that do not fit are refused by name."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -144,6 +145,14 @@ def a_failed_shard_stream_fails_the_prefill(cluster) -> None:
         assert f"decode {decode['instance_id']}: its rank 1 did not take" in e.value.details()
         replies = list(call)
         assert replies[-1].error and replies[-1].error_is_unavailable, replies
+        for size, endpoints, field in ((2, [decode["address"]], "decode_kv_endpoints lists 1 endpoints"),
+                                       (3, [decode["address"]] * 3, "decode_tensor_parallel_size 3")):
+            refused = prefill_pb2.PrefillRequest(request_id="refused", prompt_token_ids=ids,
+                                                 decode_address=decode["address"], decode_tensor_parallel_size=size,
+                                                 decode_kv_endpoints=endpoints)  # fmt: skip
+            with pytest.raises(grpc.RpcError) as e:
+                prefill_pb2_grpc.PrefillStub(p).Prefill(refused, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value
     loads = wait_idle(cluster)
     assert all((lo.num_free_blocks, lo.num_running, lo.num_waiting) == (lo.num_blocks, 0, 0) for lo in loads.values())
 
