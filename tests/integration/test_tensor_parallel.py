@@ -23,7 +23,7 @@ from tandem.shared.engine import LLMEngine
 from tandem.shared.parallel.layers import check_tensor_parallel, row_parallel
 from tandem.shared.quant.layers import WeightOnlyInt4Linear
 from tandem.shared.request import Request, SamplingParams
-from tests.prompts import PROMPTS, prompt_token_ids
+from tests.prompts import LONG_TEXT, PROMPTS, prompt_token_ids
 from tests.tiny_models import NUM_TOKENS, hf_greedy, prompts_for, run, save_tiny
 
 TP2 = ParallelConfig(tensor_parallel_size=2, threads=1, kernel_threads=1)
@@ -136,33 +136,36 @@ KILL_TOKENS = 200  # greedy tokens per stream: enough to be mid-stream at the ki
 def tp_cluster(model_dir, tmp_path_factory):
     """A tiny Qwen2 (4 query heads over 2 KV heads) with the default model's tokenizer, behind a gateway with one
     decode at TP 1 and a prefill (the prompts are short: decodes compute them); each test adds a decode at TP 2 of
-    its own (start_tp2_decode), sends streams and kills a rank. Yields (cluster, its checkpoint, HF's fp32
-    model)."""
-    from transformers import AutoModelForCausalLM
+    its own (start_tp2), sends streams and kills a rank. Yields (cluster, its checkpoint, HF's fp32 model, its
+    tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.services.launcher import LocalCluster
 
     path = save_tiny("qwen2", tmp_path_factory.mktemp("tp") / "qwen2", tokenizer_from=model_dir)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # (the gateway's tokenizer: this directory's, which transformers loads as Qwen2's; "\n\n" is one token there)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     with LocalCluster(str(path), prefill_args=ENGINE, decode_args=ENGINE) as cluster:
-        yield cluster, path, hf
+        yield cluster, path, hf, tokenizer
 
 
-def start_tp2_decode(cluster, path) -> tuple[subprocess.Popen, str]:
-    """python -m tandem.services.decode --tensor-parallel-size 2 in the cluster's registry; (its process, its
+def start_tp2(cluster, path, tier: str = "decode", args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """python -m tandem.services.<tier> --tensor-parallel-size 2 in the cluster's registry; (its process, its
     address) once it is registered (SERVING: both ranks up). Its log: the cluster's log dir."""
     from tandem.services.launcher import free_port
 
     port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    with open(cluster.log_dir / f"decode-tp2-{port}.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.services.decode", "--model", str(path),
+    with open(cluster.log_dir / f"{tier}-tp2-{port}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", f"tandem.services.{tier}", "--model", str(path),
                                  "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--port", str(port),
                                  "--metrics-port", str(metrics_port), "--redis-url", cluster.redis_url,
-                                 "--tensor-parallel-size", "2", *ENGINE], stdout=log, stderr=subprocess.STDOUT)
+                                 "--tensor-parallel-size", "2", *ENGINE, *args], stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 120
     while not cluster.registered_at(address):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the TP 2 decode did not start: {log.name}"
+        assert proc.poll() is None and time.monotonic() < deadline, f"the TP 2 {tier} did not start: {log.name}"
         time.sleep(0.2)
     return proc, address
 
@@ -188,7 +191,7 @@ def watch_health(channel, seen: list[str]) -> None:
         seen.append(e.code().name)
 
 
-def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
+def kill_mid_stream(tp_cluster, kill) -> dict:
     """Streams through the gateway, one at a time until the TP 2 decode (started here) has 2 in flight; then
     kill(its process, its rank 1's psutil.Process). Every stream must end whole, equal to the same request run
     again without a fault, and the ones on the TP 2 decode must have migrated (decode_failed). Returns what the
@@ -198,8 +201,8 @@ def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
     from tandem.v1 import gateway_pb2_grpc
     from tests.integration.helpers import generate_all, load, metric_samples
 
-    cluster, path, hf = tp_cluster
-    proc, address = start_tp2_decode(cluster, path)
+    cluster, path, hf, tokenizer = tp_cluster
+    proc, address = start_tp2(cluster, path)
     (key,) = cluster.registered_at(address)
     (rank,) = psutil.Process(proc.pid).children()
     assert "tandem.shared.parallel.worker" in " ".join(rank.cmdline())
@@ -260,25 +263,79 @@ def kill_mid_stream(tp_cluster, tokenizer, kill) -> dict:
         health_channel.close()
 
 
-def test_a_killed_rank_1_loses_no_request(tp_cluster, tokenizer):
+def test_a_killed_rank_1_loses_no_request(tp_cluster):
     """Rank 1 of a decode at TP 2 SIGKILLed mid-stream: the instance is down at once (NOT_SERVING, its record out
     of the registry, every call ended UNAVAILABLE as by a dead process, exit 1, rank 0 ending with a one-line
     error) and its streams go on at the other decode (TP 1), token for token as without the fault."""
     cluster = tp_cluster[0]
-    seen = kill_mid_stream(tp_cluster, tokenizer, lambda proc, rank: rank.send_signal(signal.SIGKILL))
+    seen = kill_mid_stream(tp_cluster, lambda proc, rank: rank.send_signal(signal.SIGKILL))
     assert seen["proc"].returncode == 1
     assert not redis.Redis.from_url(cluster.redis_url).exists(seen["key"])
     assert seen["health"] == ["SERVING", "NOT_SERVING", "UNAVAILABLE"], seen["health"]
 
 
-def test_a_killed_rank_0_loses_no_request_and_leaves_no_rank(tp_cluster, tokenizer):
+def test_a_killed_rank_0_loses_no_request_and_leaves_no_rank(tp_cluster):
     """Rank 0 (the decode's process) SIGKILLed mid-stream: rank 1 exits with it (PR_SET_PDEATHSIG), the record
     leaves the registry by its TTL as any dead decode's, and the streams go on at the other decode, token for
     token as without the fault."""
     cluster = tp_cluster[0]
-    seen = kill_mid_stream(tp_cluster, tokenizer, lambda proc, rank: proc.kill())
+    seen = kill_mid_stream(tp_cluster, lambda proc, rank: proc.kill())
     assert seen["proc"].returncode == -signal.SIGKILL
     assert seen["health"] == ["SERVING", "UNAVAILABLE"], seen["health"]
     assert psutil.wait_procs([seen["rank"]], timeout=10)[1] == [], "rank 1 outlived rank 0"
     ttl_ms = redis.Redis.from_url(cluster.redis_url).pttl(seen["key"])
     assert ttl_ms == -2 or 0 < ttl_ms <= 10_000, ttl_ms  # (gone, or going within its TTL)
+
+
+LONG_PROMPT = "\n\n".join([LONG_TEXT] * 3)  # about 900 tokens: 56 chunks of 16 on the TP 2 prefill
+
+
+def test_a_killed_rank_of_a_prefill_loses_no_request(tp_cluster):
+    """A prefill at TP 2 (16-token chunks) computing long prompts, its rank 1 SIGKILLed mid-prompt: the instance is
+    down at once (its record removed, exit 1), and its prompts are placed again on the other prefill (TP 1), as a
+    dead prefill's are: every answer equals HF fp32's greedy tokens."""
+    from tandem.services.client import generate, make_request
+    from tests.integration.helpers import load
+
+    cluster, path, hf, tokenizer = tp_cluster
+    proc, address = start_tp2(cluster, path, "prefill", ("--max-num-batched-tokens", "16"))
+    (key,) = cluster.registered_at(address)
+    (rank,) = psutil.Process(proc.pid).children()
+    log_offset = len((cluster.log_dir / "gateway.log").read_text())
+    results: list[dict] = []
+
+    def send(i: int) -> None:
+        request = make_request(LONG_PROMPT, raw=True, max_tokens=8, temperature=0.0, ignore_eos=True,
+                               cache_salt=f"prefill-kill-{i}")  # (no prefix hits steer the routing)
+        request.sampling_params.prompt_logprobs = 0  # (through a prefill: only a prefill computes them)
+        try:
+            results[i]["out"] = generate(cluster.gateway_address, request, timeout=120)
+        except grpc.RpcError as e:
+            results[i].update(code=e.code(), details=e.details())
+
+    senders: list[threading.Thread] = []
+    try:
+        while not load(address).num_running:  # one prompt at a time until the TP 2 prefill computes one
+            assert len(senders) < 6 and all("code" not in r for r in results), results
+            results.append({})
+            senders.append(threading.Thread(target=send, args=(len(senders),), daemon=True))
+            senders[-1].start()
+            started = time.monotonic()
+            while not load(address).num_running and time.monotonic() - started < 1:
+                time.sleep(0.01)
+        rank.send_signal(signal.SIGKILL)
+        for t in senders:
+            t.join(timeout=120)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert not any(t.is_alive() for t in senders)
+    assert not [r for r in results if "code" in r], results
+    expected = hf_greedy(hf, tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids, 8)
+    assert [r["out"].token_ids for r in results] == [expected] * len(results)
+    assert not redis.Redis.from_url(cluster.redis_url).exists(key)
+    assert psutil.wait_procs([rank], timeout=10)[1] == []
+    log = (cluster.log_dir / "gateway.log").read_text()[log_offset:]
+    assert "placing it again" in log or "migrated in" in log, log[-2000:]
