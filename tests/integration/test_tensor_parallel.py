@@ -220,9 +220,12 @@ def kill_mid_stream(tp_cluster, kill) -> dict:
     readers: list[threading.Thread] = []
     try:
         deadline = time.monotonic() + 60
-        while load(address).num_running < 2 or not all(len(r["out"].token_ids) >= 2 for r in results):
-            assert time.monotonic() < deadline and len(readers) < 8, ("no 2 streams on the TP 2 decode", results)
-            if load(address).num_running < 2:
+        while True:
+            held = load(address)
+            if held.num_running >= 2 and not held.num_waiting and all(len(r["out"].token_ids) >= 2 for r in results):
+                break
+            assert time.monotonic() < deadline, ("no 2 streams decoding on the TP 2 decode", held, results)
+            if held.num_running + held.num_waiting < 2 and len(readers) < 8:
                 results.append(dict(out=Completion()))
                 readers.append(threading.Thread(target=read, args=(len(readers),), daemon=True))
                 readers[-1].start()
