@@ -9,12 +9,13 @@
 // Method: FlashAttention-2 (Dao 2023) on the CPU. A task is one sequence, one KV head and a block of query
 // positions; its rows are those positions x the group's query heads (GQA: the heads of KV head h are
 // h * Hq / Hkv ... (h + 1) * Hq / Hkv - 1, as HF's repeat_kv). For each tile of BK keys (from the task's first
-// visible key to its last row's position) the keys are gathered transposed into fp32 [D, BK] and the values into
-// fp32 [BK, D]; register-blocked micro-tiles compute the scores (RR rows x NV vectors of keys, a broadcast query
-// element times a row of keys per FMA) and the weighted sum of V (RR rows x NV vectors of D); an online softmax
-// (running max m and sum l per row, the output rescaled by e^(m_old - m_new)) joins the tiles. All math is fp32
-// (bf16 widened as it is loaded, exact); the output is rounded once to the query's dtype. e^x: simd.h's vexp for
-// the scores, std::exp for the rescale factors. Tasks are claimed heaviest first (tandem_pool's shared counter).
+// visible key to its last row's position) the keys and values are gathered into fp32 [BK, D]; register-blocked
+// micro-tiles compute the scores (RK keys x NV vectors of query rows: a broadcast key element times a vector of the
+// transposed queries per FMA, so the scores come out transposed, [keys, rows]) and the weighted sum of V (RK rows
+// x NV vectors of D); an online softmax (running max m and sum l per row, the
+// output rescaled by e^(m_old - m_new)) joins the tiles, vectorized across query rows (no horizontal reductions).
+// All math is fp32 (bf16 widened as it is loaded, exact); the output is rounded once to the query's dtype. e^x:
+// simd.h's vexp. Tasks are claimed heaviest first (tandem_pool's shared counter).
 //
 // Masking (kernels/masks.py causal_mask): query row j of a sequence with n query rows and a context of ctx tokens
 // sits at position ctx - n + j and sees key k when k <= that position and, with a window, position - k < window.
@@ -35,83 +36,94 @@
 namespace {
 using namespace tandem_simd;
 
-constexpr int64_t BK = 64;                 // keys per tile
-constexpr int NV = LANES == 16 ? 4 : 2;    // vectors per micro-tile row (keys or D): 64 or 16 floats
-constexpr int RR = LANES == 16 ? 6 : 4;    // rows per micro-tile (RR x NV accumulators: 24 of 32 zmm, 8 of 16 ymm)
-constexpr int64_t ROWS_PER_TASK = 128;     // about this many rows (positions x group heads) per task
+constexpr int64_t BK = 64;                // keys per tile
+constexpr int NV = LANES == 16 ? 4 : 2;   // vectors per micro-tile (of query rows, or of D): 64 or 16 floats
+constexpr int RK = LANES == 16 ? 6 : 4;   // keys (scores) or query rows (outputs) per micro-tile: RK x NV
+                                          // accumulators, 24 of 32 zmm or 8 of 16 ymm registers
+constexpr int64_t ROWS_PER_TASK = 128;    // about this many query rows (positions x group heads) per task
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-static_assert(BK % (NV * LANES) == 0, "a key tile is a whole number of micro-tiles");
 
-// s[r][0 .. NVV * LANES) = q[r] . kt[:, 0 .. NVV * LANES) for R rows: q [R, D] (stride D), kt [D, BK] (stride BK),
-// s [R, BK] (stride BK).
+// Lane masks: a <= b, a == b, and m ? a : b.
+#ifdef __AVX512F__
+using M = __mmask16;
+inline M vle(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline M veq(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline M mand(M a, M b) { return a & b; }
+inline V vselect(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
+#else
+using M = __m256;
+inline M vle(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+inline M veq(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+inline M mand(M a, M b) { return _mm256_and_ps(a, b); }
+inline V vselect(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
+#endif
+
+// st[k][0 .. NVV * LANES) = k_rows[k] . qt[:, 0 .. NVV * LANES) for R keys: k_rows [R, D] (stride D), qt [D, rp]
+// (the task's queries transposed, stride rp), st [R, rp] (stride rp): a broadcast key element times a vector of
+// query rows per FMA.
 template <int R, int NVV>
-inline void qk_tile(const float* q, int64_t D, const float* kt, float* s) {
+inline void qk_tile(const float* k_rows, int64_t D, const float* qt, int64_t rp, float* st) {
   V acc[R][NVV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NVV; ++j) acc[r][j] = vzero();
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NVV; ++j) acc[i][j] = vzero();
   for (int64_t d = 0; d < D; ++d) {
-    V k[NVV];
-    for (int j = 0; j < NVV; ++j) k[j] = vload(kt + d * BK + j * LANES);
-    for (int r = 0; r < R; ++r) {
-      const V qv = vbroadcast(q + r * D + d);
-      for (int j = 0; j < NVV; ++j) acc[r][j] = vfmadd(qv, k[j], acc[r][j]);
+    V q[NVV];
+    for (int j = 0; j < NVV; ++j) q[j] = vload(qt + d * rp + j * LANES);
+    for (int i = 0; i < R; ++i) {
+      const V kv = vbroadcast(k_rows + i * D + d);
+      for (int j = 0; j < NVV; ++j) acc[i][j] = vfmadd(kv, q[j], acc[i][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NVV; ++j) store(s + r * BK + j * LANES, acc[r][j]);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NVV; ++j) store(st + i * rp + j * LANES, acc[i][j]);
 }
 
-// o[r][0 .. NVV * LANES) += sum over k < nk of p[r][k] * v[k][0 .. NVV * LANES) for R rows: p [R, BK] (stride BK),
-// v [nk, D] and o [R, D] (stride D).
+// o[i][0 .. NVV * LANES) += sum over k < nk of pt[k][i] * v[k][0 .. NVV * LANES) for R query rows: pt [nk, rp]
+// (stride rp), v [nk, D] and o [R, D] (stride D).
 template <int R, int NVV>
-inline void pv_tile(const float* p, const float* v, int64_t D, int64_t nk, float* o) {
+inline void pv_tile(const float* pt, int64_t rp, const float* v, int64_t D, int64_t nk, float* o) {
   V acc[R][NVV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NVV; ++j) acc[r][j] = vload(o + r * D + j * LANES);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NVV; ++j) acc[i][j] = vload(o + i * D + j * LANES);
   for (int64_t k = 0; k < nk; ++k) {
     V vv[NVV];
     for (int j = 0; j < NVV; ++j) vv[j] = vload(v + k * D + j * LANES);
-    for (int r = 0; r < R; ++r) {
-      const V pv = vbroadcast(p + r * BK + k);
-      for (int j = 0; j < NVV; ++j) acc[r][j] = vfmadd(pv, vv[j], acc[r][j]);
+    for (int i = 0; i < R; ++i) {
+      const V p = vbroadcast(pt + k * rp + i);
+      for (int j = 0; j < NVV; ++j) acc[i][j] = vfmadd(p, vv[j], acc[i][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NVV; ++j) store(o + r * D + j * LANES, acc[r][j]);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NVV; ++j) store(o + i * D + j * LANES, acc[i][j]);
 }
 
-// The micro-tiles with R (1 .. RR) and NVV (1 .. NV) known only at run time (a task's last rows, D's last vectors).
-template <int R>
-void pv_rows(int nvv, const float* p, const float* v, int64_t D, int64_t nk, float* o) {
+// The micro-tiles with R (1 .. RK) and NVV (1 .. NV) known only at run time (a tile's last keys or rows, the last
+// vectors of rows or of D).
+template <int R, typename Fn>
+void with_nvv(int nvv, Fn&& fn) {
   static_assert(NV == 4 || NV == 2);
   switch (nvv) {
-    case 1: pv_tile<R, 1>(p, v, D, nk, o); break;
-    case 2: pv_tile<R, 2>(p, v, D, nk, o); break;
-    case 3: if constexpr (NV == 4) pv_tile<R, 3>(p, v, D, nk, o); break;
-    default: if constexpr (NV == 4) pv_tile<R, 4>(p, v, D, nk, o);
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (NV == 4) fn(std::integral_constant<int, 3>{}); break;
+    default: if constexpr (NV == 4) fn(std::integral_constant<int, 4>{});
   }
 }
 
-template <int R = RR>
-void pv_any(int rows, int nvv, const float* p, const float* v, int64_t D, int64_t nk, float* o) {
+template <int R = RK>
+void qk_any(int r, int nvv, const float* k_rows, int64_t D, const float* qt, int64_t rp, float* st) {
   if constexpr (R > 1) {
-    if (rows < R) return pv_any<R - 1>(rows, nvv, p, v, D, nk, o);
+    if (r < R) return qk_any<R - 1>(r, nvv, k_rows, D, qt, rp, st);
   }
-  pv_rows<R>(nvv, p, v, D, nk, o);
+  with_nvv<R>(nvv, [&](auto n) { qk_tile<R, decltype(n)::value>(k_rows, D, qt, rp, st); });
 }
 
-template <int R = RR>
-void qk_any(int rows, const float* q, int64_t D, const float* kt, float* s) {
+template <int R = RK>
+void pv_any(int r, int nvv, const float* pt, int64_t rp, const float* v, int64_t D, int64_t nk, float* o) {
   if constexpr (R > 1) {
-    if (rows < R) return qk_any<R - 1>(rows, q, D, kt, s);
+    if (r < R) return pv_any<R - 1>(r, nvv, pt, rp, v, D, nk, o);
   }
-  for (int64_t k = 0; k < BK; k += NV * LANES) qk_tile<R, NV>(q, D, kt + k, s + k);
-}
-
-inline float hmax(V v) {
-  alignas(64) float lanes[LANES];
-  store(lanes, v);
-  return *std::max_element(lanes, lanes + LANES);
+  with_nvv<R>(nvv, [&](auto n) { pv_tile<R, decltype(n)::value>(pt, rp, v, D, nk, o); });
 }
 
 struct Task {
@@ -119,97 +131,109 @@ struct Task {
   int64_t cost;                           // keys x rows, to claim the heaviest first
 };
 
-// The buffers of one task (fp32): queries [rows, D], outputs [rows, D], scores [rows, BK], keys [D, BK],
-// values [BK, D], running max and sum [rows].
-struct Scratch {
-  std::vector<float> q, o, s, kt, v, m, l;
-};
-
-// One task: the rows of positions ctx - n + i, i in [task.row_begin, task.row_end), and the group's heads.
+// One task: its rows are (position ctx - n + i for i in [task.row_begin, task.row_end)) x (the group's heads),
+// row r = (r / group, r % group), padded to rp rows (a multiple of LANES) whose keys are all masked.
 template <typename T>
 void attend_task(const Task& task, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
                  int64_t q_start, int64_t n, int64_t ctx, int64_t block_size, int64_t Hq, int64_t Hkv, int64_t D,
-                 float scale, int64_t window, float softcap, T* out, Scratch& b) {
+                 float scale, int64_t window, float softcap, T* out) {
   const int64_t group = Hq / Hkv, h = task.head;
   const int64_t positions = task.row_end - task.row_begin, rows = positions * group;
+  const int64_t rp = (rows + LANES - 1) / LANES * LANES;
   const int64_t first_pos = ctx - n + task.row_begin, last_pos = ctx - n + task.row_end - 1;
-  b.q.resize(rows * D);
-  b.o.assign(rows * D, 0.0f);
-  b.s.resize(rows * BK);
-  b.kt.resize(D * BK);
-  b.v.resize(BK * D);
-  b.m.assign(rows, NEG_INF);
-  b.l.assign(rows, 0.0f);
-  // row r = (position i, head g of the group): the group's heads of one position are contiguous in query
+  // fp32 buffers: queries transposed [D, rp], keys and values [BK, D], scores then probabilities transposed
+  // [BK, rp], outputs [rows, D]; per row: position, first visible key, running max, running sum, rescale factor
+  std::vector<float> buffer(D * rp + 2 * BK * D + BK * rp + rows * D + 5 * rp);
+  float* qt = buffer.data();
+  float* kbuf = qt + D * rp;
+  float* vbuf = kbuf + BK * D;
+  float* st = vbuf + BK * D;
+  float* o = st + BK * rp;
+  float* pos = o + rows * D;
+  float* lo = pos + rp;
+  float* m = lo + rp;
+  float* l = m + rp;
+  float* alpha = l + rp;
+  std::fill(qt, qt + D * rp, 0.0f);
+  std::fill(o, o + rows * D, 0.0f);
+  for (int64_t r = 0; r < rp; ++r) {
+    const int64_t p = first_pos + r / group;
+    pos[r] = r < rows ? static_cast<float>(p) : -1.0f;  // (padding rows see no key)
+    lo[r] = window > 0 ? static_cast<float>(p - window + 1) : 0.0f;
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+  }
+  // the group's heads of one position are contiguous in query: rows i * group .. i * group + group - 1
   for (int64_t i = 0; i < positions; ++i) {
     const T* src = query + ((q_start + task.row_begin + i) * Hq + h * group) * D;
-    for (int64_t e = 0; e < group * D; e += LANES) store(b.q.data() + i * group * D + e, load_f32(src + e));
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; ++d) qt[d * rp + i * group + g] = to_f32(src[g * D + d]);
   }
   auto slot_row = [&](const T* cache, int64_t t) {
     const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
     return cache + (slot * Hkv + h) * D;
   };
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  for (int64_t kb = lo; kb <= last_pos; kb += BK) {
+  const V sv = vbroadcast_value(scale), neg_inf = vbroadcast_value(NEG_INF), zero = vzero();
+  const int row_vectors = static_cast<int>(rp / LANES);
+  for (int64_t kb = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0; kb <= last_pos; kb += BK) {
     const int64_t nk = std::min(BK, last_pos + 1 - kb);
-    // keys transposed [D, BK] (zeros past nk), values [nk, D]
-    std::fill(b.kt.begin(), b.kt.end(), 0.0f);
     for (int64_t k = 0; k < nk; ++k) {
       const T* kr = slot_row(key_cache, kb + k);
-      for (int64_t d = 0; d < D; ++d) b.kt[d * BK + k] = to_f32(kr[d]);
       const T* vr = slot_row(value_cache, kb + k);
-      for (int64_t d = 0; d < D; d += LANES) store(b.v.data() + k * D + d, load_f32(vr + d));
+      for (int64_t d = 0; d < D; d += LANES) {
+        store(kbuf + k * D + d, load_f32(kr + d));
+        store(vbuf + k * D + d, load_f32(vr + d));
+      }
     }
-    for (int64_t r = 0; r < rows; r += RR)
-      qk_any(static_cast<int>(std::min<int64_t>(RR, rows - r)), b.q.data() + r * D, D, b.kt.data(),
-             b.s.data() + r * BK);
-    // online softmax over this tile; p replaces s (zeros outside each row's visible keys)
+    for (int64_t k = 0; k < nk; k += RK)
+      for (int c = 0; c < row_vectors; c += NV)
+        qk_any(static_cast<int>(std::min<int64_t>(RK, nk - k)), std::min(NV, row_vectors - c), kbuf + k * D, D,
+               qt + c * LANES, rp, st + k * rp + c * LANES);
+    // online softmax, LANES rows at a time down the tile's keys; probabilities replace the scores (0 where masked)
+    for (int64_t r = 0; r < rp; r += LANES) {
+      const V pv = vload(pos + r), lov = vload(lo + r), m_old = vload(m + r);
+      V mx = m_old;
+      for (int64_t k = 0; k < nk; ++k) {
+        const V key = vbroadcast_value(static_cast<float>(kb + k));
+        V x = vmul(vload(st + k * rp + r), sv);
+        if (softcap > 0.0f) {
+          alignas(64) float lanes[LANES];
+          store(lanes, x);
+          for (float& e : lanes) e = softcap * std::tanh(e / softcap);
+          x = vload(lanes);
+        }
+        x = vselect(mand(vle(key, pv), vle(lov, key)), x, neg_inf);
+        store(st + k * rp + r, x);
+        mx = vmax(mx, x);
+      }
+      const V m_safe = vselect(veq(mx, neg_inf), zero, mx);  // (rows with no visible key yet: p = 0, alpha = 1)
+      V sum = vzero();
+      for (int64_t k = 0; k < nk; ++k) {
+        const V x = vload(st + k * rp + r);
+        const V p = vselect(veq(x, neg_inf), zero, vexp(vsub(x, m_safe)));  // (vexp(-inf) would be e^-87)
+        store(st + k * rp + r, p);
+        sum = vadd(sum, p);
+      }
+      const V a = vselect(veq(m_old, neg_inf), zero, vexp(vsub(m_old, m_safe)));
+      store(l + r, vadd(vmul(vload(l + r), a), sum));
+      store(m + r, mx);
+      store(alpha + r, a);
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + r / group;
-      float* s = b.s.data() + r * BK;
-      const int64_t a = window > 0 ? std::clamp<int64_t>(pos - window + 1 - kb, 0, nk) : 0;
-      const int64_t e = std::min<int64_t>(nk, pos + 1 - kb);
-      if (e <= a) {  // no visible key in this tile
-        std::fill(s, s + BK, 0.0f);
-        continue;
-      }
-      const V sv = vbroadcast_value(scale);
-      for (int64_t k = 0; k < BK; k += LANES) store(s + k, vmul(vload(s + k), sv));
-      if (softcap > 0.0f)
-        for (int64_t k = a; k < e; ++k) s[k] = softcap * std::tanh(s[k] / softcap);
-      std::fill(s, s + a, NEG_INF);
-      std::fill(s + e, s + BK, NEG_INF);
-      V vm = vload(s);
-      for (int64_t k = LANES; k < BK; k += LANES) vm = vmax(vm, vload(s + k));
-      const float m_new = std::max(b.m[r], hmax(vm));
-      const float alpha = std::exp(b.m[r] - m_new);  // (0 for the row's first visible tile)
-      const V mv = vbroadcast_value(m_new);
-      for (int64_t k = 0; k < BK; k += LANES) store(s + k, vexp(vsub(vload(s + k), mv)));
-      std::fill(s, s + a, 0.0f);  // (vexp clamps: e^-inf came out as e^-87)
-      std::fill(s + e, s + BK, 0.0f);
-      V vs = vload(s);
-      for (int64_t k = LANES; k < BK; k += LANES) vs = vadd(vs, vload(s + k));
-      const float sum = hsum(vs);
-      b.l[r] = b.l[r] * alpha + sum;
-      b.m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* o = b.o.data() + r * D;
-        const V av = vbroadcast_value(alpha);
-        for (int64_t d = 0; d < D; d += LANES) store(o + d, vmul(vload(o + d), av));
-      }
+      if (alpha[r] == 1.0f) continue;
+      const V av = vbroadcast_value(alpha[r]);
+      for (int64_t d = 0; d < D; d += LANES) store(o + r * D + d, vmul(vload(o + r * D + d), av));
     }
-    for (int64_t r = 0; r < rows; r += RR) {
-      const int rr = static_cast<int>(std::min<int64_t>(RR, rows - r));
+    for (int64_t r = 0; r < rows; r += RK)
       for (int64_t d = 0; d < D; d += NV * LANES)
-        pv_any(rr, static_cast<int>(std::min<int64_t>(NV, (D - d) / LANES)), b.s.data() + r * BK, b.v.data() + d,
-               D, nk, b.o.data() + r * D + d);
-    }
+        pv_any(static_cast<int>(std::min<int64_t>(RK, rows - r)),
+               static_cast<int>(std::min<int64_t>(NV, (D - d) / LANES)), st + r, rp, vbuf + d, D, nk, o + r * D + d);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / group, g = r % group;
     T* dst = out + ((q_start + task.row_begin + i) * Hq + h * group + g) * D;
-    const V inv = vbroadcast_value(b.l[r] > 0.0f ? 1.0f / b.l[r] : 0.0f);
-    for (int64_t d = 0; d < D; d += LANES) store_f32(dst + d, vmul(vload(b.o.data() + r * D + d), inv));
+    const V inv = vbroadcast_value(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+    for (int64_t d = 0; d < D; d += LANES) store_f32(dst + d, vmul(vload(o + r * D + d), inv));
   }
 }
 
@@ -275,12 +299,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
     const T* vp = value_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
     tandem_pool::parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      thread_local Scratch scratch;
       for (int64_t t = begin; t < end; ++t) {
         const Task& task = tasks[t];
         const int64_t s = task.seq;
         attend_task<T>(task, qp, kp, vp, bt + s * max_blocks, qsl[s], qsl[s + 1] - qsl[s], ctx_lens[s], block_size,
-                       Hq, Hkv, D, static_cast<float>(scale), window, static_cast<float>(softcap), op, scratch);
+                       Hq, Hkv, D, static_cast<float>(scale), window, static_cast<float>(softcap), op);
       }
     });
   };

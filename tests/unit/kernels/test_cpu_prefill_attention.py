@@ -1,7 +1,8 @@
 """The C++ paged prefill attention (kernels/cpu/prefill_attention.cpp) against its pure-torch reference
 paged_prefill_attention_ref: chunks whose lengths are not multiples of the kernel's tiles, cached prefixes before
 the chunk (chunked prefill, prefix hits), several sequences in one batch (decode rows among them), GQA ratios,
-head sizes, sliding windows and soft-capping, fp32 and bf16, on 1 and 2 kernel threads; the argument checks."""
+head sizes, sliding windows and soft-capping, fp32 and bf16, on 1 and 2 kernel threads; the argument checks; the
+AVX2 build."""
 import pytest
 import torch
 
@@ -106,3 +107,17 @@ def test_refuses_bad_arguments():
         paged_prefill_attention(query[:5], key_cache, value_cache, tables, starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         paged_prefill_attention(query[:, :3], key_cache, value_cache, tables, starts, lens, 1.0)
+
+
+@pytest.mark.heavy  # (a second build of the whole extension: about a minute of gcc)
+def test_avx2_build_matches_reference_too():
+    """Built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it: 8 lanes, other
+    micro-tile shapes)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TANDEM_CPU_ARCH="x86-64-v3")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not avx2"], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
