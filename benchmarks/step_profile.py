@@ -7,6 +7,7 @@ same way with the layer ops itemized (norms with their residual adds, RoPE + KV 
 
     python -m tandem.benchmarks.step_profile [--dtype float32] [--batch-sizes 1,32] [--kernel-threads 2]
     python -m tandem.benchmarks.step_profile --prefill-chunk 512 --prompt-len 1024 [--quantization gguf]
+        [--attention-baseline]
 
 The kernels run on --kernel-threads (a decode engine's default is every CPU), torch on one thread (as an engine).
 Timers wrap module and function calls, so the parts add up to the step's time less their own small overhead.
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="profile prefill steps of this many tokens")
     parser.add_argument("--repeats", type=int, default=3, help="prefill: prompts measured (after one warm-up)")
+    parser.add_argument("--attention-baseline", action="store_true",
+                        help="prefill: also profile prompts with attention on torch's path, alternating")
     args = parser.parse_args(argv)
     from tandem.kernels import cpu_ext
     from tandem.shared import model as model_module
@@ -117,32 +120,38 @@ PREFILL_PARTS = ("linears", "attention", "norms", "rope + kv", "activation")
 def profile_prefill(args, make_engine, timers: Timers, Request, SamplingParams, weight_format: str) -> None:
     """One prompt of args.prompt_len tokens prefilled in chunks of args.prefill_chunk, args.repeats times after a
     warm-up; prints each chunk's step in ms (the median over the repeats) split into PREFILL_PARTS, the forward's
-    remaining Python (embedding, module calls, the LM head's row), and the step outside the forward."""
+    remaining Python (embedding, module calls, the LM head's row), and the step outside the forward. With
+    args.attention_baseline the same for prompts whose attention takes torch's path (the CPU prefill kernel
+    switched off), alternating with the kernel's."""
+    from tandem.kernels import cpu_prefill_attention
+
     prompt = [(j * 7919) % 40000 + 100 for j in range(args.prompt_len)]
     engine = make_engine(args.prompt_len // 16 + 8, args.prefill_chunk, 4)
-    rows: dict[int, list[dict[str, float]]] = {}
+    supports = cpu_prefill_attention.supports
+    modes = ["kernel", "torch"] if args.attention_baseline else ["kernel"]
+    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
     for repeat in range(args.repeats + 1):
-        engine.add_request(Request(f"p{repeat}", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
-        chunk = 0
-        while engine.has_unfinished_requests():
-            timers.seconds.clear()
-            start = time.perf_counter()
-            engine.step()
-            ms = {k: v * 1e3 for k, v in timers.seconds.items()}
-            ms["step"] = (time.perf_counter() - start) * 1e3
-            if repeat > 0:
-                rows.setdefault(chunk, []).append(ms)
-            chunk += 1
+        for mode in modes:
+            cpu_prefill_attention.supports = supports if mode == "kernel" else (lambda *a, **k: False)
+            engine.add_request(Request(f"p{repeat}-{mode}", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+            chunk = 0
+            while engine.has_unfinished_requests():
+                timers.seconds.clear()
+                start = time.perf_counter()
+                engine.step()
+                ms = {k: v * 1e3 for k, v in timers.seconds.items()}
+                ms["step"] = (time.perf_counter() - start) * 1e3
+                if repeat > 0:
+                    rows.setdefault((mode, chunk), []).append(ms)
+                chunk += 1
+            cpu_prefill_attention.supports = supports
     print(f"{weight_format}, {args.kernel_threads} kernel threads, chunks of {args.prefill_chunk}; ms per chunk "
-          f"(median of {args.repeats})")
+          f"(median of {args.repeats}); attention: the CPU prefill kernel or torch's path")
     columns = ("step", *PREFILL_PARTS, "fwd rest", "outside")
-    print(f"{'chunk':>5} {'prefix':>6} " + " ".join(f"{c:>10}" for c in columns))
-    for chunk, samples in rows.items():
+    print(f"{'attention':>9} {'chunk':>5} {'prefix':>6} " + " ".join(f"{c:>10}" for c in columns))
+    for (mode, chunk), samples in rows.items():
         for ms in samples:
             ms["fwd rest"] = ms["forward"] - sum(ms.get(p, 0.0) for p in PREFILL_PARTS)
             ms["outside"] = ms["step"] - ms["forward"]
         medians = [statistics.median(ms.get(c, 0.0) for ms in samples) for c in columns]
-        print(f"{chunk:5} {chunk * args.prefill_chunk:6} " + " ".join(f"{m:10.2f}" for m in medians))
-
-if __name__ == "__main__":
-    main()
+        print(f"{mode:>9} {chunk:5} {chunk * args.prefill_chunk:6} " + " ".join(f"{m:10.2f}" for m in medians))
