@@ -2,7 +2,7 @@
 "Prefill and decode of different sizes"): prefill TP 1 or 2 -> decode TP 1 or 2, all four pairs in one run, as
 ratios against TP 1 -> TP 1.
 
-    python -P -m tandem.benchmarks.kv_resharding --prompt-len 1024 --repeats 5 --json kv.json
+    python -P -m tandem.benchmarks.kv_resharding --prompt-len 1024 --repeats 15 --json kv.json
 
 Four engine services run at once (prefill TP 1 and 2, decode TP 1 and 2; each rank 1 torch and kernel thread,
 registered in a Redis of the benchmark's own) on a random fp32 Llama written here (8 layers, 8 KV heads of 64: 32
@@ -11,7 +11,8 @@ decode (Generate, max_tokens 1), calls Prefill with the decode's address, size a
 registry record, and times from the Prefill call to the end of the decode's stream (the decode ends it once the
 whole KV arrived, was checked on every rank and the first token appended). The prefill holds the prompt in its
 prefix cache (one warm-up call) and the decodes run without prefix caching, so each timed transfer ships every
-block and computes only the prompt's last block. Median over --repeats per pair.
+block and computes only the prompt's last block. The pairs take turns (one transfer each per round, --repeats
+rounds), so a load that drifts over the run weighs on every pair alike; the median per pair.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     path = write_checkpoint()
@@ -139,14 +140,16 @@ def main(argv: list[str] | None = None) -> None:
         procs = start_engines(path, redis_url, log_dir, args.prompt_len)
         ids = torch.randint(3, CONFIG["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0))
         ids = ids.tolist()
-        results = {}
-        for p, d in PAIRS:
-            decode = decode_record(redis_url, procs[("decode", d)][1])
-            prefill_port = procs[("prefill", p)][1]
+        ends = {(p, d): (procs[("prefill", p)][1], decode_record(redis_url, procs[("decode", d)][1]))
+                for p, d in PAIRS}  # fmt: skip
+        for (p, d), (prefill_port, decode) in ends.items():
             transfer_s(prefill_port, decode, ids, f"warm-{p}-{d}")  # (the prompt into the prefill's cache)
-            times = [transfer_s(prefill_port, decode, ids, f"r{i}-{p}-{d}") for i in range(args.repeats)]
-            results[f"P{p}->D{d}"] = {"median_ms": round(statistics.median(times) * 1000, 1),
-                                      "all_ms": [round(t * 1000, 1) for t in times]}
+        times = {pair: [] for pair in PAIRS}
+        for i in range(args.repeats):
+            for (p, d), (prefill_port, decode) in ends.items():
+                times[(p, d)].append(transfer_s(prefill_port, decode, ids, f"r{i}-{p}-{d}"))
+        results = {f"P{p}->D{d}": {"median_ms": round(statistics.median(t) * 1000, 1),
+                                   "all_ms": [round(x * 1000, 1) for x in t]} for (p, d), t in times.items()}
         base = results["P1->D1"]["median_ms"]
         kv_mib = CONFIG["num_hidden_layers"] * 2 * CONFIG["num_key_value_heads"] * CONFIG["head_dim"] * 4 * \
             args.prompt_len / 2**20
