@@ -161,14 +161,11 @@ def cmd_up(args) -> int:
     observability = ["--log-format", args.log_format] + (
         ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else [])
     engine_flags = engine_argv(engine_args) + observability
-    chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
-    prefill_tp, decode_tp = (["--tensor-parallel-size", str(size)] if size is not None else []
-                             for size in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size))
+    prefill_args, decode_args = tier_engine_args(args, engine_flags)
     tls, api_keys = tls_from_args(args), api_keys_from_args(args)
     cluster = LocalCluster(model=model, gateway_port=port or free_port(), http_port=http_port or free_port(),
                            num_prefill=args.prefill,
-                           num_decode=args.decode, prefill_args=engine_flags + chunk + prefill_tp,
-                           decode_args=engine_flags + decode_tp,
+                           num_decode=args.decode, prefill_args=prefill_args, decode_args=decode_args,
                            gateway_args=engine_argv(engine_args, groups=("model",)) + observability
                            + gateway_policy_argv(args),
                            log_dir=args.log_dir, drain_timeout_s=args.drain_timeout, tls=tls,
@@ -206,6 +203,15 @@ def cmd_up(args) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
+
+
+def tier_engine_args(args, engine_flags: list[str]) -> tuple[list[str], list[str]]:
+    """`tandem up`'s engine flags for the prefills and the decodes: engine_flags to both, then --prefill-chunk to
+    the prefills and each tier's --<tier>-tensor-parallel-size over --tensor-parallel-size (the last flag wins)."""
+    chunk = ["--max-num-batched-tokens", str(args.prefill_chunk)] if args.prefill_chunk is not None else []
+    prefill_tp, decode_tp = (["--tensor-parallel-size", str(size)] if size is not None else []
+                             for size in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size))
+    return engine_flags + chunk + prefill_tp, engine_flags + decode_tp
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

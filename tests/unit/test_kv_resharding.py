@@ -193,3 +193,27 @@ def test_a_decode_ranks_server_speaks_the_instances_mutual_tls(wire, tmp_path):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         rank.close()
+
+
+def test_tandem_up_gives_each_tier_its_tensor_parallel_size():
+    """tandem up's flags for each tier, read by that tier's own parser (services/flags.py: the last flag wins)."""
+    import argparse
+
+    from tandem.services.cli import build_parser, tier_engine_args
+    from tandem.services.flags import add_engine_service_args, engine_argv
+    from tandem.shared.engine_args import EngineArgs
+
+    def sizes(*flags) -> tuple[int, int]:
+        args = build_parser(["up", *flags]).parse_args(["up", *flags])
+        served, tiers = [], tier_engine_args(args, engine_argv(EngineArgs.from_namespace(args)))
+        for tier, argv in zip(("prefill", "decode"), tiers):
+            parser = argparse.ArgumentParser()
+            add_engine_service_args(parser, tier)
+            served.append(parser.parse_args(argv).tensor_parallel_size)
+        return tuple(served)
+
+    assert sizes() == (1, 1)
+    assert sizes("--tensor-parallel-size", "3") == (3, 3)
+    assert sizes("--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1") == (2, 1)
+    assert sizes("--prefill-tensor-parallel-size", "2") == (2, 1)
+    assert sizes("--prefill-tensor-parallel-size", "1", "--decode-tensor-parallel-size", "2") == (1, 2)
