@@ -155,3 +155,7 @@ def profile_prefill(args, make_engine, timers: Timers, Request, SamplingParams, 
             ms["outside"] = ms["step"] - ms["forward"]
         medians = [statistics.median(ms.get(c, 0.0) for ms in samples) for c in columns]
         print(f"{mode:>9} {chunk:5} {chunk * args.prefill_chunk:6} " + " ".join(f"{m:10.2f}" for m in medians))
+
+
+if __name__ == "__main__":
+    main()
