@@ -99,7 +99,7 @@ inline void pv_tile(const float* pt, int64_t rp, const float* v, int64_t D, int6
 
 // The micro-tiles with R (1 .. RK) and NVV (1 .. NV) known only at run time (a tile's last keys or rows, the last
 // vectors of rows or of D).
-template <int R, typename Fn>
+template <typename Fn>
 void with_nvv(int nvv, Fn&& fn) {
   static_assert(NV == 4 || NV == 2);
   switch (nvv) {
@@ -115,7 +115,7 @@ void qk_any(int r, int nvv, const float* k_rows, int64_t D, const float* qt, int
   if constexpr (R > 1) {
     if (r < R) return qk_any<R - 1>(r, nvv, k_rows, D, qt, rp, st);
   }
-  with_nvv<R>(nvv, [&](auto n) { qk_tile<R, decltype(n)::value>(k_rows, D, qt, rp, st); });
+  with_nvv(nvv, [&](auto n) { qk_tile<R, decltype(n)::value>(k_rows, D, qt, rp, st); });
 }
 
 template <int R = RK>
@@ -123,7 +123,7 @@ void pv_any(int r, int nvv, const float* pt, int64_t rp, const float* v, int64_t
   if constexpr (R > 1) {
     if (r < R) return pv_any<R - 1>(r, nvv, pt, rp, v, D, nk, o);
   }
-  with_nvv<R>(nvv, [&](auto n) { pv_tile<R, decltype(n)::value>(pt, rp, v, D, nk, o); });
+  with_nvv(nvv, [&](auto n) { pv_tile<R, decltype(n)::value>(pt, rp, v, D, nk, o); });
 }
 
 struct Task {
