@@ -36,7 +36,9 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 KV_KEEPALIVE_S = 0.5  # most seconds between two messages of a transfer (the decode's --kv-lease-timeout is >= 2)
-SHARD_POLL_S = 0.002  # how often rank 0 looks for its other ranks' shard stream outcomes (the instance's TCPStore)
+# how often rank 0 looks for its other ranks' shard stream outcomes (the instance's TCPStore; each look is a loopback
+# round trip on the event loop): from the first value, doubling up to the second while none comes
+SHARD_POLL_S = (0.001, 0.016)
 SHARD_FORGET_S = 60.0  # how long a failed or cancelled transfer's outcomes are looked for, to delete them
 
 
@@ -192,14 +194,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise _shard_failed(decode_id, 0, box.route.decode_rank, f"acknowledged "
                                     f"{response.num_blocks_received} blocks, {box.num_blocks} were sent")
         pending = {kv_outcome_key(serial, r.prefill_rank, r.decode_rank): r for r in routes if r.prefill_rank > 0}
+        wait_s = SHARD_POLL_S[0]
         while pending:
-            for key in [k for k in pending if self.store.check([k])]:
+            done = [k for k in pending if self.store.check([k])]
+            for key in done:
                 route, outcome = pending.pop(key), self.store.get(key).decode()
                 self.store.delete_key(key)
                 if outcome:
                     raise _shard_failed(decode_id, route.prefill_rank, route.decode_rank, outcome)
             if pending:
-                await asyncio.sleep(SHARD_POLL_S)
+                wait_s = SHARD_POLL_S[0] if done else min(2 * wait_s, SHARD_POLL_S[1])
+                await asyncio.sleep(wait_s)
 
     def _forget_outcomes(self, serial: int, routes: list[KVRoute]) -> None:
         """A transfer given up: delete its ranks' outcomes from the store as they come (in the background)."""
