@@ -8,13 +8,13 @@ Imports neither torch nor the engine, so the `tandem` CLI can build its parser q
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from tandem.shared.config import (AUTO, DTYPES, KV_DTYPES, KV_TIER_EVICTION_POLICIES, NO_QUANTIZATION,
                                   SPECULATIVE_METHODS, CacheConfig, KVTierConfig, LoRAConfig, ModelConfig,
                                   ParallelConfig, SchedulerConfig, SpeculativeConfig)
+from tandem.shared.utils import usable_cpus
 
 GIB = 1 << 30
 
@@ -104,8 +104,8 @@ class EngineArgs:
     threads: int = _setting(1, "torch intra-op threads for this process")
     kernel_threads: int | None = _setting(
         None, "threads of the C++ CPU kernels (dense and quantized GEMMs, layer ops, decode attention), the engine's "
-        "own included (default: every CPU this process may run on); helpers claim work from a shared counter, so a "
-        "busy neighbour process never stalls a step", int)
+        "own included (default: every CPU this process may use: its affinity, capped by its cgroup's CPU quota); "
+        "helpers claim work from a shared counter, so a busy neighbour process never stalls a step", int)
     tensor_parallel_size: int = _setting(
         1, "ranks of this instance: one process each, the model's heads and MLP split over them (gloo on CPU, NCCL on "
         "CUDA; each rank takes --threads and --kernel-threads; docs/parallelism.md)")
@@ -202,10 +202,11 @@ class EngineArgs:
         return what + (f" ({'; '.join(why)})" if why else "")
 
     def resolved_kernel_threads(self, tier: str) -> int:
-        """kernel_threads, or every CPU this process may run on (both tiers: the kernels' helpers claim work from a
-        shared counter, so an engine that shares its CPUs with a busy neighbour loses nothing waiting for them, and
-        one whose neighbour is idle gets its cores). ValueError below 1."""
-        threads = self.kernel_threads if self.kernel_threads is not None else len(os.sched_getaffinity(0))
+        """kernel_threads, or every CPU this process may use (shared/utils.py usable_cpus: its affinity capped by its
+        cgroup's CPU quota, so a pod limited to 2 CPUs takes 2, not the node's), in both tiers: the kernels' helpers
+        claim work from a shared counter, so an engine that shares its CPUs with a busy neighbour loses nothing
+        waiting for them, and one whose neighbour is idle gets its cores. ValueError below 1."""
+        threads = self.kernel_threads if self.kernel_threads is not None else usable_cpus()
         if threads < 1:
             raise ValueError(f"--kernel-threads must be at least 1, got {threads}")
         return threads
