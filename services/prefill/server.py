@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 KV_KEEPALIVE_S = 0.5  # most seconds between two messages of a transfer (the decode's --kv-lease-timeout is >= 2)
 # how often rank 0 looks for its other ranks' shard stream outcomes (the instance's TCPStore; each look is a loopback
 # round trip on the event loop): from the first value, doubling up to the second while none comes
-SHARD_POLL_S = (0.001, 0.016)
+SHARD_POLL_S = (0.001, 0.004)
 SHARD_FORGET_S = 60.0  # how long a failed or cancelled transfer's outcomes are looked for, to delete them
 
 
