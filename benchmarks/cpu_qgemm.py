@@ -1,5 +1,5 @@
 """The integer GEMM of the quantized layers (gemm_vnni, kernels/cpu/qgemm_vnni.cpp, AVX-512 VNNI) on the default
-model's shapes: its two paths (the tile path, which runs under 10 rows, and the panel path, from 10) and the packed
+model's shapes: its two paths (the panel path, which runs from 10 to 255 rows, and the tile path) and the packed
 bf16 GEMM (kernels/cpu/dense_gemm_packed.cpp) on a bf16 weight of the same shape, in GFLOP/s, at decode and
 prefill row counts, on 1 and 2 kernel threads (torch on 1).
 
@@ -85,8 +85,9 @@ def main(argv=None) -> None:
         raise SystemExit("gemm_vnni needs the CPU kernels built for AVX-512 VNNI (see kernels/cpu_ext.py)")
     bf16_packed = cpu_dense.has_packed_bf16()
     wanted = args.shapes.split(",")
+    lo, hi = cpu_qgemm.VNNI_PANEL_ROWS
     print(f"GFLOP/s, median of {args.rounds} turns; tiles / panels: gemm_vnni's two paths (the engine runs panels "
-          f"from {cpu_qgemm.VNNI_PANEL_MIN_ROWS} rows), bf16: the packed bf16 GEMM "
+          f"for {lo} to {hi - 1} rows), bf16: the packed bf16 GEMM "
           f"({'built' if bf16_packed else 'not built here'})")
     extra = f"  {'float kern':>10}  {'fp32 mm':>8}" if args.float_kernels else ""
     print(f"{'threads':>7}  {'shape':<13} {'M':>4}  {'tiles':>6}  {'panels':>6}  {'panels/tiles':>12}  {'bf16':>6}  "

@@ -110,7 +110,7 @@ VNNI_TILE = 16  # output rows per tile of the packed layout
 ACTIVATION_BLOCK = 32  # columns sharing one activation scale
 ACTIVATION_QMAX = 32767  # activations quantized to int16
 ACTIVATION_MIN_AMAX = 2.0 ** -100  # a block whose largest |x| is smaller counts as zero
-VNNI_PANEL_MIN_ROWS = 10  # gemm_vnni's many-row path from this M (PANEL_MIN_ROWS in qgemm_vnni.cpp)
+VNNI_PANEL_ROWS = (10, 256)  # gemm_vnni's panel path for M in [10, 256) (PANEL_MIN/MAX_ROWS, qgemm_vnni.cpp)
 
 
 def has_vnni() -> bool:
@@ -164,9 +164,9 @@ def pack_vnni(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
 def gemm_vnni(x: torch.Tensor, weight: VnniWeight, panels: bool | None = None) -> torch.Tensor:
     """y [M, N] fp32 = quantize_activations(x) @ W.T, W the packed weight dequantized: the rows of x quantized to
     int16 per 32 columns, exact int32 dot products with the codes, fp32 scales. A row's result does not depend on
-    M or the thread count. panels: the many-row path (register tiles of several weight tiles x rows, from
-    VNNI_PANEL_MIN_ROWS rows) or the tile path; None picks by M; both give the same bits. ValueError on bad
-    shapes; RuntimeError without AVX-512 VNNI (see has_vnni)."""
+    M or the thread count. panels: the panel path (register tiles of several weight tiles x rows) or the tile
+    path; None picks by M (panels for M in VNNI_PANEL_ROWS); both give the same bits. ValueError on bad shapes;
+    RuntimeError without AVX-512 VNNI (see has_vnni)."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a float32 CPU [M, K] tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
     if x.shape[1] != weight.codes.shape[1] * 32:

@@ -5,10 +5,10 @@
 // - w[n, k] = s[n, g] * (c[n, k] - z[n, g]), codes c (int4: 0..15 with a zero point z; int8: -128..127, z = 0),
 //   g = k / G;
 // - x~[m, k] = dx[m, b] * qx[m, k], the activations quantized per row and block b of 32 columns:
-//   dx = max|x| / 32767, qx = round-half-even(x * (32767 / max|x|)) (a block with max|x| < 2^-100 counts as 0). Its relative error (2^-16 of the block's
-//   largest value) is far below fp32 GEMM's own rounding differences on the model's outputs: int8 activations
-//   (llama.cpp's Q8_0) cost this model 0.003 KL and 3% top-1 agreement against its weights in fp32, int16
-//   nothing measurable (docs/performance.md).
+//   dx = max|x| / 32767, qx = round-half-even(x * (32767 / max|x|)) (a block with max|x| < 2^-100 counts as 0).
+//   Its relative error (2^-16 of the block's largest value) is far below fp32 GEMM's own rounding differences on
+//   the model's outputs: int8 activations (llama.cpp's Q8_0) cost this model 0.003 KL and 3% top-1 agreement
+//   against its weights in fp32, int16 nothing measurable (docs/performance.md).
 // So y[m, n] = sum_b s[n, g(b)] * dx[m, b] * D[m, n, b] - sum_b zs[n, g(b)] * X[m, b], with D the block's
 // exact int32 dot product of codes and qx (vpdpwssd: 32 int16 multiply-adds, pairs summed into 16 int32 lanes),
 // zs = z * s and X[m, b] = dx[m, b] * sum of qx over the block.
@@ -24,6 +24,22 @@
 // + 1) of the 16 rows is 32 codes, row r at positions 2 r and 2 r + 1: int8 stores the 16 pairs as 16 x 32 bytes;
 // int4 stores pairs p and p + 8 in the low and high nibbles of 32 bytes, 8 x 32 bytes.
 // Scales and zs: fp32 [tiles, num_groups, 16].
+//
+// Two paths over this layout, giving the same bits: the tile path (rows_over_tiles: tile_kernel on 1-4 tiles x up
+// to 8 rows) and, for 10 to 255 rows, the panel path (gemm_panels: register tiles of 3 int4 / 4 int8 weight tiles x
+// 4 / 3 rows, 12 int32 chains, each broadcast of activations feeding 3-4 vpdpwssd).
+// What bounds both at many rows, on AMD Zen 4 (benchmarks/cpu_pipes.py): a zmm vpdpwssd, and the fold's vmulps,
+// vfmadd and vfnmadd, share the two 256-bit multiply pipes, one zmm instruction per cycle; the nibble masks, the
+// widening, the cvt and the broadcasts issue beside them. Per row, 16 output rows and block of 32 columns: 16
+// vpdpwssd and 3 fold products (int8: 2), so at most 16 / 19 = 84% of vpdpwssd's 64 FLOP per cycle, about 194
+// GFLOP/s per core at 3.6 GHz (int8: 89%). Both paths are near it on one thread (benchmarks/cpu_qgemm.py, medians
+// of alternating turns, tile / panel path, GFLOP/s):
+//   M = 10: 156-171 / 162-178 (int4, 1.04-1.05x), LM head int8 100 / 114 (1.14x);
+//   M = 32-64: 171-182 / 175-184 (1.01-1.03x); M = 256-512: 174-182 / 169-184 (0.94x for gate_up at 512,
+//   1.01-1.02x for the others), so the tile path keeps M >= 256.
+// The packed bf16 GEMM on the same shapes ran at 182-219 (vdpbf16ps has the same rate and no fold): the integer
+// path is 0.81-0.92x of it from M = 64 and 1.25-1.8x at M = 10. Fewer fold products per block would change the
+// arithmetic (the scales of a Q4_1 weight change every block of 32), so the bits.
 #include <torch/extension.h>
 
 #include "thread_pool.h"
@@ -43,7 +59,9 @@ namespace {
 
 constexpr int TILE = 16;   // output rows per tile: one int32 lane each
 constexpr int BLOCK = 32;  // columns per activation block
-constexpr int64_t PANEL_MIN_ROWS = 10;  // from this M the panel path (below), under it the tile path
+// the panel path (below) for PANEL_MIN_ROWS <= M < PANEL_MAX_ROWS, the tile path otherwise (where each was faster:
+// benchmarks/cpu_qgemm.py, docs/performance.md)
+constexpr int64_t PANEL_MIN_ROWS = 10, PANEL_MAX_ROWS = 256;
 constexpr int PANEL_TILES_INT4 = 3, PANEL_ROWS_INT4 = 4;  // NT x MR of the panel path's register tiles
 constexpr int PANEL_TILES_INT8 = 4, PANEL_ROWS_INT8 = 3;
 
@@ -183,7 +201,7 @@ void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int
 #undef TANDEM_TILES
 }
 
-// ---- Many rows (PANEL_MIN_ROWS and up): register tiles of MR rows x NT weight tiles ----
+// ---- Many rows (PANEL_MIN_ROWS to PANEL_MAX_ROWS): register tiles of MR rows x NT weight tiles ----
 //
 // NT tiles' codes are unpacked once per pair of columns and multiplied with MR rows' broadcast pairs: MR * NT
 // independent int32 chains, each broadcast feeding NT vpdpwssd and each unpacked code vector MR (tile_kernel: 8
@@ -352,7 +370,8 @@ torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 #ifdef TANDEM_HAS_VNNI
   const Packed w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zero_scales.data_ptr<float>(),
                  K / BLOCK, num_groups, group_size / BLOCK, N};
-  const bool use_panels = panels.has_value() ? *panels : x.size(0) >= PANEL_MIN_ROWS;
+  const bool use_panels =
+      panels.has_value() ? *panels : x.size(0) >= PANEL_MIN_ROWS && x.size(0) < PANEL_MAX_ROWS;
   return int4 ? gemm_vnni<true>(x, w, use_panels) : gemm_vnni<false>(x, w, use_panels);
 #else
   TORCH_CHECK(false, "gemm_vnni needs AVX-512 VNNI (this build targets a CPU without it)");
