@@ -125,14 +125,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 tally.add(msg)
                 if owner and msg.request_id in self._kv_progress:  # (renews the reservation's lease; keepalives too)
                     self._kv_progress[msg.request_id] = time.monotonic()
-                if msg.num_blocks or msg.data:
-                    if self.metrics is not None:
-                        self.metrics.observe_kv_message("any", msg.ByteSize())
-                    if not msg.num_blocks:
-                        raise InvalidRequestError(f"KV transfer refused: num_blocks is 0 but data has {len(msg.data)} "
-                                                  "bytes")  # fmt: skip
-                    kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config, self.kv_heads)
-                    await self.engine.import_kv(msg.request_id, kv)
+                await self._import(msg)
                 if msg.HasField("first_token_id"):
                     tally.check_totals(msg)
                     await self.engine.finish_kv_import(msg.request_id, msg.first_token_id)
@@ -153,6 +146,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if owner:
                 self._transfers.discard(tally.request_id)
 
+    async def _import(self, msg) -> None:
+        """A data message of either stream (none for a keepalive or a last message): checked against this rank
+        (services/kv_wire.py kv_from_message) and written into the request's reserved blocks."""
+        if not (msg.num_blocks or msg.data):
+            return
+        if self.metrics is not None:
+            self.metrics.observe_kv_message("any", msg.ByteSize())
+        if not msg.num_blocks:
+            raise InvalidRequestError(f"KV transfer refused: num_blocks is 0 but data has {len(msg.data)} bytes")
+        kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config, self.kv_heads)
+        await self.engine.import_kv(msg.request_id, kv)
 
     async def TransferKVShard(self, request_iterator, context):
         """One prefill rank's KV heads for this rank (tensor parallelism on either tier; docs/parallelism.md):
@@ -166,12 +170,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             tally.add(msg)
             if msg.request_id in self._kv_progress:  # (renews the reservation's lease)
                 self._kv_progress[msg.request_id] = time.monotonic()
-            if msg.num_blocks or msg.data:
-                if not msg.num_blocks:
-                    raise InvalidRequestError(f"KV transfer refused: num_blocks is 0 but data has {len(msg.data)} "
-                                              "bytes")  # fmt: skip
-                kv = kv_from_message(msg, self.engine.model_config, self.engine.cache_config, self.kv_heads)
-                await self.engine.import_kv(msg.request_id, kv)
+            await self._import(msg)
             if msg.HasField("num_messages_sent"):
                 tally.check_totals(msg)
                 return decode_pb2.TransferKVResponse(num_blocks_received=tally.num_blocks)
