@@ -3,8 +3,9 @@
 //
 // Why: the torch path (shared/attention.py _per_request_cpu) gathers each request's blocks into a copy and runs
 // scaled_dot_product_attention on torch's one thread, about half of a 512-token prefill chunk's time on the default
-// model (docs/performance.md). Here the work runs on the kernels' threads, K and V are read in place through the
-// block table, and each K/V tile is read once for every query row of its KV head's group.
+// model (docs/performance.md). Here the work runs on the kernels' threads, K and V are read through the block
+// table a tile at a time (no copy of the whole context), and each tile serves every query row of its KV head's
+// group.
 //
 // Method: FlashAttention-2 (Dao 2023) on the CPU. A task is one sequence, one KV head and a block of query
 // positions; its rows are those positions x the group's query heads (GQA: the heads of KV head h are
@@ -158,6 +159,7 @@ void attend_task(const Task& task, const T* query, const T* key_cache, const T* 
   std::fill(o, o + rows * D, 0.0f);
   for (int64_t r = 0; r < rp; ++r) {
     const int64_t p = first_pos + r / group;
+    // NOTE: positions as fp32 (compared with key indices in fp32 lanes) are exact below 2^24 tokens
     pos[r] = r < rows ? static_cast<float>(p) : -1.0f;  // (padding rows see no key)
     lo[r] = window > 0 ? static_cast<float>(p - window + 1) : 0.0f;
     m[r] = NEG_INF;
