@@ -32,12 +32,6 @@ def make(query_lens, prefix_lens, q_heads, kv_heads, head_dim, block_size=16, se
             torch.tensor(context_lens, dtype=torch.int32))
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def kernel_threads(request):
-    before = cpu_ext.num_threads()
-    cpu_ext.set_num_threads(request.param)
-    yield request.param
-    cpu_ext.set_num_threads(before)
 
 
 BATCHES = [  # (query_lens, prefix_lens)
