@@ -190,3 +190,37 @@ def test_one_kv_head_replicated_prefill_tp2_to_decode_tp2(model_dir, tokenizer, 
     with LocalCluster(str(path), prefill_args=ENGINE + ["--max-num-batched-tokens", "32"] + tp2,
                       decode_args=ENGINE + tp2, gateway_args=["--local-prefill-tokens", "0"]) as cluster:  # fmt: skip
         check_through_the_cluster(cluster, hf, tokenizer, 2, 2)
+
+
+@pytest.mark.heavy  # (a cluster of its own over TLS: about 15 s more)
+def test_every_kv_stream_speaks_mutual_tls(model_dir, tokenizer, tmp_path):
+    """A cluster over mutual TLS (one CA, as `tandem up --tls-*` gives it) with both tiers at TP 2 on the Qwen2 of 2
+    KV heads: prefill rank 0 sends head 0 on the control stream to decode rank 0, and prefill rank 1 sends head 1
+    from its own process to decode rank 1's own server, both with the instance's certificate; the answer equals HF
+    fp32's, and the decode's rank 1 took its head (the whole prompt's blocks were imported and checked)."""
+    trustme = pytest.importorskip("trustme")
+    from transformers import AutoModelForCausalLM
+
+    from tandem.services.client import generate, make_request
+    from tandem.services.launcher import LocalCluster
+    from tandem.services.security import TLSConfig
+
+    ca, pki = trustme.CA(), tmp_path / "pki"
+    pki.mkdir()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(pki / "ca.pem")
+    cert.cert_chain_pems[0].write_to_path(pki / "service.pem")
+    cert.private_key_pem.write_to_path(pki / "service.key")
+    tls = TLSConfig(str(pki / "service.pem"), str(pki / "service.key"), str(pki / "ca.pem"))
+    path = save_tiny("qwen2", tmp_path / "qwen2", tokenizer_from=model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tp2 = ["--tensor-parallel-size", "2"]
+    with LocalCluster(str(path), prefill_args=ENGINE + ["--max-num-batched-tokens", "32"] + tp2,
+                      decode_args=ENGINE + tp2, gateway_args=["--local-prefill-tokens", "0"], tls=tls) as cluster:
+        out = generate(cluster.gateway_address, make_request(TEXTS[0], raw=True, max_tokens=NUM_TOKENS,
+                                                             temperature=0.0), timeout=120, tls=tls)  # fmt: skip
+        ids = tokenizer(TEXTS[0], add_special_tokens=False).input_ids
+        with torch.inference_mode():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)[0, len(ids):]
+        assert out.token_ids == expected.tolist()
+        assert not tracebacks(cluster)
