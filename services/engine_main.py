@@ -186,7 +186,8 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     await _check_start(engine_args, args.redis_url)
     registry = Registry(args.redis_url) if args.redis_url else None
     publish_index = registry is not None and engine_args.enable_prefix_caching
-    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index)
+    engine = build_engine(engine_args, tier, default_model_dir(), export_kv=export_kv, kv_events=publish_index,
+                          tp_worker_module="tandem.services.tp_worker")  # (ranks > 0 ship and take KV too)
     model_config = engine.model_config
     cache_config = engine.cache_config  # with num_blocks resolved (--memory-utilization)
     metrics = EngineMetrics(tier, model_config.name, instance_id)

@@ -9,7 +9,8 @@ receives the KV heads it holds itself; nothing gathers the heads on rank 0, whic
   it is the lowest holder of), ending each stream with the totals; each stream's outcome goes to the instance's
   TCPStore (kv_outcome_key), where rank 0 waits for it before it sends the control stream's last message.
 
-Runs in the worker process (shared/parallel/worker.py), which hands it rank 0's KV messages (handle).
+Runs in a service's rank process (services/tp_worker.py: shared/parallel/worker.py's loop), which hands it rank 0's
+KV messages (handle).
 """
 from __future__ import annotations
 

@@ -374,10 +374,11 @@ class AsyncEngine:
 
 
 def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: bool = False,
-                 kv_events: bool = False) -> LLMEngine:
+                 kv_events: bool = False, tp_worker_module: str | None = None) -> LLMEngine:
     """The LLMEngine of engine_args for tier (model_dir when engine_args.model is None), built to be stepped on
     AsyncEngine's thread with engine_args.threads torch threads (set here, for that thread to take) and the tier's
     kernel threads (kernels/cpu_ext.py set_num_threads; they serve whichever thread calls the kernels).
+    tp_worker_module: what tensor-parallel ranks > 0 run (ParallelConfig.worker_module; None: its default).
 
     NOTE: built with one torch thread: built with several on this thread, its steps on the engine thread ran about
     2x slower at 2 threads (measured 69-71 vs 38-43 ms per decode step at batch 1)."""
@@ -392,7 +393,7 @@ def build_engine(engine_args: EngineArgs, tier: str, model_dir: str, export_kv: 
                        kv_events=kv_events, speculative_config=engine_args.create_speculative_config(),
                        kv_tier_config=engine_args.create_kv_tier_config(),
                        lora_config=engine_args.create_lora_config(),
-                       parallel_config=engine_args.create_parallel_config(tier))
+                       parallel_config=engine_args.create_parallel_config(tier, tp_worker_module))
     torch.set_num_threads(engine_args.threads)
     if engine.model_runner.device.type == "cpu":
         cpu_ext.set_num_threads(kernel_threads)

@@ -401,11 +401,14 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """An instance of tensor_parallel_size ranks (shared/parallel/, docs/parallelism.md): one process per rank,
-    each with threads torch threads and kernel_threads C++ kernel threads. ValueError on bad values."""
+    each with threads torch threads and kernel_threads C++ kernel threads; ranks > 0 run `python -m worker_module`
+    (shared/parallel/worker.py: the model's steps only; the services' services/tp_worker.py adds the KV transfer
+    between tiers). ValueError on bad values."""
 
     tensor_parallel_size: int = 1
     threads: int = 1
     kernel_threads: int = 1
+    worker_module: str = "tandem.shared.parallel.worker"
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1 or self.threads < 1 or self.kernel_threads < 1:

@@ -211,9 +211,11 @@ class EngineArgs:
             raise ValueError(f"--kernel-threads must be at least 1, got {threads}")
         return threads
 
-    def create_parallel_config(self, tier: str) -> ParallelConfig:
-        """The ParallelConfig of these settings (each rank's threads as this process's). ValueError on bad values."""
-        return ParallelConfig(self.tensor_parallel_size, self.threads, self.resolved_kernel_threads(tier))
+    def create_parallel_config(self, tier: str, worker_module: str | None = None) -> ParallelConfig:
+        """The ParallelConfig of these settings (each rank's threads as this process's; worker_module: what ranks > 0
+        run, None: ParallelConfig's default). ValueError on bad values."""
+        return ParallelConfig(self.tensor_parallel_size, self.threads, self.resolved_kernel_threads(tier),
+                              **({"worker_module": worker_module} if worker_module else {}))
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The SpeculativeConfig of these settings, None with speculation off. ValueError on bad values."""

@@ -1,6 +1,6 @@
 """Rank 0's side of a tensor-parallel instance (vLLM's MultiprocExecutor, reduced): start one process per rank
-> 0 (python -m tandem.shared.parallel.worker), host the TCPStore they join, hand them WorkerInit, watch them, and
-stop them.
+> 0 (python -m ParallelConfig.worker_module: shared/parallel/worker.py, or a service's services/tp_worker.py), host
+the TCPStore they join, hand them WorkerInit, watch them, and stop them.
 
 Lifecycle: a rank that exits while the instance runs is a failure: on_failure callbacks run (the service takes
 the instance down: engine_main), and rank 0's next collective fails its step. The other ranks exit when rank 0
@@ -56,7 +56,7 @@ class TensorParallelWorkers:
         try:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair()
-                argv = [sys.executable, "-P", "-m", "tandem.shared.parallel.worker", "--rank", str(rank),
+                argv = [sys.executable, "-P", "-m", parallel_config.worker_module, "--rank", str(rank),
                         "--size", str(size), "--store-port", str(store.port), "--pipe-fd", str(theirs.fileno()),
                         "--threads", str(parallel_config.threads),
                         "--kernel-threads", str(parallel_config.kernel_threads),

@@ -2,7 +2,8 @@
 build a ModelRunner on this rank's shards and KV pool from rank 0's WorkerInit, then run each StepInput rank 0
 sends until Shutdown (exit 0) or until rank 0 is gone (its pipe closes or a collective fails: exit 1). Only rank 0
 schedules, samples and owns the KV cache manager; this rank pages its KV heads by the same block ids. Between two
-tiers it ships or receives its own KV heads (services/kv_shards.py, from rank 0's KVTransferInit on).
+tiers it ships or receives its own KV heads, when its process was started with a kv_transfer (the services'
+services/tp_worker.py: services/kv_shards.py, from rank 0's KVTransferInit on; gRPC lives there, not here).
 
     python -P -m tandem.shared.parallel.worker --rank R --size N --store-port P --pipe-fd FD --threads T
         --kernel-threads K --device cpu|cuda
@@ -30,7 +31,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, kv_transfer=None) -> int:
+    """Run the rank; its exit code. kv_transfer(KVTransferInit, runner, rank, size, store): this rank's part of the
+    KV transfer between tiers (.endpoint, .handle(message), .close()); None: a KVTransferInit is answered with
+    why not."""
     parser = argparse.ArgumentParser(prog="python -m tandem.shared.parallel.worker")
     for name in ("--rank", "--size", "--store-port", "--pipe-fd", "--threads", "--kernel-threads"):
         parser.add_argument(name, type=int, required=True)
@@ -77,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                 kv.close()
             return 0
         if isinstance(message, KVTransferInit):
-            from tandem.services.kv_shards import RankKVTransfer  # (gRPC and the wire format: the services' side)
-
             try:
-                kv = RankKVTransfer(message, runner, args.rank, args.size, store)
+                if kv_transfer is None:
+                    raise RuntimeError("this rank's process has no KV transfer (start it as tandem.services.tp_worker)")
+                kv = kv_transfer(message, runner, args.rank, args.size, store)
                 group.reply((kv.endpoint, None))
             except (ValueError, RuntimeError, OSError) as e:  # (rank 0 says why and stops the instance)
                 group.reply(("", str(e)))

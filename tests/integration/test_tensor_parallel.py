@@ -205,7 +205,7 @@ def kill_mid_stream(tp_cluster, kill) -> dict:
     proc, address = start_tp2(cluster, path)
     (key,) = cluster.registered_at(address)
     (rank,) = psutil.Process(proc.pid).children()
-    assert "tandem.shared.parallel.worker" in " ".join(rank.cmdline())
+    assert "tandem.services.tp_worker" in " ".join(rank.cmdline())  # (a service's ranks carry the KV transfer)
     results: list[dict] = []
     channel = grpc.insecure_channel(cluster.gateway_address)
     health_channel = grpc.insecure_channel(address)
