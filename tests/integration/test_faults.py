@@ -5,8 +5,9 @@ its drain, then kill -9 of a decode mid-stream and of a prefill mid-transfer; st
 migrate (issue 36). Loopback only.
 
 The tests share one cluster and run in file order: the last three stop an instance each (a decode killed, a
-prefill killed, then a decode drained: the heavy pass only). One file (over 400 lines) for that reason: the process
-deaths in a module of their own would start a second 2 + 3 cluster, some 15 s of make test's budget.
+prefill killed, then a decode drained: make test runs only the prefill's; the other two are in the heavy pass). One
+file (over 400 lines) for that reason: the process deaths in a module of their own would start a second 2 + 3
+cluster, some 15 s of make test's budget.
 (A reservation's KV lease while its prompt queues on a busy prefill: test_robustness.py.)
 Every call has a timeout and every thread is joined with one, so no test can hang. Measurements (latencies,
 RSS, times to resume a migrated stream) are printed: run with -s to see them."""
@@ -369,6 +370,8 @@ def kill_request(i: int, max_tokens: int) -> gateway_pb2.GenerateRequest:
                         ignore_eos=True, cache_salt=f"kill-decode-{i}")  # fmt: skip
 
 
+@pytest.mark.heavy  # (about 55 s; make test kills a whole decode process mid-stream in test_tensor_parallel.py: its
+# TP 2 decode's rank 0 SIGKILLed, every stream migrated token-exact)
 def test_kill_9_of_a_decode_mid_stream_migrates_its_streams(cluster):
     """Streams on both decodes; the victim is the one with fewer of them, so that its last registry record (kept
     until its TTL) makes it the router's first choice: only a gateway that stops routing there at once avoids it.
