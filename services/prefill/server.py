@@ -51,6 +51,29 @@ class _Outbox:
         self.call = None
 
 
+class _Transfer:
+    """One request's KV transfer from rank 0: its streams (outboxes[0] is the control stream, to decode rank 0's
+    TransferKV; the rest go to TransferKVShard), the routes of every rank (the others report through the store
+    under serial) and what the prompt's steps gave: the totals sent and the first token."""
+
+    def __init__(self, routes: list[KVRoute], endpoints: list[str], serial: int, decode_id: str):
+        self.routes, self.endpoints, self.serial, self.decode_id = routes, endpoints, serial, decode_id
+        self.outboxes = [_Outbox(r) for r in routes if r.prefill_rank == 0]  # decode rank 0's first
+        self.control = self.outboxes[0]
+        self.control_call: asyncio.Future | None = None
+        self.shard_calls: list[asyncio.Future] = []
+        self.num_blocks_sent = self.num_bytes_sent = 0
+        self.first_token_id: int | None = None
+        self.first_logprobs = None
+        self.prompt_logprobs = []
+
+    def cancel(self) -> None:
+        """Break every stream: the decode ranks see it and free the request's reservation."""
+        for call in [self.control_call, *self.shard_calls]:
+            if call is not None:
+                call.cancel()
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: AsyncEngine, metrics: EngineMetrics | None = None,
                  channels: ChannelPool | None = None):
@@ -65,10 +88,53 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @traced("prefill")
     async def Prefill(self, request, context):
+        """Compute the prompt, stream its KV to the decode while it computes, and answer the first token once the
+        decode holds every block (the control stream's last message goes after every shard stream's
+        acknowledgement; the control stream's own acknowledgement comes in the background)."""
         start = time.perf_counter()
+        req = self._new_request(request)
+        routes, endpoints = self._routes(request)
+        transfer = _Transfer(routes, endpoints, next(self._serials), request.decode_instance_id or "instance")
+        if self.tp_size > 1:  # (the other ranks ship their own heads)
+            req.kv_destination = KVDestination(transfer.serial, transfer.decode_id, len(endpoints), endpoints)
+        stream = await self.engine.add_request(req)
+        kv_span = self._open_streams(transfer, request, req.request_id)
+        try:
+            await self._pump(stream, req.request_id, transfer)
+            await self._finish(transfer, req.request_id)
+            annotate(kv_span, blocks_sent=transfer.num_blocks_sent, bytes_sent=transfer.num_bytes_sent)
+        except BaseException:
+            transfer.cancel()
+            self.engine.abort(req.request_id)  # (its ranks' streams are cancelled: CancelKV)
+            self._forget_outcomes(transfer.serial, routes)
+            log.info("request %s aborted during prefill", req.request_id)
+            raise
+        control = transfer.control_call
+        if control.done() and not control.cancelled() and control.exception() is not None:
+            e = control.exception()  # e.g. the decode is unreachable: the first token would be orphaned
+            if isinstance(e, grpc.aio.AioRpcError):
+                raise upstream_error(e, "decode", transfer.decode_id, "receiving KV")
+            raise e
+        self._transfers.add(control)  # finishes in the background: TTFT does not wait for the last KV bytes
+        control.add_done_callback(lambda task: self._transfer_done(task, req.request_id, transfer.decode_id,
+                                                                   transfer.control.num_blocks, start))  # fmt: skip
+        bind_request(req.request_id, prompt_tokens=len(req.prompt_token_ids), cached_tokens=req.num_cached_tokens or 0)
+        return prefill_pb2.PrefillResponse(first_token_id=transfer.first_token_id,
+                                           prefill_ms=(time.perf_counter() - start) * 1000,
+                                           num_cached_tokens=req.num_cached_tokens or 0,
+                                           num_cached_tokens_host=req.num_tier_cached_tokens.get("host", 0),
+                                           num_cached_tokens_disk=req.num_tier_cached_tokens.get("disk", 0),
+                                           num_blocks_sent=transfer.num_blocks_sent,
+                                           queue_ms=(req.queue_time_s or 0.0) * 1000,
+                                           first_token_logprobs=transfer.first_logprobs and
+                                           logprobs_to_proto(transfer.first_logprobs),
+                                           prompt_logprobs=[logprobs_to_proto(lp) for lp in transfer.prompt_logprobs])
+
+    def _new_request(self, request) -> Request:
+        """The engine Request of a PrefillRequest. InvalidRequestError naming the field that is missing or out of
+        range."""
         if not request.request_id or not request.decode_address:
             raise InvalidRequestError("request_id and decode_address are required")
-        decode_id = request.decode_instance_id or "instance"
         # The prefill samples exactly one token, with the request's own parameters (min_tokens, penalties, seed,
         # logprobs mean here what they mean on the decode); whether it ends the request is the decode's decision.
         # A migrated request arrives with its output so far (output_token_ids): the token sampled comes after it.
@@ -82,74 +148,51 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise InvalidRequestError(f"num_skip_blocks {request.num_skip_blocks} exceeds the prompt's full blocks "
                                       f"before its last token")  # fmt: skip
         req.kv_skip_blocks = request.num_skip_blocks
-        routes, endpoints = self._routes(request)
-        serial = next(self._serials)
-        if self.tp_size > 1:  # (the other ranks ship their own heads)
-            req.kv_destination = KVDestination(serial, decode_id, len(endpoints), endpoints)
-        outboxes = [_Outbox(r) for r in routes if r.prefill_rank == 0]  # decode rank 0's first: the control stream
-        control = outboxes[0]
-        stream = await self.engine.add_request(req)
-        kv_span = start_span("kv_transfer", decode_instance_id=decode_id)  # (its call carries it to the decode)
+        return req
+
+    def _open_streams(self, transfer: _Transfer, request, request_id: str):
+        """Start rank 0's streams to the decode ranks (each sends its outbox's messages as they come); returns
+        the kv_transfer span, which the control call carries to the decode and which ends with it."""
+        kv_span = start_span("kv_transfer", decode_instance_id=transfer.decode_id)
         with use_span(kv_span):
             channel = self.channels.get(request.decode_address, request.decode_instance_id or None)
-            transfer_call = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(control.queue, req.request_id))
-            for box in outboxes[1:]:
-                box.call = decode_pb2_grpc.DecodeStub(self.channels.get(endpoints[box.route.decode_rank])) \
-                    .TransferKVShard(_drain(box.queue, req.request_id))
-        transfer = asyncio.ensure_future(transfer_call)
-        shard_calls = [asyncio.ensure_future(box.call) for box in outboxes[1:]]
-        end_when_done(kv_span, transfer)
-        first_token_id = first_logprobs = None
-        prompt_logprobs = []
-        num_blocks_sent = num_bytes_sent = 0
-        try:
-            while (out := await stream.get()) is not None:
-                if out.kv is not None:
-                    num_blocks_sent += out.kv.data.shape[2]
-                    num_bytes_sent += out.kv.data.nbytes
-                    self._queue_kv(req.request_id, out.kv, outboxes, decode_id)
-                if out.finish_reason == FinishReason.ABORT:
-                    error = InvalidRequestError if out.error_is_invalid_request else RequestFailedError
-                    raise error(f"prefill failed: {out.error or 'aborted'}")
-                if out.new_token_ids:
-                    first_token_id = out.new_token_ids[0]
-                    first_logprobs = out.logprobs[0] if out.logprobs else None
-                    prompt_logprobs = out.prompt_logprobs or []
-            if first_token_id is None:  # (the engine always samples one; never send a last message without it)
-                raise RequestFailedError("prefill failed: the prompt ended without a first token")
-            for box in outboxes[1:]:
-                box.queue.put_nowait(last_message(req.request_id, None, box.num_messages, box.num_blocks))
-                box.queue.put_nowait(None)
-            await self._shards_acknowledged(outboxes[1:], shard_calls, serial, routes, decode_id)
-            control.queue.put_nowait(last_message(req.request_id, first_token_id, control.num_messages,
-                                                  control.num_blocks))  # fmt: skip
-            control.queue.put_nowait(None)
-            annotate(kv_span, blocks_sent=num_blocks_sent, bytes_sent=num_bytes_sent)
-        except BaseException:
-            transfer_call.cancel()  # the decode side sees the broken stream and frees its reservation
-            for call in shard_calls:
-                call.cancel()
-            self.engine.abort(req.request_id)  # (its ranks' streams are cancelled: CancelKV)
-            self._forget_outcomes(serial, routes)
-            log.info("request %s aborted during prefill", req.request_id)
-            raise
-        if transfer.done() and not transfer.cancelled() and transfer.exception() is not None:
-            e = transfer.exception()  # e.g. the decode is unreachable: the first token would be orphaned
-            if isinstance(e, grpc.aio.AioRpcError):
-                raise upstream_error(e, "decode", decode_id, "receiving KV")
-            raise e
-        self._transfers.add(transfer)  # finishes in the background: TTFT does not wait for the last KV bytes
-        transfer.add_done_callback(lambda task: self._transfer_done(task, req.request_id, decode_id,
-                                                                    control.num_blocks, start))  # fmt: skip
-        bind_request(req.request_id, prompt_tokens=len(req.prompt_token_ids), cached_tokens=req.num_cached_tokens or 0)
-        prefill_ms = (time.perf_counter() - start) * 1000
-        return prefill_pb2.PrefillResponse(first_token_id=first_token_id, prefill_ms=prefill_ms,
-                                           num_cached_tokens=req.num_cached_tokens or 0,
-                                           num_cached_tokens_host=req.num_tier_cached_tokens.get("host", 0),
-                                           num_cached_tokens_disk=req.num_tier_cached_tokens.get("disk", 0),
-                                           num_blocks_sent=num_blocks_sent, queue_ms=(req.queue_time_s or 0.0) * 1000,
-                                           first_token_logprobs=first_logprobs and logprobs_to_proto(first_logprobs),
-                                           prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs])
+            control = decode_pb2_grpc.DecodeStub(channel).TransferKV(_drain(transfer.control.queue, request_id))
+            shards = [decode_pb2_grpc.DecodeStub(self.channels.get(transfer.endpoints[box.route.decode_rank]))
+                      .TransferKVShard(_drain(box.queue, request_id)) for box in transfer.outboxes[1:]]  # fmt: skip
+        transfer.control_call = asyncio.ensure_future(control)
+        transfer.shard_calls = [asyncio.ensure_future(call) for call in shards]
+        end_when_done(kv_span, transfer.control_call)
+        return kv_span
+
+    async def _pump(self, stream, request_id: str, transfer: _Transfer) -> None:
+        """The engine's outputs for the prompt until it ends: each step's blocks go onto the streams, the first
+        token (and its logprobs) is kept. InvalidRequestError / RequestFailedError when the engine fails it."""
+        while (out := await stream.get()) is not None:
+            if out.kv is not None:
+                transfer.num_blocks_sent += out.kv.data.shape[2]
+                transfer.num_bytes_sent += out.kv.data.nbytes
+                self._queue_kv(request_id, out.kv, transfer.outboxes, transfer.decode_id)
+            if out.finish_reason == FinishReason.ABORT:
+                error = InvalidRequestError if out.error_is_invalid_request else RequestFailedError
+                raise error(f"prefill failed: {out.error or 'aborted'}")
+            if out.new_token_ids:
+                transfer.first_token_id = out.new_token_ids[0]
+                transfer.first_logprobs = out.logprobs[0] if out.logprobs else None
+                transfer.prompt_logprobs = out.prompt_logprobs or []
+        if transfer.first_token_id is None:  # (the engine always samples one; never send a last message without it)
+            raise RequestFailedError("prefill failed: the prompt ended without a first token")
+
+    async def _finish(self, transfer: _Transfer, request_id: str) -> None:
+        """End the shard streams, wait until every one was acknowledged (UpstreamError UNAVAILABLE if one was
+        not), then send the control stream's last message: the first token and its totals."""
+        for box in transfer.outboxes[1:]:
+            box.queue.put_nowait(last_message(request_id, None, box.num_messages, box.num_blocks))
+            box.queue.put_nowait(None)
+        await self._shards_acknowledged(transfer)
+        control = transfer.control
+        control.queue.put_nowait(last_message(request_id, transfer.first_token_id, control.num_messages,
+                                              control.num_blocks))  # fmt: skip
+        control.queue.put_nowait(None)
 
     def _routes(self, request) -> tuple[list[KVRoute], list[str]]:
         """The transfer's streams (kv_transfer_routes from this instance's ranks to the decode's) and the decode
@@ -180,12 +223,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     self.metrics.observe_kv_message(decode_id, msg.ByteSize())
             box.num_blocks += kv.data.shape[2]
 
-    async def _shards_acknowledged(self, outboxes: list[_Outbox], calls: list[asyncio.Future], serial: int,
-                                   routes: list[KVRoute], decode_id: str) -> None:
+    async def _shards_acknowledged(self, transfer: _Transfer) -> None:
         """Wait until every shard stream of the transfer was acknowledged by its decode rank: rank 0's own
-        (calls) and the other ranks' (their outcomes in the TCPStore). UpstreamError UNAVAILABLE naming the
-        decode when one failed."""
-        for box, call in zip(outboxes, calls):
+        (transfer.shard_calls) and the other ranks' (their outcomes in the TCPStore). UpstreamError UNAVAILABLE
+        naming the decode when one failed."""
+        decode_id = transfer.decode_id
+        for box, call in zip(transfer.outboxes[1:], transfer.shard_calls):
             try:
                 response = await call
             except grpc.aio.AioRpcError as e:
@@ -193,7 +236,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if response.num_blocks_received != box.num_blocks:
                 raise _shard_failed(decode_id, 0, box.route.decode_rank, f"acknowledged "
                                     f"{response.num_blocks_received} blocks, {box.num_blocks} were sent")
-        pending = {kv_outcome_key(serial, r.prefill_rank, r.decode_rank): r for r in routes if r.prefill_rank > 0}
+        pending = {kv_outcome_key(transfer.serial, r.prefill_rank, r.decode_rank): r
+                   for r in transfer.routes if r.prefill_rank > 0}  # fmt: skip
         wait_s = SHARD_POLL_S[0]
         while pending:
             done = [k for k in pending if self.store.check([k])]
