@@ -26,6 +26,8 @@ LocalCluster (Redis, gateway, two prefill processes, one decode), every request 
   oldest prefixes have sunk the deepest) and --tier-cold prompts with a system prompt nobody has sent (computed
   in full). Last, the tiers-on cluster is stopped and started again on the same disk directory (new processes,
   new instance ids) and asked one new question per tenant: what a restart keeps.
+
+Over 400 lines on purpose: its two workloads share the cluster set-up, the hit-rate accounting and the report.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ None marks the end.
 NOTE: a request id can be reused once its request is aborted, while outputs the engine made for the old one are
 still on their way to the event loop. So each admission gets a serial number, the engine thread tags every output
 with the serial of the admission it belongs to, and a stream takes only outputs with its own serial.
+
+Over 400 lines on purpose: the typed commands and the one loop that dispatches them read together.
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 speculative decoding. The settings users give, and how they resolve into these: shared/engine_args.py.
 
 Imports neither torch nor the engine (torch only inside torch_dtype), so the client CLI can build its flags fast.
+
+Over 400 lines on purpose: every record an engine takes, with its checks, in one place (as nano-vllm's config.py).
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ tiers below the pool (KVTierConfig: host memory, disk; shared/kv_offload.py) evi
 come back on a hit, loaded beside the steps. With LoRA (LoRAConfig; docs/lora.md) requests name an adapter
 (Request.lora_name), adapters are loaded and removed between steps (add_lora, remove_lora), and each step first puts
 its adapters into the model's slots (ModelRunner.activate_loras).
+
+Over 400 lines on purpose: this is the engine's whole surface (requests, KV import, LoRA, stats) in one class; one
+step is step() through update_from_output().
 """
 from __future__ import annotations
 

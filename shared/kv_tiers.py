@@ -15,6 +15,8 @@ temporary files (a write a crash cut short), reads the header of every block fil
 its hash contract (others are deleted), oldest first, so a restarted instance finds its blocks by hash. A file that
 fails any check when read (checksum, header, size) or is gone is a miss: the block leaves the index, never serves
 wrong KV.
+
+Over 400 lines on purpose: the host and disk tiers share EvictionOrder and TierBlock and are read side by side.
 """
 from __future__ import annotations
 

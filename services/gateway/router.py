@@ -41,6 +41,9 @@ Ties go round-robin. Instances whose hash contract differs from the gateway's ar
 waits for the index until a background probe finds it answering, and instances come from the registry's last
 view (shared/cluster_state/registry.py). routing="round-robin" ignores the
 index and queues (the baseline the benchmark compares against).
+
+Over 400 lines on purpose: the cost model's state (routed hints, queued tokens, down marks) is read by route,
+route_prefill and the pairing alike; what stands apart (sessions, LoRA) has its own module.
 """
 from __future__ import annotations
 
