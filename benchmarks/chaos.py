@@ -50,6 +50,7 @@ class Record:
     kills: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, process name)
     restart_errors: list[str] = field(default_factory=list)  # a killed process that would not start again
     gateway_down: threading.Event = field(default_factory=threading.Event)
+    failure_details: dict[str, str] = field(default_factory=dict)  # status code name -> the first one's details
 
 
 def request_for(prompts: list[tuple[str, int]], index: int):
@@ -80,6 +81,7 @@ def stream_loop(cluster, prompts, offset: int, end_at: float, record: Record, ti
                 continue
         except grpc.RpcError as e:
             record.failed.append((e.code().name, down or record.gateway_down.is_set(), bool(tokens)))
+            record.failure_details.setdefault(e.code().name, e.details())
             if record.gateway_down.is_set():
                 time.sleep(0.5)  # (a client backing off while its gateway restarts)
             continue
@@ -159,6 +161,7 @@ def run(cluster, prompts, streams: int, duration_s: float, tiers: tuple[str, ...
         failed_by_code[code] = failed_by_code.get(code, 0) + 1
     return {"streams": streams, "duration_s": elapsed, "kills": kills, "requests_done": len(record.answers),
             "requests_failed": len(record.failed), "failed_by_code": failed_by_code,
+            "first_failure_details": record.failure_details,
             "failed_while_gateway_down": sum(down for _, down, _ in record.failed),
             "failed_mid_stream": sum(cut for *_, cut in record.failed),
             "token_exact": exact, "wrong_prompts": wrong, **gateway_log_figures(cluster.log_dir),
@@ -174,7 +177,8 @@ def report(r: dict) -> str:
         f"chaos: {r['streams']} streams for {r['duration_s']:.0f} s; kills {json.dumps(r['kills'])}",
         f"requests done {r['requests_done']}, failed {r['requests_failed']} {json.dumps(r['failed_by_code'])} "
         f"({r['failed_while_gateway_down']} while a gateway was down; {r['failed_mid_stream']} cut mid-stream, the "
-        f"rest refused before their first token)",
+        f"rest refused before their first token)" + "".join(f"\n  first {code}: {details}" for code, details in
+                                                           r["first_failure_details"].items()),
         f"token-exact {r['token_exact']} of {r['requests_done']} (prompts answered otherwise: {r['wrong_prompts']})",
         f"migrations {r['migrations']} {json.dumps(r['migrations_by_reason'])}, placed again before the first "
         f"token {r['placed_again']}; migration to next token p50 {ms(r['resume_p50_ms'])}, "

@@ -16,7 +16,7 @@ from tandem.services.flags import (HelpFormatter, add_engine_service_args, apply
 from tandem.services.logs import setup_logging
 from tandem.services.metrics import STATS_REFRESH_S, EngineMetrics, metrics_url, serve_metrics
 from tandem.services.security import check_redis_auth, tls_from_args
-from tandem.services.server import Server, exit_on_signal_while_starting, new_instance_id
+from tandem.services.server import Server, dump_stacks_on_sigusr1, exit_on_signal_while_starting, new_instance_id
 from tandem.services.tracing import setup_tracing
 from tandem.shared.async_engine import AsyncEngine, build_engine
 from tandem.shared.engine_args import EngineArgs
@@ -78,6 +78,7 @@ def engine_main(tier: str, description: str, add_servicer: Callable[[Server, Asy
     setup_logging(tier, instance_id, args.log_format)
     setup_tracing(tier, instance_id, args.otlp_traces_endpoint)
     exit_on_signal_while_starting()
+    dump_stacks_on_sigusr1()
     try:
         failure = asyncio.run(_serve(args, tier, instance_id, add_servicer, export_kv))
     except (ValueError, OSError) as e:  # a model or setting that cannot be served: one line, no traceback

@@ -125,7 +125,8 @@ class LocalCluster:
         self.gateway_port = gateway_port or free_port()
         self.http_port = http_port or free_port()  # the gateway's OpenAI-compatible API
         self.num_prefill, self.num_decode = num_prefill, num_decode
-        self.prefill_args, self.decode_args, self.gateway_args = list(prefill_args), list(decode_args), list(gateway_args)
+        self.prefill_args, self.decode_args = list(prefill_args), list(decode_args)
+        self.gateway_args = list(gateway_args)
         self.redis_url = redis_url or envs.REDIS_URL
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-"))
         self.drain_timeout_s = drain_timeout_s  # every service's --drain-timeout; stop() waits that long
@@ -173,7 +174,8 @@ class LocalCluster:
             self.redis_url = f"redis://127.0.0.1:{port}/0"
         common = ["--drain-timeout", str(self.drain_timeout_s), *(self.tls.argv() if self.tls else [])] + (
             ["--model", self.model] if self.model else [])  # fmt: skip
-        for tier, count, extra in (("decode", self.num_decode, self.decode_args), ("prefill", self.num_prefill, self.prefill_args)):
+        for tier, count, extra in (("decode", self.num_decode, self.decode_args),
+                                   ("prefill", self.num_prefill, self.prefill_args)):  # fmt: skip
             for i in range(count):
                 port, metrics_port = free_port(), free_port()
                 self.addresses[f"{tier}{i}"] = f"127.0.0.1:{port}"
@@ -256,13 +258,20 @@ class LocalCluster:
 
     def terminate(self, name: str, timeout_s: float = 60) -> int:
         """SIGTERM one child, as an orchestrator stopping it does (an engine drains: services/server.py), and wait
-        for it to exit; returns its exit code. TimeoutError if it is still running after timeout_s."""
+        for it to exit; returns its exit code. TimeoutError if it is still running after timeout_s: the child is
+        sent SIGUSR1 first (its threads' stacks go to its log: services/server.py dump_stacks_on_sigusr1), and the
+        error carries the end of its log."""
         proc = self.processes[name]
         proc.terminate()
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{name} did not exit within {timeout_s:.0f}s of SIGTERM") from None
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            log_path = self.log_dir / f"{name}.log"
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-80:])
+            raise TimeoutError(f"{name} did not exit within {timeout_s:.0f}s of SIGTERM; the end of {log_path}:\n"
+                               f"{tail}") from None
 
     def kill(self, name: str) -> None:
         """SIGKILL one child (e.g. "prefill0"), as a crash would: it does not deregister."""

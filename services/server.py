@@ -10,6 +10,7 @@ drain_timeout_s to finish; then the server stops, cancelling what is left."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -40,6 +41,13 @@ GRPC_OPTIONS = [
 # "Limits": 64 characters per token of context, 256 Ki characters of structured_output) fits with room to spare
 PUBLIC_MAX_RECEIVE_BYTES = 8 * 1024 * 1024
 STOP_GRACE_S = 2.0
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every thread's Python stack to stderr (the service's log) and the process goes on: how to
+    see where a process that does not answer, or does not finish its drain, is stuck (LocalCluster.terminate
+    sends it before it gives up on a child)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def exit_on_signal_while_starting() -> None:

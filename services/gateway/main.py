@@ -19,7 +19,7 @@ from tandem.services.gateway.router import Router
 from tandem.services.gateway.server import GatewayServicer
 from tandem.services.logs import setup_logging
 from tandem.services.security import APIKeyInterceptor, api_keys_from_args, check_redis_auth, tls_from_args
-from tandem.services.server import Server, exit_on_signal_while_starting, new_instance_id
+from tandem.services.server import Server, dump_stacks_on_sigusr1, exit_on_signal_while_starting, new_instance_id
 from tandem.services.tracing import setup_tracing
 from tandem.shared.engine_args import EngineArgs
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     setup_logging("gateway", instance_id, args.log_format)
     setup_tracing("gateway", instance_id, args.otlp_traces_endpoint)
     exit_on_signal_while_starting()
+    dump_stacks_on_sigusr1()
     try:
         asyncio.run(serve(args, instance_id, tls, api_keys))
     except ValueError as e:  # (a setting that cannot work, e.g. a password Redis refuses: one line, no traceback)
