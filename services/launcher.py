@@ -268,10 +268,14 @@ class LocalCluster:
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGUSR1)
             time.sleep(1.0)
-            log_path = self.log_dir / f"{name}.log"
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-80:])
-            raise TimeoutError(f"{name} did not exit within {timeout_s:.0f}s of SIGTERM; the end of {log_path}:\n"
-                               f"{tail}") from None
+            raise TimeoutError(f"{name} did not exit within {timeout_s:.0f}s of SIGTERM; {self.log_tail(name)}") \
+                from None
+
+    def log_tail(self, name: str, num_lines: int = 80) -> str:
+        """The last num_lines lines of a child's log, introduced by its path (for an error message)."""
+        log_path = self.log_dir / f"{name}.log"
+        lines = log_path.read_text(errors="replace").splitlines()[-num_lines:]
+        return "the end of {}:\n{}".format(log_path, "\n".join(lines))
 
     def kill(self, name: str) -> None:
         """SIGKILL one child (e.g. "prefill0"), as a crash would: it does not deregister."""

@@ -6,7 +6,9 @@ Drain (what Kubernetes' pod termination and a rolling restart expect): health re
 calls of the admission methods (those that start a request here) are refused with UNAVAILABLE, which the gateway
 answers by placing the request elsewhere; on_drain runs (an engine leaves the registry, so the gateway stops
 routing to it); calls in flight (and whatever busy() reports, e.g. KV still streaming out) get up to
-drain_timeout_s to finish; then the server stops, cancelling what is left."""
+drain_timeout_s to finish; then the server stops, cancelling what is left. A process still alive EXIT_GRACE_S
+after that (its drain or its exit stuck: a bug) writes every thread's stack to its log and exits 1, so a stop
+is bounded and says where it hung."""
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +43,7 @@ GRPC_OPTIONS = [
 # "Limits": 64 characters per token of context, 256 Ki characters of structured_output) fits with room to spare
 PUBLIC_MAX_RECEIVE_BYTES = 8 * 1024 * 1024
 STOP_GRACE_S = 2.0
+EXIT_GRACE_S = 10.0  # how long past its drain timeout and stop grace a stopping process may take to exit
 
 
 def dump_stacks_on_sigusr1() -> None:
@@ -71,6 +74,15 @@ def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
         time.sleep(interval_s)
     log.error("launcher %d is gone: exiting", parent_pid)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_stuck(after_s: float) -> None:
+    """The drain's backstop (module docstring): every thread's stack to the log, then exit 1 at once."""
+    log.error("still running %.0f s after the drain began: exiting 1; every thread's stack follows", after_s)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    os._exit(1)
 
 
 def new_instance_id(tier: str) -> str:
@@ -172,6 +184,10 @@ class Server:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("draining: %d calls in flight, up to %.0f s to finish", self.drain.in_flight, self.drain_timeout_s)
+        backstop = threading.Timer(self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S, _exit_stuck,
+                                   args=(self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S,))  # fmt: skip
+        backstop.daemon = True
+        backstop.start()
         await self.health.enter_graceful_shutdown()
         self.drain.draining = True
         if on_drain is not None:

@@ -122,7 +122,8 @@ def test_rolling_restart_of_both_tiers_under_load_fails_no_request(cluster, hf_r
         # every instance in the long pass; in make test's short one, one of each tier
         for name in ("prefill0", "prefill1", "decode0", "decode1") if LONG else ("prefill1", "decode1"):
             before = len(done)
-            assert cluster.terminate(name, timeout_s=90) == 0, f"{name} did not exit 0 after its drain"
+            code = cluster.terminate(name, timeout_s=90)
+            assert code == 0, f"{name} did not exit 0 after its drain ({code}); {cluster.log_tail(name)}"
             cluster.restart(name)
             deadline = time.monotonic() + 120  # steady load: requests complete between the restarts too
             while len(done) < before + 2 and time.monotonic() < deadline and not failures:
