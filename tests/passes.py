@@ -1,5 +1,5 @@
 """The short pass and the long one: every `make test` runs the short pass of the fuzz tests (a quarter of their
-examples) and of the soak-like scenarios (fewer random faults, fewer restarts); TANDEM_TEST_HEAVY=1, which
+examples, 32 random faults instead of 200); TANDEM_TEST_HEAVY=1, which
 .ci/run sets for its heavy suites when the run has time for them, runs the long pass (LONG)."""
 import os
 

@@ -25,6 +25,7 @@ names are mapped to HF names.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from pathlib import Path
@@ -91,17 +92,27 @@ def decode_q8_0(blocks: np.ndarray) -> dict[str, torch.Tensor]:
 
 
 def open_gguf(path: str | Path):
-    """A gguf.GGUFReader over path.
+    """A gguf.GGUFReader over path (read-only: its tensors are views of the file's memory map). The last one
+    opened is kept, keyed by the file's path, size and modification time: building one parses every metadata
+    field, the tokenizer's ~100K strings included (about 4 s for the default model), and a load opens the file
+    for its checks and then for its tensors.
 
     Raises:
         ValueError naming the file: not a GGUF file, or a truncated or corrupt one (the reader's own error, e.g.
             a numpy reshape error, names neither)."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    return _open_gguf(str(resolved), stat.st_size, stat.st_mtime_ns, str(path))
+
+
+@functools.lru_cache(maxsize=1)
+def _open_gguf(path: str, size: int, mtime_ns: int, given: str):
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return GGUFReader(path)
     except (ValueError, IndexError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} cannot be read as GGUF (truncated or corrupt?): {e}") from e
+        raise ValueError(f"{given} cannot be read as GGUF (truncated or corrupt?): {e}") from e
 
 
 def gguf_architecture(reader, path: str | Path) -> str:

@@ -1,7 +1,7 @@
 """Scaling and draining on a real 2 prefill + 2 decode cluster (`tandem up --prefill 2 --decode 2`'s topology):
 requests reach every instance, a SIGTERM'd engine drains (finishes what it runs, refuses new requests, leaves
 the registry at once, exits 0), a rolling restart of both tiers under steady load fails no request (every
-instance in the long pass, tests/passes.py; one per tier in make test), `tandem up`'s
+instance, in .ci/run's heavy pass), `tandem up`'s
 supervision restarts a child that exits, and the loss of one instance per tier is survived. Every answer is
 checked against HF transformers fp32 greedy.
 
@@ -18,7 +18,6 @@ from tandem.services.client import generate
 from tandem.shared.cluster_state.registry import KEY_PREFIX
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.integration.helpers import generate_all, greedy_request, load
-from tests.passes import LONG
 from tests.prompts import PROMPTS
 
 MAX_TOKENS = 12
@@ -97,7 +96,8 @@ def test_sigterm_drains_a_decode(cluster, hf_references):
     cluster.restart(name)
 
 
-@pytest.mark.soak
+# (.ci/run's heavy pass, every instance; make test drains a decode under a request in test_sigterm_drains_a_decode)
+@pytest.mark.heavy
 def test_rolling_restart_of_both_tiers_under_load_fails_no_request(cluster, hf_references):
     pairs = requests_and_references(hf_references)
     stop, failures, done = threading.Event(), [], []
@@ -119,8 +119,7 @@ def test_rolling_restart_of_both_tiers_under_load_fails_no_request(cluster, hf_r
     for t in clients:
         t.start()
     try:
-        # every instance in the long pass; in make test's short one, one of each tier
-        for name in ("prefill0", "prefill1", "decode0", "decode1") if LONG else ("prefill1", "decode1"):
+        for name in ("prefill0", "prefill1", "decode0", "decode1"):
             before = len(done)
             code = cluster.terminate(name, timeout_s=90)
             assert code == 0, f"{name} did not exit 0 after its drain ({code}); {cluster.log_tail(name)}"

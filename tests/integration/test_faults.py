@@ -301,6 +301,8 @@ def test_random_cancellations_and_deadlines_leave_nothing_behind(cluster, tokeni
 
 
 # -- a frozen decode mid-stream -------------------------------------------------------------------------------------
+@pytest.mark.heavy  # (about 45 s, most of it the keepalive's 15 s and the streams' rerun; make test migrates the
+# streams of a decode process killed mid-stream in test_tensor_parallel.py and of a failed decode in test_migration.py)
 def test_a_frozen_decode_migrates_its_streams_and_recovers(cluster):
     """A decode stopped by SIGSTOP keeps its connections open (the kernel answers for it), so only the gateway's
     keepalive pings (services/channels.py) can tell: its streams, which set no deadline, migrate to the other

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+import pytest
 
 from tandem.services.client import make_request, stream
 
@@ -123,6 +124,7 @@ def test_a_watched_service_exits_with_its_launcher():
     assert_all_gone([child])
 
 
+@pytest.mark.heavy  # (make test kills a launcher whose children are draining, below: the same parent-death signal)
 def test_children_end_with_a_killed_launcher(model_dir, tmp_path):
     launcher, _ = start_up(model_dir, tmp_path)
     children = children_of(launcher)

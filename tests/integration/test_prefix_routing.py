@@ -64,6 +64,9 @@ def test_shared_prefixes_go_to_the_prefill_holding_them(routed_cluster, tokenize
     assert out.token_ids == hf_greedy(ids, NUM_TOKENS) and out.cached_tokens == 0
 
 
+# (.ci/run's heavy pass: a cluster of its own, 20 s; make test ships only the blocks a decode lacks through a cluster
+# in test_tensor_parallel_pd.py, and test_router.py places a short uncached suffix on the decode)
+@pytest.mark.heavy
 def test_second_turn_ships_fewer_blocks_and_short_suffix_skips_prefill(model_dir, tokenizer, hf_greedy):
     with start(model_dir, []) as cluster:
         turn1 = LONG_TEXT[:600]

@@ -51,7 +51,9 @@ class OpenAIPenalties:
         return scores
 
 
-@pytest.mark.parametrize("penalty", ["repetition_penalty", "presence_penalty", "frequency_penalty"])
+# (presence: in .ci/run's heavy pass; make test runs frequency, which goes through the same OpenAI penalty code)
+@pytest.mark.parametrize("penalty", ["repetition_penalty", pytest.param("presence_penalty", marks=pytest.mark.heavy),
+                                     "frequency_penalty"])
 def test_greedy_penalties_equal_hf(cluster, tokenizer, hf_model, penalty):
     ids = prompt_token_ids(tokenizer, "raw", STORY)
     value = {"repetition_penalty": 1.5, "presence_penalty": 1.5, "frequency_penalty": 1.0}[penalty]

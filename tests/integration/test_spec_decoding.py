@@ -84,6 +84,12 @@ def test_greedy_equals_hf_beside_chunked_prefill_and_plain_requests(model_config
     assert engine.num_free_blocks == 256
 
 
+HEAVY = pytest.mark.heavy
+
+
+# (early exit and suffix in .ci/run's heavy pass: their drafts are verified by the same rejection sampler as n-gram's)
+@pytest.mark.parametrize("spec", ["ngram", pytest.param("draft", marks=HEAVY), pytest.param("early-exit", marks=HEAVY),
+                                  pytest.param("suffix", marks=HEAVY)], indirect=True)  # fmt: skip
 def test_seeded_sampling_is_the_same_with_and_without_speculation(model_config, references, spec):
     names = ["code_edit", "capital", "repeat"]
     params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11)
@@ -96,6 +102,9 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(model_config, 
     assert sum(r.num_draft_tokens for r in requests) > 0 and engine.num_free_blocks == 64
 
 
+# (early exit in .ci/run's heavy pass: a preempted request's drafts are dropped alike for every proposer)
+@pytest.mark.parametrize("spec", ["ngram", pytest.param("draft", marks=HEAVY), pytest.param("early-exit", marks=HEAVY),
+                                  "suffix"], indirect=True)  # fmt: skip
 def test_preemption_and_abort_while_speculating(model_config, references, spec):
     names = ["capital", "haiku", "raw_story", "raw_chinese", "repeat"]
     engine = LLMEngine(model_config, CacheConfig(8, 24), SchedulerConfig(32, 8), speculative_config=spec)

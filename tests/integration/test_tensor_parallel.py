@@ -266,6 +266,7 @@ def kill_mid_stream(tp_cluster, kill) -> dict:
         health_channel.close()
 
 
+@pytest.mark.heavy  # (make test kills rank 0 of this decode and rank 1 of a prefill, below: a lost instance's path)
 def test_a_killed_rank_1_loses_no_request(tp_cluster):
     """Rank 1 of a decode at TP 2 SIGKILLed mid-stream: the instance is down at once (NOT_SERVING, its record out
     of the registry, every call ended UNAVAILABLE as by a dead process, exit 1, rank 0 ending with a one-line
