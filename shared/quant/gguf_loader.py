@@ -25,8 +25,8 @@ names are mapped to HF names.
 """
 from __future__ import annotations
 
-import functools
 import re
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +35,7 @@ import torch
 
 from tandem.kernels.int4_format import pack_int4
 from tandem.shared.quant.config import QuantConfig
+from tandem.shared.quant.gguf_file import GGUFFile
 
 GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -51,11 +52,11 @@ SUPPORTED = {"Q4_0", "Q4_1", "Q8_0"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _field_int(reader, key: str) -> int:
-    field = reader.fields.get(key)
-    if field is None:
-        raise ValueError(f"GGUF metadata lacks {key}")
-    return int(field.parts[field.data[0]][0])
+def _field_int(reader: GGUFFile, key: str) -> int:
+    value = reader.fields.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"GGUF metadata lacks {key}" if value is None else f"GGUF metadata {key} is not an integer")
+    return value
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -91,35 +92,22 @@ def decode_q8_0(blocks: np.ndarray) -> dict[str, torch.Tensor]:
     return {"qweight": q, "scales": d}
 
 
-def open_gguf(path: str | Path):
-    """A gguf.GGUFReader over path (read-only: its tensors are views of the file's memory map). The last one
-    opened is kept, keyed by the file's path, size and modification time: building one parses every metadata
-    field, the tokenizer's ~100K strings included (about 4 s for the default model), and a load opens the file
-    for its checks and then for its tensors.
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The GGUF file at path, its header read (shared/quant/gguf_file.py).
 
     Raises:
-        ValueError naming the file: not a GGUF file, or a truncated or corrupt one (the reader's own error, e.g.
-            a numpy reshape error, names neither)."""
-    resolved = Path(path).resolve()
-    stat = resolved.stat()
-    return _open_gguf(str(resolved), stat.st_size, stat.st_mtime_ns, str(path))
-
-
-@functools.lru_cache(maxsize=1)
-def _open_gguf(path: str, size: int, mtime_ns: int, given: str):
-    from gguf import GGUFReader
-
+        ValueError naming the file: not a GGUF file, or a truncated or corrupt one."""
     try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, TypeError) as e:
-        raise ValueError(f"{given} cannot be read as GGUF (truncated or corrupt?): {e}") from e
+        return GGUFFile(path)
+    except (ValueError, UnicodeDecodeError, struct.error) as e:
+        raise ValueError(f"{path} cannot be read as GGUF (truncated or corrupt?): {e}") from e
 
 
 def gguf_architecture(reader, path: str | Path) -> str:
     """The file's general.architecture; ValueError naming it unless GGUF_ARCHITECTURES has it."""
-    if "general.architecture" not in reader.fields:
+    arch = reader.fields.get("general.architecture")
+    if not isinstance(arch, str):
         raise ValueError(f"{path} has no general.architecture metadata")
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch not in GGUF_ARCHITECTURES:
         why = " (llama.cpp stores Gemma's norms as 1 + weight)" if arch.startswith("gemma") else ""
         raise ValueError(f"GGUF architecture {arch!r} is not supported{why}; supported: "
