@@ -1,8 +1,9 @@
 """Faults on a real 2 prefill + 3 decode cluster with a Redis of the test's own (issue 16), each bounded in time:
-Redis stopped and frozen under load, slow clients (gRPC and HTTP SSE), 200 requests (80 in make test's short
-pass) cancelled or timed out at random points, a decode frozen mid-stream, one stopped while a stream outlives
-its drain, then kill -9 of a decode mid-stream and of a prefill mid-transfer; streams on a decode that fails
-migrate (issue 36). Loopback only.
+Redis stopped, and in the long pass also frozen, under load, slow clients (gRPC and HTTP SSE), 200 requests (32
+in make test's short pass) cancelled or timed out at random points, a decode frozen mid-stream, one stopped while a
+stream outlives its drain, then kill -9 of a decode mid-stream and of a prefill mid-transfer; streams on a decode
+that fails migrate (issue 36). Make test runs the Redis stop, the slow clients, the short pass of cancellations and
+the prefill's kill; the rest is in .ci/run's heavy pass. Loopback only.
 
 The tests share one cluster and run in file order: the last three stop an instance each (a decode killed, a
 prefill killed, then a decode drained: make test runs only the prefill's; the other two are in the heavy pass). One
@@ -74,7 +75,8 @@ def short_requests(hf_references, max_tokens: int):
     return [(greedy_request(kind, text, max_tokens), hf_references[name][1][:max_tokens]) for name, kind, text in SHORT]
 
 
-# -- c. Redis stopped, then frozen, under steady load ---------------------------------------------------------------
+# -- c. Redis stopped, then frozen (the long pass), under steady load ------------------------------------------------
+@pytest.mark.soak
 def test_redis_stopped_or_frozen_fails_no_request(cluster, redis_server, hf_references):
     request, expected = greedy_request("chat", "What is the capital of France?", 8), hf_references["capital"][1][:8]
     phase, records, failures, stop = ["baseline"], [], [], threading.Event()
@@ -101,12 +103,14 @@ def test_redis_stopped_or_frozen_fails_no_request(cluster, redis_server, hf_refe
         phase[0] = "restarted"
         redis_server.start()  # (empty: the instances publish again at their next heartbeat)
         time.sleep(3)
-        phase[0] = "frozen"
-        redis_server.pause()
-        time.sleep(6)  # (three times the Redis clients' 2 s socket timeout)
-        phase[0] = "resumed"
-        redis_server.resume()
-        time.sleep(3)
+        if LONG:  # (make test freezes Redis under routing in test_prefix_routing.py, and times a hung one out in
+            # test_prefix_index.py)
+            phase[0] = "frozen"
+            redis_server.pause()
+            time.sleep(6)  # (three times the Redis clients' 2 s socket timeout)
+            phase[0] = "resumed"
+            redis_server.resume()
+            time.sleep(3)
     finally:
         redis_server.resume()
         stop.set()
@@ -119,7 +123,8 @@ def test_redis_stopped_or_frozen_fails_no_request(cluster, redis_server, hf_refe
     spanning = [d for p, q, d in records if p != q]
     print(f"  spanning a phase change: {stats(spanning)}")
     assert not failures, failures
-    assert len([r for r in records if r[0] == "frozen"]) >= 3, "almost no request ran while Redis was frozen"
+    if LONG:
+        assert len([r for r in records if r[0] == "frozen"]) >= 3, "almost no request ran while Redis was frozen"
 
 
 # -- d. slow clients ------------------------------------------------------------------------------------------------
@@ -152,11 +157,10 @@ def test_a_slow_client_holds_up_no_one_and_buffering_is_bounded(cluster, hf_refe
         assert response.status_code == 200
         # meanwhile other streams run to the end, exactly
         pairs = short_requests(hf_references, 16)
-        for _ in range(2):
-            started = time.monotonic()
-            outs = generate_all(cluster.gateway_address, [r for r, _ in pairs])
-            assert [o.token_ids for o in outs] == [e for _, e in pairs]
-            print(f"\nslow clients: {len(pairs)} other requests done in {time.monotonic() - started:.1f}s")
+        started = time.monotonic()
+        outs = generate_all(cluster.gateway_address, [r for r, _ in pairs])
+        assert [o.token_ids for o in outs] == [e for _, e in pairs]
+        print(f"\nslow clients: {len(pairs)} other requests done in {time.monotonic() - started:.1f}s")
         time.sleep(max(0.0, UNREAD_S - (time.monotonic() - t0)))  # the slow clients read nothing meanwhile
         decodes = {n: load(a) for n, a in cluster.addresses.items() if n.startswith("decode")}
         print(f"slow clients after {UNREAD_S} s unread: decode loads",
@@ -193,7 +197,7 @@ def test_a_slow_client_holds_up_no_one_and_buffering_is_bounded(cluster, hf_refe
     assert peak - start < 150, f"the gateway grew by {peak - start:.0f} MB"
 
 
-# -- e. requests cancelled or timed out at random points (200 in the long pass, 80 in make test) ---------------
+# -- e. requests cancelled or timed out at random points (200 in the long pass, 32 in make test) ---------------
 @pytest.mark.fuzz
 def test_random_cancellations_and_deadlines_leave_nothing_behind(cluster, tokenizer, hf_references, hf_greedy):
     num_requests = 200 if LONG else 32
