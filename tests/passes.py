@@ -1,5 +1,5 @@
 """The short pass and the long one: every `make test` runs the short pass of the fuzz tests (a quarter of their
-examples, 32 random faults instead of 200) and of the soak scenarios (Redis stopped, not also frozen);
+examples, 16 random faults instead of 200) and of the soak scenarios (Redis stopped, not also frozen);
 TANDEM_TEST_HEAVY=1, which .ci/run sets for its heavy suites when the run has time for them, runs the long pass
 (LONG)."""
 import os
