@@ -184,8 +184,8 @@ class Server:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("draining: %d calls in flight, up to %.0f s to finish", self.drain.in_flight, self.drain_timeout_s)
-        backstop = threading.Timer(self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S, _exit_stuck,
-                                   args=(self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S,))  # fmt: skip
+        exit_by_s = self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S
+        backstop = threading.Timer(exit_by_s, _exit_stuck, args=(exit_by_s,))
         backstop.daemon = True
         backstop.start()
         await self.health.enter_graceful_shutdown()

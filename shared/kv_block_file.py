@@ -1,4 +1,4 @@
-"""One KV block in one file: the disk tier's format (shared/kv_tiers.py DiskTier), an atomic write and a checked read.
+"""One KV block in one file: the disk tier's format (shared/kv_disk_tier.py DiskTier), an atomic write and a checked read.
 
 Layout, little endian:
     magic        8 bytes, b"TKVBLK01" (the format and its version)

@@ -29,7 +29,8 @@ from tandem.shared.block_hash import BlockHash, HashContract
 from tandem.shared.kv_block_file import TMP_SUFFIX, BlockFileHeader, read_block_file, write_block_file
 from tandem.shared.kv_events import BlockRemoved, BlockStored
 from tandem.shared.config import KVTierConfig
-from tandem.shared.kv_tiers import DiskTier, HostTier
+from tandem.shared.kv_disk_tier import DiskTier
+from tandem.shared.kv_tiers import HostTier
 
 log = logging.getLogger(__name__)
 TIERS = ("host", "disk")  # below the pool, fastest first (shared/kv_events.py KV_TIERS[1:])

@@ -48,7 +48,6 @@ class _Outbox:
     def __init__(self, route: KVRoute):
         self.route, self.queue = route, asyncio.Queue()
         self.num_messages = self.num_blocks = 0
-        self.call = None
 
 
 class _Transfer:

@@ -15,7 +15,8 @@ from tandem.shared.engine_args import EngineArgs
 from tandem.shared.kv_block_file import block_file_name
 from tandem.shared.kv_cache_manager import KVCacheManager
 from tandem.shared.kv_offload import KVOffloader
-from tandem.shared.kv_tiers import DiskTier, EvictionOrder, claim_slot
+from tandem.shared.kv_disk_tier import DiskTier, claim_slot
+from tandem.shared.kv_tiers import EvictionOrder
 from tandem.shared.request import Request, RequestStatus, SamplingParams
 from tandem.shared.scheduler import Scheduler
 
@@ -230,7 +231,7 @@ def test_a_restarted_instance_loads_its_disk_blocks(tmp_path):
 def test_a_disk_slot_held_by_a_live_process_is_never_shared(tmp_path):
     """The slot lock is the OS's (flock): a process that holds it keeps it from every other process until it
     exits, however it exits."""
-    code = ("import sys, time; from pathlib import Path; from tandem.shared.kv_tiers import claim_slot; "
+    code = ("import sys, time; from pathlib import Path; from tandem.shared.kv_disk_tier import claim_slot; "
             "print(claim_slot(Path(sys.argv[1]))[0].name, flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-P", "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -302,14 +303,14 @@ def make_disk_tier(root, capacity_blocks=8, contract=CONTRACT):
 def test_a_full_filesystem_shrinks_the_disk_tier_and_a_deleted_directory_is_made_again(tmp_path, monkeypatch):
     import errno
 
-    from tandem.shared import kv_tiers
+    from tandem.shared import kv_disk_tier
 
     tier, data = make_disk_tier(tmp_path)
     h = hashes(list(range(1, 4 * BS + 1)))
     for i in range(3):
         tier.put(h[i], (i,), data + i)
     tier.flush()
-    real_write, calls = kv_tiers.write_block_file, []
+    real_write, calls = kv_disk_tier.write_block_file, []
 
     def full_once(path, header, payload):  # the filesystem is full for one write
         calls.append(path)
@@ -317,14 +318,14 @@ def test_a_full_filesystem_shrinks_the_disk_tier_and_a_deleted_directory_is_made
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, header, payload)
 
-    monkeypatch.setattr(kv_tiers, "write_block_file", full_once)
+    monkeypatch.setattr(kv_disk_tier, "write_block_file", full_once)
     tier.put(h[3], (3,), data + 3)
     tier.flush()
     assert len(calls) == 2 and tier.capacity_bytes == 2 * tier.blocks[h[3]].nbytes  # (held 4, freed twice a block)
     assert set(tier.hashes()) == {h[2], h[3]} and set(tier.take_removed()) == {h[0], h[1]}
     assert sorted(os.listdir(tier.directory)) == sorted(block_file_name(x) for x in (h[2], h[3]))
     assert tier.num_write_failures == 0 and tier.read(h[3], (3,)) is not None
-    monkeypatch.setattr(kv_tiers, "write_block_file", real_write)
+    monkeypatch.setattr(kv_disk_tier, "write_block_file", real_write)
     shutil.rmtree(tier.directory)  # deleted under a running instance: made again at the next write
     tier.put(h[0], (0,), data)
     tier.flush()
