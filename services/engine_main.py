@@ -20,6 +20,7 @@ from tandem.services.server import Server, dump_stacks_on_sigusr1, exit_on_signa
 from tandem.services.tracing import setup_tracing
 from tandem.shared.async_engine import AsyncEngine, build_engine
 from tandem.shared.engine_args import EngineArgs
+from tandem.shared.cluster_state import cancel_and_wait
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
 from tandem.v1 import common_pb2_grpc
@@ -230,16 +231,13 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     stats_log = asyncio.create_task(_log_stats(async_engine))
 
     async def leave_registry() -> None:  # (a drain's first step: the gateway stops routing here at once)
-        stats_log.cancel()
+        await cancel_and_wait(stats_log, heartbeat, publishing)  # (no beat nor index write lands after removal)
         if heartbeat:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)  # (no beat may land after the removal)
             try:
                 await registry.remove(info)
             except Exception as e:  # Redis may already be gone at shutdown
                 log.warning("could not deregister: %s", e)
         if publishing:
-            publishing.cancel()
             try:
                 await publisher.remove_incarnation()
             except Exception as e:
@@ -250,6 +248,5 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     try:
         return await _serve_until_stopped(server, servicer, leave_registry, instance_lost)
     finally:
-        stats_refresh.cancel()
-        lora_refresh.cancel()
+        await cancel_and_wait(stats_refresh, lora_refresh)
         async_engine.stop()

@@ -7,8 +7,8 @@ calls of the admission methods (those that start a request here) are refused wit
 answers by placing the request elsewhere; on_drain runs (an engine leaves the registry, so the gateway stops
 routing to it); calls in flight (and whatever busy() reports, e.g. KV still streaming out) get up to
 drain_timeout_s to finish; then the server stops, cancelling what is left. A process still alive EXIT_GRACE_S
-after that (its drain or its exit stuck: a bug) writes every thread's stack to its log and exits 1, so a stop
-is bounded and says where it hung."""
+after that (its drain or its exit stuck: a bug) writes every thread's stack and every asyncio task's awaits to
+its log and exits 1, so a stop is bounded and says where it hung."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +16,7 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -76,13 +77,36 @@ def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _exit_stuck(after_s: float) -> None:
-    """The drain's backstop (module docstring): every thread's stack to the log, then exit 1 at once."""
-    log.error("still running %.0f s after the drain began: exiting 1; every thread's stack follows", after_s)
+def _exit_stuck(after_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    """The drain's backstop (module docstring): every thread's stack and every task of loop (where each coroutine
+    waits: a thread's stack shows only the idle loop) to the log, then exit 1 at once."""
+    log.error("still running %.0f s after the drain began: exiting 1; every thread's stack and every asyncio task "
+              "follow", after_s)  # fmt: skip
     for handler in logging.getLogger().handlers:
         handler.flush()
     faulthandler.dump_traceback(all_threads=True)
+    for _ in range(3):  # (read from this thread while the loop's may change the set: best effort)
+        try:
+            tasks = list(asyncio.all_tasks(loop))
+            break
+        except RuntimeError:
+            tasks = []
+    for task in tasks:
+        print(f"{task!r}, awaiting (outermost first):\n{_awaiting(task.get_coro())}", file=sys.stderr)
+    sys.stderr.flush()
     os._exit(1)
+
+
+def _awaiting(coro) -> str:
+    """Where a task's coroutine waits: each frame of its chain of awaits, outermost first (Task.print_stack shows
+    only the outermost; a compiled coroutine, as gRPC's, has no frames)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}')
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return "\n".join(lines) or "  (no Python frames)"
 
 
 def new_instance_id(tier: str) -> str:
@@ -185,7 +209,7 @@ class Server:
         await stop.wait()
         log.info("draining: %d calls in flight, up to %.0f s to finish", self.drain.in_flight, self.drain_timeout_s)
         exit_by_s = self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S
-        backstop = threading.Timer(exit_by_s, _exit_stuck, args=(exit_by_s,))
+        backstop = threading.Timer(exit_by_s, _exit_stuck, args=(exit_by_s, loop))
         backstop.daemon = True
         backstop.start()
         await self.health.enter_graceful_shutdown()

@@ -21,6 +21,7 @@ from tandem.services.logs import setup_logging
 from tandem.services.security import APIKeyInterceptor, api_keys_from_args, check_redis_auth, tls_from_args
 from tandem.services.server import Server, dump_stacks_on_sigusr1, exit_on_signal_while_starting, new_instance_id
 from tandem.services.tracing import setup_tracing
+from tandem.shared.cluster_state import cancel_and_wait
 from tandem.shared.engine_args import EngineArgs
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -86,7 +87,7 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
     try:
         await server.serve_until_signal(on_drain=stop_http, busy=lambda: http_task is not None and not http_task.done())
     finally:
-        cleanup.cancel()
+        await cancel_and_wait(cleanup)
         await stop_http()
 
 

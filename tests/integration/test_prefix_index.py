@@ -2,6 +2,7 @@
 restarted Redis, stale incarnations and separate hash contracts (shared/cluster_state/prefix_index.py)."""
 import asyncio
 import json
+import random
 import signal
 import time
 
@@ -337,3 +338,33 @@ async def wait_for(fetch, expected, timeout_s=5.0):
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"got {got!r}, expected {expected!r}")
+
+
+def test_redis_loops_stop_however_a_cancel_lands(redis_server):
+    """A heartbeat and a publisher, each looping on Redis calls, stopped at random moments: cancel_and_wait ends
+    both every time. One cancel() alone can be lost on Python < 3.12 (shared/cluster_state/__init__.py): the
+    loop then ran on, and a drain awaiting the heartbeat hung until the process was killed."""
+    from tandem.shared.cluster_state import cancel_and_wait
+    from tandem.shared.cluster_state.registry import Registry
+
+    async def main():
+        registry = Registry(redis_server.url)
+        info = InstanceInfo("decode-1", "decode", "127.0.0.1:1", "m:abc:fp32", 4, 8)
+        publisher, _ = make_publisher(redis_server.url, resync_interval_s=0.0)
+
+        async def current_info():
+            return info
+
+        rng = random.Random(0)
+        for _ in range(50):
+            loops = [asyncio.create_task(registry.heartbeat(current_info, interval_s=0.0)),
+                     asyncio.create_task(publisher.run(asyncio.Queue()))]  # fmt: skip
+            await asyncio.sleep(rng.uniform(0.0, 0.005))
+            async with asyncio.timeout(5):
+                await cancel_and_wait(*loops)
+            assert all(t.cancelled() for t in loops)
+        await registry.redis.delete(info.key)
+        await publisher.close()
+        await registry.redis.aclose()
+
+    run(main())

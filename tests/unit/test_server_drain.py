@@ -1,5 +1,6 @@
 """services/server.py's stop on SIGTERM, in a child process of its own: a drain that finishes exits 0; one whose
-drain hangs is ended by the backstop (exit 1, every thread's stack in its log) instead of hanging forever."""
+drain hangs is ended by the backstop (exit 1, every thread's stack and asyncio task in its log) instead of hanging
+forever."""
 import signal
 import subprocess
 import sys
@@ -58,4 +59,6 @@ def test_a_drain_that_hangs_is_ended_with_every_threads_stack():
     assert "drained" not in log
     # faulthandler's dump: the backstop's own thread and the main thread (its event loop, waiting)
     assert "Current thread 0x" in log and "\nThread 0x" in log, log
+    # and the asyncio tasks' stacks: where the drain waits (the loop's thread shows only its idle select)
+    assert "in stuck_leaving_the_registry" in log, log
     assert elapsed >= 1.0
