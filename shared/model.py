@@ -188,12 +188,16 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # (no random init: the checkpoint fills it; on the meta device torch's normal_ would import torch._dynamo,
+        # 1.5 s of every engine's start)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_parameters)
-        if config.rope_local:
-            self.rotary_emb_local = RotaryEmbedding(config.head_dim, dict(config.rope_local))
+        with torch.device("cpu"):  # (computed, not loaded: on the meta device its ops would import torch._dynamo)
+            self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_parameters)
+            if config.rope_local:
+                self.rotary_emb_local = RotaryEmbedding(config.head_dim, dict(config.rope_local))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,9 +250,12 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     if config.quantization is not None:
         from tandem.shared.quant import apply_quantization
 
-        with torch.device(device):
+        with torch.device("meta"):
             model = LlamaForCausalLM(config)
-        apply_quantization(model, config.quantization)  # a complete checkpoint: it fills every tensor
+        model = model.to_empty(device=device)  # (uninitialised: a complete checkpoint fills every tensor)
+        if config.tie_word_embeddings:  # (to_empty gave each of the tied names its own tensor)
+            model.lm_head.weight = model.model.embed_tokens.weight
+        apply_quantization(model, config.quantization)
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
