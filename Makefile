@@ -41,13 +41,16 @@ demo: model
 serve: model
 	$(BIN)/tandem up --port $(PORT) --http-port $(HTTP_PORT)
 
-# The unit tests on two workers (pytest-xdist: independent and CPU-bound, about twice as fast on two cores), then
-# the integration tests one at a time (they start clusters and time faults); both run, and either failing fails.
-# pytest exits 5 when it collects no test; that is not a failure of the set-up.
+# The unit tests and the integration modules that run engines in the test's own process (IN_PROCESS: no cluster,
+# no port, no timing) on two workers (pytest-xdist: independent and CPU-bound, about twice as fast on two cores),
+# then the other integration tests one at a time (they start clusters and time faults); both run, and either
+# failing fails. pytest exits 5 when it collects no test; that is not a failure of the set-up.
+IN_PROCESS := $(addprefix tests/integration/test_,architecture_formats.py engine.py lora.py migration.py \
+	quantized_kv.py tasks.py triton_path.py)
 test: model
-	$(BIN)/python -P -m pytest tests/unit -q -n 2; u=$$?; [ $$u -eq 5 ] && u=0; \
-	$(BIN)/python -P -m pytest tests/integration -q; i=$$?; [ $$i -eq 5 ] && i=0; \
-	[ $$u -eq 0 ] && exit $$i; exit $$u
+	$(BIN)/python -P -m pytest tests/unit $(IN_PROCESS) -q -n 2; u=$$?; [ $$u -eq 5 ] && u=0; \
+	$(BIN)/python -P -m pytest tests/integration $(addprefix --ignore=,$(IN_PROCESS)) -q; i=$$?; \
+	[ $$i -eq 5 ] && i=0; [ $$u -eq 0 ] && exit $$i; exit $$u
 
 # Serving benchmark (about 15 minutes); llama-server joins when $$LLAMA_SERVER is set or it is on PATH.
 bench: model

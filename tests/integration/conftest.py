@@ -1,6 +1,10 @@
 """Integration fixtures: HF transformers fp32 greedy references and real local clusters (real Redis)."""
+import hashlib
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +12,47 @@ import torch
 from tests.prompts import PROMPTS, prompt_token_ids
 
 NUM_REFERENCE_TOKENS = 48
+# HF's greedy tokens are kept here between sessions (TANDEM_TEST_ORACLE_CACHE="" turns it off): HF generate takes
+# about 55 ms a token here, 16 s for the shared references alone
+ORACLE_CACHE = os.environ.get("TANDEM_TEST_ORACLE_CACHE", str(Path.home() / ".cache" / "tandem" / "hf-oracle"))
+
+
+class HFOracle:
+    """HF transformers' greedy tokens (generate, fp32) for the default model, computed once for every key of what
+    they depend on (the checkpoint's content and generation config, transformers' and torch's versions, the prompt
+    ids, the token count) and kept on disk under ORACLE_CACHE: a later session reads what HF computed in an
+    earlier one, never a token list written by hand."""
+
+    def __init__(self, model, model_dir):
+        import transformers
+
+        from tandem.shared.model_files import fingerprint
+
+        self.model = model
+        self.context = json.dumps([fingerprint(Path(model_dir)), model.generation_config.to_json_string(),
+                                   transformers.__version__, torch.__version__])  # fmt: skip
+        self.memory: dict[tuple, list[int]] = {}
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """At most n greedy tokens after ids, ending at EOS."""
+        key = (tuple(ids), n)
+        if key in self.memory:
+            return self.memory[key]
+        digest = hashlib.sha256(json.dumps([self.context, ids, n]).encode()).hexdigest()
+        path = Path(ORACLE_CACHE) / f"{digest}.json" if ORACLE_CACHE else None
+        if path is not None and path.exists():
+            tokens = json.loads(path.read_text())
+        else:
+            with torch.inference_mode():
+                out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+            tokens = out[0, len(ids) :].tolist()
+            if path is not None:  # (written whole, then renamed: two workers may compute one key at once)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_text(json.dumps(tokens))
+                os.replace(partial, path)
+        self.memory[key] = tokens
+        return tokens
 
 
 @pytest.fixture(scope="session")
@@ -20,15 +65,17 @@ def hf_model(model_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_references(hf_model, tokenizer):
+def hf_oracle(hf_model, model_dir):
+    return HFOracle(hf_model, model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_references(hf_oracle, tokenizer):
     """{prompt name: (prompt token ids, 48 greedy tokens from HF generate in fp32, cut at EOS)}."""
-    model = hf_model
     refs = {}
     for name, kind, text in PROMPTS:
         ids = prompt_token_ids(tokenizer, kind, text)
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_REFERENCE_TOKENS, do_sample=False)
-        refs[name] = (ids, out[0, len(ids) :].tolist())
+        refs[name] = (ids, hf_oracle.greedy(ids, NUM_REFERENCE_TOKENS))
     return refs
 
 
@@ -55,20 +102,9 @@ def cluster(model_dir, hf_references):
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(hf_model):
+def hf_greedy(hf_oracle):
     """generate(prompt ids, n) -> HF transformers fp32 greedy tokens (at most n, ending at EOS), cached."""
-    model = hf_model
-    cache = {}
-
-    def generate(ids: list[int], n: int) -> list[int]:
-        key = (tuple(ids), n)
-        if key not in cache:
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)  # ends at EOS
-            cache[key] = out[0, len(ids) :].tolist()
-        return cache[key]
-
-    return generate
+    return hf_oracle.greedy
 
 
 @pytest.fixture(scope="session")
