@@ -47,10 +47,13 @@ class HFOracle:
                 out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
             tokens = out[0, len(ids) :].tolist()
             if path is not None:  # (written whole, then renamed: two workers may compute one key at once)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.tmp")
-                partial.write_text(json.dumps(tokens))
-                os.replace(partial, path)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    partial = path.with_suffix(f".{os.getpid()}.tmp")
+                    partial.write_text(json.dumps(tokens))
+                    os.replace(partial, path)
+                except OSError:  # (a read-only home: the tokens serve this session only)
+                    pass
         self.memory[key] = tokens
         return tokens
 
