@@ -247,6 +247,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
                         metrics_url(args.advertise_host, metrics_port)), flush=True)
     try:
         return await _serve_until_stopped(server, servicer, leave_registry, instance_lost)
-    finally:
-        await cancel_and_wait(stats_refresh, lora_refresh)
+    finally:  # (the drain stopped the Redis loops already; a failure may not have: asyncio.run's one cancel
+        # of each could be lost, shared/cluster_state/__init__.py)
+        await cancel_and_wait(stats_refresh, lora_refresh, stats_log, heartbeat, publishing)
         async_engine.stop()

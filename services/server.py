@@ -55,7 +55,7 @@ def dump_stacks_on_sigusr1() -> None:
 
 
 def exit_on_signal_while_starting() -> None:
-    """Until serve_until_signal takes over, SIGTERM/SIGINT end the process at once (exit 0): a service still
+    """Until Server.start takes over, SIGTERM/SIGINT end the process at once (exit 0): a service still
     loading its model has nothing to drain, and as a container's PID 1 it would otherwise ignore SIGTERM.
     Started by a launcher that could not give it a parent-death signal (TANDEM_LAUNCHER_PID: services/launcher.py),
     the process also ends (SIGKILL) once that launcher is gone, for its whole life."""
@@ -190,23 +190,27 @@ class Server:
             self.grpc.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
+        self._stop = asyncio.Event()  # (set by SIGTERM/SIGINT once start() took them over)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
 
     async def start(self) -> None:
-        """Accept calls and report SERVING."""
+        """Take over SIGTERM/SIGINT (from here on they start the drain of serve_until_signal: the process may
+        register itself anywhere after this, and a signal must not end it before it leaves), accept calls and
+        report SERVING."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
         await self.grpc.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     async def serve_until_signal(self, on_drain: Callable[[], Awaitable[None]] | None = None,
                                  busy: Callable[[], bool] = lambda: False) -> None:
-        """Serve until SIGTERM or SIGINT, then drain (module docstring): NOT_SERVING, refuse new requests,
-        await on_drain(), wait until no call is in flight and not busy() (at most drain_timeout_s), stop."""
-        stop = asyncio.Event()
+        """Serve until SIGTERM or SIGINT (since start()), then drain (module docstring): NOT_SERVING, refuse new
+        requests, await on_drain(), wait until no call is in flight and not busy() (at most drain_timeout_s),
+        stop."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await self._stop.wait()
         log.info("draining: %d calls in flight, up to %.0f s to finish", self.drain.in_flight, self.drain_timeout_s)
         exit_by_s = self.drain_timeout_s + STOP_GRACE_S + EXIT_GRACE_S
         backstop = threading.Timer(exit_by_s, _exit_stuck, args=(exit_by_s, loop))

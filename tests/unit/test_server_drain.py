@@ -19,13 +19,19 @@ CHILD = textwrap.dedent("""
     async def stuck_leaving_the_registry():
         await asyncio.sleep(3600)
 
-    async def main(hang):
+    async def leave_the_registry():
+        print("left the registry", file=sys.stderr, flush=True)
+
+    async def main(mode):
+        server_mod.exit_on_signal_while_starting()  # (as every service main: a signal before start() ends it)
         server = server_mod.Server("decode", "decode-test", "127.0.0.1", 0, drain_timeout_s=0.5)
         await server.start()
         print(server.port, flush=True)
-        await server.serve_until_signal(on_drain=stuck_leaving_the_registry if hang else None)
+        if mode == "early":  # a signal while the service registers itself, between start() and serving
+            await asyncio.sleep(1.0)
+        await server.serve_until_signal(on_drain=stuck_leaving_the_registry if mode == "hang" else leave_the_registry)
 
-    asyncio.run(main(sys.argv[1] == "hang"))
+    asyncio.run(main(sys.argv[1]))
 """)
 
 
@@ -34,9 +40,10 @@ def stop_child(mode: str) -> tuple[int, str, float]:
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         port = int(proc.stdout.readline())
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # (serving: the signal handlers are set)
-            grpc.channel_ready_future(channel).result(timeout=30)
-        time.sleep(0.2)
+        if mode != "early":
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # (serving)
+                grpc.channel_ready_future(channel).result(timeout=30)
+            time.sleep(0.2)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
@@ -49,7 +56,15 @@ def stop_child(mode: str) -> tuple[int, str, float]:
 def test_a_drain_that_finishes_exits_0_before_the_backstop():
     code, log, elapsed = stop_child("finish")
     assert code == 0, log
-    assert "drained: no call in flight" in log and "still running" not in log
+    assert "left the registry" in log and "drained: no call in flight" in log and "still running" not in log
+
+
+def test_a_signal_between_start_and_serving_drains():
+    """start() takes the signals over: one that lands while the service registers itself waits for the drain,
+    which leaves the registry (the start-up handler's exit would have left the record behind)."""
+    code, log, elapsed = stop_child("early")
+    assert code == 0, log
+    assert "left the registry" in log and "drained: no call in flight" in log, log
 
 
 def test_a_drain_that_hangs_is_ended_with_every_threads_stack():
