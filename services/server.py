@@ -85,12 +85,10 @@ def _exit_stuck(after_s: float, loop: asyncio.AbstractEventLoop) -> None:
     for handler in logging.getLogger().handlers:
         handler.flush()
     faulthandler.dump_traceback(all_threads=True)
-    for _ in range(3):  # (read from this thread while the loop's may change the set: best effort)
-        try:
-            tasks = list(asyncio.all_tasks(loop))
-            break
-        except RuntimeError:
-            tasks = []
+    try:  # (read from this thread while the loop's may change the set; all_tasks retries that itself)
+        tasks = asyncio.all_tasks(loop)
+    except RuntimeError:
+        tasks = set()
     for task in tasks:
         print(f"{task!r}, awaiting (outermost first):\n{_awaiting(task.get_coro())}", file=sys.stderr)
     sys.stderr.flush()
