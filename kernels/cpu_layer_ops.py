@@ -3,7 +3,8 @@
 elsewhere). One call each where torch needs 5-15 small ops; at decode batch sizes those ops' dispatch, not their
 arithmetic, was most of a step (docs/performance.md). fp32 or bf16 activations: in bf16 the kernels compute in fp32
 and round to bf16 where the reference's torch ops do (equal results, but for the order of RMSNorm's sum of squares
-and SiLU's e^x, which may move a bf16 result by one ulp).
+and SiLU's e^x, which may move a bf16 result by one ulp). And the greedy sampler's argmax over the vocabulary
+(argmax_rows).
 Torch only: nothing here imports triton or shared/.
 """
 from __future__ import annotations
@@ -92,3 +93,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     and a gate of -inf gives -inf (the reference: NaN); in bf16 also by one ulp where the two e^x round silu(gate)
     apart."""
     return cpu_ext.extension().silu_and_mul(gate_up.contiguous())
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling's argmax: logits [M, vocab] fp32 -> int64 [M], each row's first index of its largest value
+    (a NaN counts as the largest: torch.argmax(-1)'s rule, its reference), on the kernels' threads. RuntimeError
+    when not built (check supports()) or the logits are not fp32."""
+    return cpu_ext.extension().argmax_rows(logits.contiguous())

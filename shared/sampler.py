@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from tandem.kernels import cpu_layer_ops
 from tandem.shared.request import Request, SamplingParams, TokenLogprobs
 
 
@@ -104,6 +105,15 @@ def draw(probs: torch.Tensor, params: SamplingParams, position: int) -> int:
     return int((probs / noise).argmax())
 
 
+def argmax(logits: torch.Tensor) -> list[int]:
+    """logits [num_rows, vocab] -> each row's argmax (the first of equal largest values): fp32 on the CPU, the C++
+    kernel (kernels/cpu_layer_ops.argmax_rows: 0.07 ms against torch's 1.3 for 32 rows of a 49,152-token
+    vocabulary); else torch.argmax."""
+    if logits.dtype == torch.float32 and cpu_layer_ops.supports(logits):
+        return cpu_layer_ops.argmax_rows(logits).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None,
            skip=()) -> list[int]:
     """logits [num_rows, vocab] fp32 -> one token id per row; row i belongs to requests[i] and samples the token
@@ -114,7 +124,7 @@ def sample(logits: torch.Tensor, requests: list[Request], positions: list[int] |
     same text whatever the batch and whether or not it speculates, and the prefill and decode tiers agree.
     Rows of requests whose id is in skip get the argmax only (a caller that samples them itself).
     """
-    token_ids = logits.argmax(-1).tolist()
+    token_ids = argmax(logits)
     for i, request in enumerate(requests):
         params = request.sampling_params
         if params.greedy or request.request_id in skip:

@@ -4,7 +4,11 @@
 //
 // Why: the torch path gathers every sequence's K and V blocks into padded copies before attending
 // (shared/attention.py), which at batch 8-32 writes and rereads megabytes per layer; here each K and V row is
-// read once, where it lies. Softmax is exact two-pass fp32 (scores, max, e^(s - max), sum), as the reference
+// read from memory once, where it lies. At batch 32 a decode step's KV (30 layers) is hundreds of MB, so the
+// kernel is bound by memory reads: it prefetches the rows (the hardware prefetchers miss them), and its
+// arithmetic is kept below the read time (scores LANES tokens at a time, V rows weighed for several query rows
+// per read: attend_one). Measured (`python -m tandem.benchmarks.decode_attention`, and against the per-token loop
+// it replaced): docs/performance.md. Softmax is exact two-pass fp32 (scores, max, e^(s - max), sum), as the reference
 // kernels/paged_attention.py paged_decode_attention_ref computes it; e^x is Cephes' polynomial (simd.h). A bf16
 // query and cache are widened to fp32 as they are loaded (exact); scores, softmax and the weighted sum of V are
 // fp32, and the output is rounded to bf16 once (as the reference: fp32 math, then .to(bf16)).
@@ -109,52 +113,170 @@ inline float row_scale(const C* row, int64_t D) {
   }
 }
 
+// r[i] = the sum of v[i]'s lanes, for LANES vectors v: a transpose-and-add tree (LANES - 1 adds and twice as many
+// shuffles for LANES sums, against a horizontal reduction's log2(LANES) shuffles and adds for each).
+#ifdef __AVX512F__
+inline V hsum_lanes(const V* v) {
+  V t[8], u[4], w[2];
+  // t[i], per 128-bit lane: partial sums of v[2i] and v[2i + 1], interleaved
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  // u[j], per 128-bit lane L: the partial sums over L of v[4j] .. v[4j + 3]
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)  // w[j]: u[2j]'s lanes 0 + 1, 2 + 3, then u[2j + 1]'s
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+constexpr int PV_ROWS = 4;  // query rows per pass over V: PV_ROWS x PV_VECS accumulators in registers
+#else
+inline V hsum_lanes(const V* v) {
+  V t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 2; ++j)
+    u[j] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm256_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+constexpr int PV_ROWS = 2;
+#endif
+constexpr int PV_VECS = 4;  // vectors of a V row per pass
+constexpr int64_t PREFETCH_CHUNKS = 8;  // how far ahead the K rows are fetched, in chunks of LANES tokens
+
+// Every 64-byte line of bytes at p into L2.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T1);
+}
+
+// What one thread reuses from one (sequence, KV head) to the next.
+struct Scratch {
+  std::vector<int64_t> offsets;  // [padded] each token's row in the caches (the tail: the last token's again)
+  std::vector<float> q;          // [group, D] the query rows in fp32
+  std::vector<float> scores;     // [group, padded] scores, then their e^(s - max)
+  std::vector<float> weights;    // [group] 1 / the sum of a row's e^(s - max)
+};
+
+// acc[r][c] (fp32) += sum over tokens t of p[r][t] * V[t][d0 + c lanes] for NR query rows and NV vectors of a V row
+// from column vector d0, then out rows = acc * their weights. p[r] = scores + r * padded (already e^(s - max)).
+template <int NR, int NV, typename T, int FMT, typename C>
+void weigh_values(const C* value_cache, const int64_t* offsets, int64_t n, const float* p, int64_t padded,
+                  const float* weights, int64_t D, int64_t d0, T* out) {
+  V acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
+  for (int64_t t = 0; t < n; ++t) {
+    const C* v = value_cache + offsets[t];
+    const float vs = row_scale<FMT>(v, D);
+    V w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = vbroadcast_value(row_scaled(FMT) ? p[r * padded + t] * vs : p[r * padded + t]);
+    for (int c = 0; c < NV; ++c) {
+      const V x = load_row<FMT>(v + (d0 + c) * LANES);
+      for (int r = 0; r < NR; ++r) acc[r][c] = vfmadd(w[r], x, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) store_f32(out + r * D + (d0 + c) * LANES, vmul(acc[r][c], vbroadcast_value(weights[r])));
+}
+
+template <int NR, typename T, int FMT, typename C>
+void weigh_values_rows(const C* value_cache, const int64_t* offsets, int64_t n, const float* p, int64_t padded,
+                       const float* weights, int64_t D, T* out) {
+  const int64_t dv = D / LANES;
+  int64_t d0 = 0;
+  for (; d0 + 4 <= dv; d0 += 4) weigh_values<NR, 4, T, FMT>(value_cache, offsets, n, p, padded, weights, D, d0, out);
+  if (d0 + 2 <= dv) {
+    weigh_values<NR, 2, T, FMT>(value_cache, offsets, n, p, padded, weights, D, d0, out);
+    d0 += 2;
+  }
+  if (d0 < dv) weigh_values<NR, 1, T, FMT>(value_cache, offsets, n, p, padded, weights, D, d0, out);
+}
+
 // out [group, D] = softmax(q k^T * scale) v for the query rows q [group, D] of one sequence and KV head h, over its
 // tokens first..ctx-1 (blocks before first's are never read). T: float or at::BFloat16; C: the caches' element
 // type, T (FMT KV_FLOAT) or uint8_t (a quantized format, rows of row_elems(FMT, D)).
+// Scores: LANES tokens at a time, each query row's products with the LANES key rows summed to one vector of
+// scores by hsum_lanes. Weighted values: each V row read once per PV_ROWS query rows and PV_VECS vectors of the row,
+// their accumulators in registers.
 template <typename T, int FMT, typename C>
 void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_cache, const int32_t* block_table,
                 int64_t first, int64_t ctx, int64_t block_size, int64_t num_kv_heads, int64_t h, int64_t D,
-                float scale, float softcap, T* out, std::vector<float>& scores) {
+                float scale, float softcap, T* out, Scratch& scratch) {
   const int64_t dv = D / LANES;
   const int64_t n = ctx - first;
   const int64_t padded = (n + LANES - 1) / LANES * LANES;
   const int64_t row_size = row_elems(FMT, D);
-  scores.resize(group * padded);
-  auto row = [&](const C* cache, int64_t i) {
-    const int64_t t = first + i;
-    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
-    return cache + (slot * num_kv_heads + h) * row_size;
-  };
-  for (int64_t r = 0; r < group; ++r) {
-    V qv[MAX_DV];
-    for (int64_t d = 0; d < dv; ++d) qv[d] = load_f32(q + r * D + d * LANES);
-    float* s = scores.data() + r * padded;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) {
-      const C* k = row(key_cache, t);
-      V acc = vmul(qv[0], load_row<FMT>(k));
-      for (int64_t d = 1; d < dv; ++d) acc = vfmadd(qv[d], load_row<FMT>(k + d * LANES), acc);
-      s[t] = row_scaled(FMT) ? hsum(acc) * (row_scale<FMT>(k, D) * scale) : hsum(acc) * scale;
-      if (softcap > 0.0f) s[t] = softcap * std::tanh(s[t] / softcap);
-      m = std::max(m, s[t]);
-    }
-    std::fill(s + n, s + padded, m);  // (their e^0 are computed but never summed or used)
-    const V mv = vbroadcast_value(m);
-    for (int64_t t = 0; t < padded; t += LANES) store(s + t, vexp(vsub(vload(s + t), mv)));
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) sum += s[t];
-    const float inv = 1.0f / sum;
-    V acc[MAX_DV];
-    for (int64_t d = 0; d < dv; ++d) acc[d] = vzero();
-    for (int64_t t = 0; t < n; ++t) {
-      const C* v = row(value_cache, t);
-      const V p = vbroadcast_value(row_scaled(FMT) ? s[t] * row_scale<FMT>(v, D) : s[t]);
-      for (int64_t d = 0; d < dv; ++d) acc[d] = vfmadd(p, load_row<FMT>(v + d * LANES), acc[d]);
-    }
-    const V iv = vbroadcast_value(inv);
-    for (int64_t d = 0; d < dv; ++d) store_f32(out + r * D + d * LANES, vmul(acc[d], iv));
+  scratch.offsets.resize(padded);
+  scratch.q.resize(group * D);
+  scratch.scores.resize(group * padded);
+  scratch.weights.resize(group);
+  int64_t* offsets = scratch.offsets.data();
+  for (int64_t i = 0, b = first / block_size, o = first % block_size; i < n; ++i) {
+    offsets[i] = ((static_cast<int64_t>(block_table[b]) * block_size + o) * num_kv_heads + h) * row_size;
+    if (++o == block_size) o = 0, ++b;
   }
+  std::fill(offsets + n, offsets + padded, offsets[n - 1]);
+  float* qf = scratch.q.data();
+  for (int64_t i = 0; i < group * dv; ++i) store(qf + i * LANES, load_f32(q + i * LANES));
+
+  // Software prefetch into L2, which the hardware prefetchers do not do for rows that hop from block to block and
+  // skip the other heads' rows: the K rows PREFETCH_CHUNKS chunks ahead, and each chunk's V rows (read again after
+  // every score). Measured (2 threads, 32 sequences of 150 tokens, fp32, caches out of L3): 18 GB/s against 12
+  // without, of this machine's 22 GB/s read bandwidth.
+  const int64_t row_bytes = row_size * static_cast<int64_t>(sizeof(C));
+  for (int64_t i = 0; i < std::min(padded, PREFETCH_CHUNKS * LANES); ++i) prefetch_row(key_cache + offsets[i], row_bytes);
+  for (int64_t c = 0; c < padded; c += LANES) {
+    for (int64_t i = c + PREFETCH_CHUNKS * LANES; i < std::min(padded, c + (PREFETCH_CHUNKS + 1) * LANES); ++i)
+      prefetch_row(key_cache + offsets[i], row_bytes);
+    for (int64_t i = c; i < std::min(n, c + LANES); ++i) prefetch_row(value_cache + offsets[i], row_bytes);
+    V chunk_scale = vbroadcast_value(scale);
+    if constexpr (row_scaled(FMT)) {
+      float ks[LANES];
+      for (int j = 0; j < LANES; ++j) ks[j] = row_scale<FMT>(key_cache + offsets[c + j], D);
+      chunk_scale = vmul(vload(ks), chunk_scale);
+    }
+    for (int64_t r = 0; r < group; ++r) {
+      const float* qr = qf + r * D;
+      V acc[LANES];
+      for (int j = 0; j < LANES; ++j) {
+        const C* k = key_cache + offsets[c + j];
+        V a0 = vmul(vload(qr), load_row<FMT>(k)), a1 = vzero();  // (two chains)
+        for (int64_t d = 1; d + 1 < dv; d += 2) {
+          a1 = vfmadd(vload(qr + d * LANES), load_row<FMT>(k + d * LANES), a1);
+          a0 = vfmadd(vload(qr + (d + 1) * LANES), load_row<FMT>(k + (d + 1) * LANES), a0);
+        }
+        if (dv % 2 == 0) a1 = vfmadd(vload(qr + (dv - 1) * LANES), load_row<FMT>(k + (dv - 1) * LANES), a1);
+        acc[j] = vadd(a0, a1);
+      }
+      store(scratch.scores.data() + r * padded + c, vmul(hsum_lanes(acc), chunk_scale));
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    float* s = scratch.scores.data() + r * padded;
+    if (softcap > 0.0f)
+      for (int64_t t = 0; t < padded; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+    V mv = vload(s);  // (the tail repeats the last token's score: it does not move the max)
+    for (int64_t t = LANES; t < padded; t += LANES) mv = vmax(mv, vload(s + t));
+    float lanes[LANES];
+    store(lanes, mv);
+    const float m = *std::max_element(lanes, lanes + LANES);
+    const V m_v = vbroadcast_value(m);
+    for (int64_t t = 0; t < padded; t += LANES) store(s + t, vexp(vsub(vload(s + t), m_v)));
+    std::fill(s + n, s + padded, 0.0f);  // (nor the sum)
+    V sum = vload(s);
+    for (int64_t t = LANES; t < padded; t += LANES) sum = vadd(sum, vload(s + t));
+    scratch.weights[r] = 1.0f / hsum(sum);
+  }
+  const float* p = scratch.scores.data();
+  const float* weights = scratch.weights.data();
+  int64_t r = 0;
+  for (; r + PV_ROWS <= group; r += PV_ROWS)
+    weigh_values_rows<PV_ROWS, T, FMT>(value_cache, offsets, n, p + r * padded, padded, weights + r, D, out + r * D);
+  if (PV_ROWS == 4 && r + 2 <= group) {
+    weigh_values_rows<2, T, FMT>(value_cache, offsets, n, p + r * padded, padded, weights + r, D, out + r * D);
+    r += 2;
+  }
+  if (r < group) weigh_values_rows<1, T, FMT>(value_cache, offsets, n, p + r * padded, padded, weights + r, D, out + r * D);
 }
 
 }  // namespace
@@ -211,14 +333,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     const C* vp = value_cache.data_ptr<C>();
     T* op = out.data_ptr<T>();
     tandem_pool::parallel_for(S * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+      Scratch scratch;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t s = i / Hkv, h = i % Hkv;
         if (ctx_lens[s] == 0) continue;
         const int64_t offset = (s * Hq + h * group) * D;
         const int64_t first = window > 0 ? std::max<int64_t>(0, ctx_lens[s] - window) : 0;
         attend_one<T, FMT>(qp + offset, group, kp, vp, bt + s * max_blocks, first, ctx_lens[s], block_size, Hkv, h, D,
-                   static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores);
+                   static_cast<float>(scale), static_cast<float>(softcap), op + offset, scratch);
       }
     });
   };

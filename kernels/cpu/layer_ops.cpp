@@ -1,6 +1,7 @@
 // The elementwise parts of a Llama decoder layer on x86-64 CPUs (fp32 or bf16 activations; AVX2 + FMA or
 // AVX-512), one call each where torch needs 5-15 small ops: RMSNorm, RMSNorm fused with the residual add,
-// rotate-half RoPE on the query and key heads fused with the KV-cache write, and SiLU-and-mul.
+// rotate-half RoPE on the query and key heads fused with the KV-cache write, and SiLU-and-mul; and the greedy
+// sampler's argmax over the vocabulary (argmax_rows, at the end).
 //
 // Why: at decode batch sizes each of these tensors is a few KB, so a decode step is dominated by the per-op cost
 // of torch's dispatcher (about 50 ops per layer, 30 layers), not by arithmetic. These are the ops vLLM's CPU
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "simd.h"
 #include "thread_pool.h"
@@ -236,6 +238,64 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     for_rows(T, 2 * I, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) silu_and_mul_row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
     });
+  });
+  return out;
+}
+
+// Greedy sampling's argmax: logits [M, V] fp32 -> int64 [M], each row's index of its largest value, the first where
+// several are equal; a row holding a NaN gives its first NaN's index (torch.argmax's rule). Two passes over a row:
+// the maximum (and whether a NaN is there), then the first lane equal to it. Rows are split over the kernels'
+// threads. Why: torch's argmax takes 1.3 ms for 32 rows of a 49,152-token vocabulary on one thread, scalar.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat && logits.is_contiguous() && logits.dim() == 2 &&
+                  logits.size(1) > 0, "logits must be a contiguous float32 tensor [rows, vocab] with vocab > 0");
+  const int64_t M = logits.size(0), Vn = logits.size(1), vend = vector_end(Vn);
+  auto out = torch::empty({M}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(M, Vn, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* x = lp + m * Vn;
+      float best = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      if (vend > 0) {
+        V mv = vload(x), nan_v = vzero();
+        for (int64_t i = 0; i < vend; i += LANES) {
+          const V v = vload(x + i);
+          mv = vmax(mv, v);
+          nan_v = vadd(nan_v, vsub(v, v));  // 0, or NaN where v is NaN or infinite
+        }
+        float lanes[LANES];
+        store(lanes, mv);
+        best = *std::max_element(lanes, lanes + LANES);
+        store(lanes, nan_v);
+        for (float f : lanes) nan = nan || std::isnan(f);
+      }
+      for (int64_t i = vend; i < Vn; ++i) {
+        nan = nan || std::isnan(x[i]);
+        best = std::max(best, x[i]);
+      }
+      int64_t found = -1;
+      if (nan) {  // (inf - inf is NaN too: look for a real NaN, else go on with the max)
+        for (int64_t i = 0; i < Vn && found < 0; ++i)
+          if (std::isnan(x[i])) found = i;
+      }
+      if (found < 0) {
+        const V b = vbroadcast_value(best);
+        int64_t i = 0;
+        for (; i < vend && found < 0; i += LANES) {
+#ifdef __AVX512F__
+          const uint32_t eq = _mm512_cmp_ps_mask(vload(x + i), b, _CMP_EQ_OQ);
+#else
+          const uint32_t eq = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(vload(x + i), b, _CMP_EQ_OQ)));
+#endif
+          if (eq) found = i + __builtin_ctz(eq);
+        }
+        for (i = vend; i < Vn && found < 0; ++i)
+          if (x[i] == best) found = i;
+      }
+      op[m] = found;
+    }
   });
   return out;
 }

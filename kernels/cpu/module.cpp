@@ -22,6 +22,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                          c10::optional<bool> packed);
 bool dense_gemm_packed_available();
@@ -45,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on query and key heads; keys and values into the KV cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (torch.argmax(-1)'s rule)");
   m.def("dense_gemm", &dense_gemm, "y = x @ W.T (+ bias), fp32 or bf16; packed: bf16's packed path (None: by M)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("packed") = py::none());
   m.def("dense_gemm_packed_available", &dense_gemm_packed_available,

@@ -23,7 +23,7 @@ import torch
 
 from tandem.shared.model_runner import run_model
 from tandem.shared.request import Request
-from tandem.shared.sampler import draw, sampling_probs
+from tandem.shared.sampler import argmax, draw, sampling_probs
 
 
 class DraftModelProposer:
@@ -62,12 +62,12 @@ class DraftModelProposer:
             slots = [lora_slots.get(requests[i].lora_key) for i in rows] if lora_slots else None
             logits = run_model(self.model, self.kv_caches, seqs, self.block_size, self.device, self.num_layers,
                                [bool(requests[i].rope_long) for i in rows], kv_quant=self.kv_quant, lora_slots=slots)
-            argmax = logits.argmax(-1).tolist()
+            greedy = argmax(logits)
             for row, i in enumerate(rows):
                 r = requests[i]
                 params = r.sampling_params
                 if params.greedy:
-                    drafts[i].append(argmax[row])
+                    drafts[i].append(greedy[row])
                     continue
                 q = sampling_probs(logits[row], params)
                 drafts[i].append(draw(q, params, r.num_tokens + j))

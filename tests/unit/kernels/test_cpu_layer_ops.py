@@ -185,3 +185,21 @@ def test_avx2_build_matches_reference_too():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "not avx2"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (1, 15), (3, 16), (8, 49152), (33, 1001)])
+def test_argmax_rows_equals_torch_argmax(rows, vocab):
+    """The first of equal largest values, NaN rows (the first NaN, torch's rule), infinities and all -inf rows,
+    the vector loop's tail; the same indices as torch.argmax(-1)."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # (many ties)
+    specials = [(float("nan"), 2), (float("inf"), 3), (float("-inf"), 1), (float("nan"), 1)]
+    for r in range(min(rows, 4)):
+        value, count = specials[r]
+        logits[r, torch.randint(vocab, (count,), generator=gen)] = value
+    if rows > 5:
+        logits[5] = float("-inf")
+        logits[4, vocab // 2:] = logits[4].max() + 1  # equal maxima from the middle to the tail
+    assert ops.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(logits.bfloat16())
