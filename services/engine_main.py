@@ -20,6 +20,7 @@ from tandem.services.server import Server, dump_stacks_on_sigusr1, exit_on_signa
 from tandem.services.tracing import setup_tracing
 from tandem.shared.async_engine import AsyncEngine, build_engine
 from tandem.shared.engine_args import EngineArgs
+from tandem.shared.utils import machine_cpus
 from tandem.shared.cluster_state import cancel_and_wait
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
@@ -105,6 +106,42 @@ async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
             log.info("speculative decoding: acceptance rate %.1f%% (%d of %d draft tokens since start), mean "
                      "acceptance length %.2f tokens per verified step", 100 * s.spec_acceptance_rate,
                      s.spec_num_accepted_tokens, s.spec_num_draft_tokens, s.spec_mean_acceptance_length)  # fmt: skip
+
+
+YIELD_CHECK_S = 0.5  # how often a decode reads the prefill tier's records (the records beat every second)
+YIELD_MIN_BACKLOG_S = 1.0  # a prefill's queued prompts, in seconds at its measured rate, that a decode yields to
+
+
+def prefill_backlog_s(prefill: InstanceInfo) -> float:
+    """Seconds of prompt work queued at a prefill: its queued tokens over its measured tokens/s (0 while it has
+    measured none)."""
+    return prefill.num_queued_tokens / prefill.tokens_per_s if prefill.tokens_per_s > 0 else 0.0
+
+
+async def _yield_to_prefill(registry: Registry, info: InstanceInfo, engine: AsyncEngine, interval_s: float) -> None:
+    """A decode's steps start at most every interval_s while a prefill instance on its CPUs (InstanceInfo.shares_cpus)
+    has at least YIELD_MIN_BACKLOG_S of prompts queued; at full speed otherwise. Why: on a machine whose cores both
+    tiers share, a decode running a few requests steps every ~10 ms, each step streaming all the weights for a few
+    tokens, and takes half the cores from the prefill, doubling every queued prompt's TTFT; spacing its steps gives
+    the prefill most of the cores while its queue lasts, for a TPOT of about interval_s (docs/performance.md). A
+    registry that cannot be read leaves the last decision for YIELD_CHECK_S."""
+    yielding_to = None
+    while True:
+        try:
+            prefills = await registry.list_instances("prefill")
+            busy = [p for p in prefills if p.shares_cpus(info) and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S]
+            engine.step_interval_s = interval_s if busy else 0.0
+            now = busy[0].instance_id if busy else None
+            if now != yielding_to:
+                if busy:
+                    log.info("yielding CPUs to prefill %s (%.1f s of prompts queued): a step every %.0f ms at most",
+                             now, prefill_backlog_s(busy[0]), interval_s * 1e3)  # fmt: skip
+                else:
+                    log.info("no prefill on these CPUs is backed up: stepping at full speed")
+                yielding_to = now
+        except Exception as e:  # (Redis down: the registry logs it too)
+            log.debug("could not read the prefill tier's records: %s", e)
+        await asyncio.sleep(YIELD_CHECK_S)
 
 
 async def _refresh_metrics(engine: AsyncEngine, metrics: EngineMetrics) -> None:
@@ -210,6 +247,7 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
     # (its ranks, and where each takes KV: rank 0 on its address, the others' TransferKVShard servers)
     info.tensor_parallel_size = engine.tp_workers.group.size if engine.tp_workers is not None else 1
     info.kv_endpoints = [info.address] + list(getattr(servicer, "kv_rank_endpoints", ()))
+    info.boot_id, info.cpus = machine_cpus()
 
     async def current_info() -> InstanceInfo:
         return _with_load(info, metrics, lora)
@@ -229,9 +267,14 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         publisher = KVEventPublisher(args.redis_url, instance_id, incarnation, contract, async_engine.kv_snapshot)
         publishing = asyncio.create_task(publisher.run(async_engine.kv_events))
     stats_log = asyncio.create_task(_log_stats(async_engine))
+    yielding = None
+    if registry and tier == "decode" and args.yield_to_prefill_ms > 0:
+        yielding = asyncio.create_task(_yield_to_prefill(registry, info, async_engine, args.yield_to_prefill_ms / 1e3))
 
     async def leave_registry() -> None:  # (a drain's first step: the gateway stops routing here at once)
-        await cancel_and_wait(stats_log, heartbeat, publishing)  # (no beat nor index write lands after removal)
+        # (no beat nor index write lands after removal; the requests left finish at full speed)
+        await cancel_and_wait(stats_log, heartbeat, publishing, yielding)
+        async_engine.step_interval_s = 0.0
         if heartbeat:
             try:
                 await registry.remove(info)
@@ -249,5 +292,5 @@ async def _serve(args, tier: str, instance_id: str, add_servicer, export_kv: boo
         return await _serve_until_stopped(server, servicer, leave_registry, instance_lost)
     finally:  # (the drain stopped the Redis loops already; a failure may not have: asyncio.run's one cancel
         # of each could be lost, shared/cluster_state/__init__.py)
-        await cancel_and_wait(stats_refresh, lora_refresh, stats_log, heartbeat, publishing)
+        await cancel_and_wait(stats_refresh, lora_refresh, stats_log, heartbeat, publishing, yielding)
         async_engine.stop()

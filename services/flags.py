@@ -15,7 +15,7 @@ from dataclasses import fields
 from tandem.services.logs import LOG_FORMATS
 from tandem.services.security import add_api_key_args, add_tls_args, redacted_url
 from tandem.shared import envs
-from tandem.shared.engine_args import TIER_DEFAULTS, EngineArgs
+from tandem.shared.engine_args import TIER_DEFAULTS, EngineArgs, non_negative_number
 from tandem.shared.request import SamplingParams
 
 
@@ -31,6 +31,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 DEFAULT_METRICS_PORT = 9090  # engine services' Prometheus endpoint (the gateway's is on its --http-port)
 MIN_KV_LEASE_S = 2.0
 DEFAULT_KV_LEASE_S = 10.0  # (a live prefill sends something every 0.5 s, queued prompts included)
+DEFAULT_YIELD_TO_PREFILL_MS = 100.0  # a decode's step interval while a prefill on its CPUs is backed up
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # (deploy/k8s gives pods 45 s to stop: the drain and some room)
 DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_WAITING_REQUESTS = 256, 1024  # gateway admission (TGI's default: 128)
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
@@ -280,6 +281,11 @@ def add_engine_service_args(parser: argparse.ArgumentParser, tier: str) -> None:
                             help="seconds a reservation waits with no message from its prefill (KV, or a keepalive "
                                  "every 0.5 s) before its blocks are freed and the gateway places the request again "
                                  "(a prefill that died or froze)")
+        parser.add_argument("--yield-to-prefill-ms", type=non_negative_number, default=DEFAULT_YIELD_TO_PREFILL_MS,
+                            help="while a prefill instance running on this instance's CPUs (one machine, a CPU in "
+                                 "common) has over a second of prompts queued, by its measured rate, start a step at "
+                                 "most every this many ms, leaving the CPUs to it in between: a longer TPOT for a "
+                                 "shorter TTFT (docs/performance.md; 0: never)")
     parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)")
 

@@ -18,6 +18,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,6 +122,9 @@ class AsyncEngine:
         # room_soon), tried again after every step and batch of commands, best priority first
         self._parked: list[tuple[AddRequest, asyncio.Future]] = []
         self._stopped = False
+        # seconds from one step's start to the next one's at least, commands still run in between (0: none): a
+        # decode yielding its CPUs to a prefill that shares them (services/engine_main.py _yield_to_prefill)
+        self.step_interval_s = 0.0
         # the prefix cache's change batches (LLMEngine.take_kv_events), for the prefix index publisher
         self.kv_events: asyncio.Queue[KVEventBatch] = asyncio.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -274,6 +278,7 @@ class AsyncEngine:
             self._publish_kv_events()  # (commands change the cache too: a finished KV import publishes blocks)
             if self._stopped or not self._engine.has_unfinished_requests():
                 continue
+            step_start = time.monotonic()
             try:
                 outputs = self._engine.step()
             except Exception as e:
@@ -287,6 +292,8 @@ class AsyncEngine:
                     log.exception("on_step failed")
             self._retry_parked()
             self._publish_kv_events()
+            while not self._stopped and (left := step_start + self.step_interval_s - time.monotonic()) > 0:
+                self._drain_commands(timeout=left)
 
     def _drain_commands(self, timeout: float | None) -> None:
         """Run queued commands; wait up to timeout seconds for the first one (None: do not wait)."""

@@ -9,6 +9,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def machine_cpus(boot_id_file: str = "/proc/sys/kernel/random/boot_id") -> tuple[str, list[int]]:
+    """(this kernel's boot id, the CPUs this process may run on): processes with the same boot id run on one
+    machine (containers share their host's kernel, so its boot id), and the CPU numbers are that machine's (a
+    container sees its host's numbering), so two of them share cores when their lists meet. ("" when the boot id
+    cannot be read: never taken to share.)"""
+    try:
+        with open(boot_id_file) as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return boot_id, sorted(os.sched_getaffinity(0))
+
+
 def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The CPUs this process may use: those it may run on (sched_getaffinity), capped by its cgroup's CPU quota
     rounded up (cgroup v2 cpu.max "QUOTA PERIOD", v1 cpu.cfs_quota_us / cpu.cfs_period_us; "max" or -1: none).

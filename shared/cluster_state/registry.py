@@ -62,6 +62,14 @@ class InstanceInfo:
     # each rank's KV endpoint, in rank order (rank 0's: address): a decode's TransferKVShard servers; a prefill
     # lists its address (a record with it knows the re-sharding transfer). An older record: none
     kv_endpoints: list[str] = field(default_factory=list)
+    # where it runs (shared/utils.py machine_cpus): its machine's boot id and the CPUs it may use; "" and none: an
+    # older record
+    boot_id: str = ""
+    cpus: list[int] = field(default_factory=list)
+
+    def shares_cpus(self, other: InstanceInfo) -> bool:
+        """Whether the two run on one machine with a CPU in common (so one's work slows the other's steps)."""
+        return bool(self.boot_id) and self.boot_id == other.boot_id and not set(self.cpus).isdisjoint(other.cpus)
 
     @property
     def key(self) -> str:

@@ -244,3 +244,50 @@ def test_a_failed_step_ends_the_batch_or_loses_a_tensor_parallel_instance():
     # ... or, with no one to end them, an error naming the loss
     outputs, lost, steps, state = asyncio.run(failed_step_scenario(True, False))
     assert [(o.finish_reason, o.error) for o in outputs] == [(FinishReason.ABORT, state)] and steps == 1
+
+
+class TimedEngine(SteppingEngine):
+    """SteppingEngine that records when each step starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.starts = []
+
+    def step(self):
+        import time
+
+        self.starts.append(time.monotonic())
+        return super().step()
+
+
+async def interval_scenario():
+    import time
+
+    fake = TimedEngine()
+    engine = AsyncEngine(fake, asyncio.get_running_loop())
+    try:
+        await engine.add_request(make_request("a"))
+        await asyncio.sleep(0.2)
+        full_speed = len(fake.starts)
+        engine.step_interval_s = 0.1
+        await asyncio.sleep(0.05)
+        paced_from = len(fake.starts)
+        await asyncio.sleep(0.5)
+        gaps = [b - a for a, b in zip(fake.starts[paced_from:], fake.starts[paced_from + 1:])]
+        engine.step_interval_s = 2.0
+        await asyncio.sleep(0.3)  # (the engine thread now waits out the 2 s between two steps)
+        start = time.monotonic()
+        await engine.stats()
+        answered_s = time.monotonic() - start
+        return full_speed, gaps, answered_s
+    finally:
+        engine.stop()
+
+
+def test_a_step_interval_spaces_the_steps_and_commands_run_in_between():
+    """With step_interval_s, steps start at least that far apart (the 20 ms steps ran back to back before), and a
+    command sent in between is answered at once, not after the interval."""
+    full_speed, gaps, answered_s = asyncio.run(interval_scenario())
+    assert full_speed >= 5  # (0.2 s of 20 ms steps at full speed)
+    assert len(gaps) >= 3 and min(gaps) >= 0.1 - 1e-3, gaps
+    assert answered_s < 1.0, answered_s

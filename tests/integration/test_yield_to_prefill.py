@@ -1,0 +1,62 @@
+"""A decode yields its CPUs to a backed-up prefill that shares them (services/engine_main.py _yield_to_prefill), on
+a real redis-server: prefill records as engines publish them decide the decode's step interval; and the records'
+machine identity (shared/utils.py machine_cpus, InstanceInfo.shares_cpus)."""
+import asyncio
+import os
+import types
+
+from tandem.services import engine_main
+from tandem.shared.cluster_state import cancel_and_wait
+from tandem.shared.cluster_state.registry import InstanceInfo, Registry
+from tandem.shared.utils import machine_cpus
+
+BOOT_ID, OTHER_BOOT_ID = "boot-a", "boot-b"
+
+
+def record(iid: str, tier: str, boot_id: str = BOOT_ID, cpus=(0, 1), **load) -> InstanceInfo:
+    return InstanceInfo(iid, tier, "127.0.0.1:1", "m", 16, boot_id=boot_id, cpus=list(cpus), **load)
+
+
+def test_instances_share_cpus_on_one_machine_with_a_cpu_in_common():
+    decode = record("d", "decode")
+    assert decode.shares_cpus(record("p", "prefill", cpus=(1, 2)))
+    assert not decode.shares_cpus(record("p", "prefill", cpus=(2, 3)))  # (cpusets apart)
+    assert not decode.shares_cpus(record("p", "prefill", boot_id=OTHER_BOOT_ID))
+    assert not record("d", "decode", boot_id="").shares_cpus(record("p", "prefill", boot_id=""))  # (older records)
+    boot_id, cpus = machine_cpus()
+    assert boot_id and cpus == sorted(os.sched_getaffinity(0))
+    assert machine_cpus(boot_id_file="/nonexistent")[0] == ""
+
+
+async def _interval_after(registry: Registry, engine, prefills: list[InstanceInfo]) -> float:
+    """Publish these prefill records (dropping the others), then the decode's step interval once it has read them."""
+    for info in await registry.list_instances("prefill"):
+        await registry.remove(info)
+    for info in prefills:
+        await registry.publish(info)
+    await asyncio.sleep(0.6)  # (a few reads of the records)
+    return engine.step_interval_s
+
+
+async def scenario(url: str) -> list[float]:
+    registry = Registry(url)
+    engine = types.SimpleNamespace(step_interval_s=0.0)  # (the one attribute _yield_to_prefill sets)
+    task = asyncio.create_task(engine_main._yield_to_prefill(registry, record("d", "decode"), engine, 0.08))
+    try:
+        measured = {"tokens_per_s": 1000.0}
+        return [await _interval_after(registry, engine, prefills) for prefills in (
+            [record("p1", "prefill", num_queued_tokens=5000, **measured)],  # 5 s queued, same CPUs: yield
+            [record("p1", "prefill", num_queued_tokens=500, **measured)],  # 0.5 s: full speed
+            [record("p1", "prefill", num_queued_tokens=5000, boot_id=OTHER_BOOT_ID, **measured)],  # another machine
+            [record("p1", "prefill", num_queued_tokens=5000)],  # no rate measured yet
+            [record("p1", "prefill", num_queued_tokens=500, **measured),  # one of two backed up
+             record("p2", "prefill", num_queued_tokens=9000, cpus=(1,), **measured)],
+            [record("p2", "prefill", num_queued_tokens=0, cpus=(1,), **measured)])]  # its queue gone  # fmt: skip
+    finally:
+        await cancel_and_wait(task)
+        await registry.close()
+
+
+def test_a_decode_spaces_its_steps_only_while_a_prefill_on_its_cpus_is_backed_up(redis_server, monkeypatch):
+    monkeypatch.setattr(engine_main, "YIELD_CHECK_S", 0.05)
+    assert asyncio.run(scenario(redis_server.url)) == [0.08, 0.0, 0.0, 0.0, 0.08, 0.0]
