@@ -1,5 +1,5 @@
 """The integer GEMM of the quantized layers (gemm_vnni, kernels/cpu/qgemm_vnni.cpp, AVX-512 VNNI) on the default
-model's shapes: its two paths (the panel path, which runs from 10 to 255 rows, and the tile path) and the packed
+model's shapes: its two paths (the panel path, which runs from 3 to 255 rows, and the tile path) and the packed
 bf16 GEMM (kernels/cpu/dense_gemm_packed.cpp) on a bf16 weight of the same shape, in GFLOP/s, at decode and
 prefill row counts, on 1 and 2 kernel threads (torch on 1).
 

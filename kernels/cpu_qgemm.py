@@ -110,7 +110,7 @@ VNNI_TILE = 16  # output rows per tile of the packed layout
 ACTIVATION_BLOCK = 32  # columns sharing one activation scale
 ACTIVATION_QMAX = 32767  # activations quantized to int16
 ACTIVATION_MIN_AMAX = 2.0 ** -100  # a block whose largest |x| is smaller counts as zero
-VNNI_PANEL_ROWS = (10, 256)  # gemm_vnni's panel path for M in [10, 256) (PANEL_MIN/MAX_ROWS, qgemm_vnni.cpp)
+VNNI_PANEL_ROWS = (3, 256)  # gemm_vnni's panel path for M in [3, 256) (PANEL_MIN/MAX_ROWS, qgemm_vnni.cpp)
 
 
 def has_vnni() -> bool:

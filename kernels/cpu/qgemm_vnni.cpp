@@ -26,7 +26,7 @@
 // Scales and zs: fp32 [tiles, num_groups, 16].
 //
 // Two paths over this layout, giving the same bits: the tile path (rows_over_tiles: tile_kernel on 1-4 tiles x up
-// to 8 rows) and, for 10 to 255 rows, the panel path (gemm_panels: register tiles of 3 int4 / 4 int8 weight tiles x
+// to 8 rows) and, for 3 to 255 rows, the panel path (gemm_panels: register tiles of 3 int4 / 4 int8 weight tiles x
 // 4 / 3 rows, 12 int32 chains, each broadcast of activations feeding 3-4 vpdpwssd).
 // What bounds both at many rows, on AMD Zen 4 (benchmarks/cpu_pipes.py): a zmm vpdpwssd, and the fold's vmulps,
 // vfmadd and vfnmadd, share the two 256-bit multiply pipes, one zmm instruction per cycle; the nibble masks, the
@@ -36,7 +36,9 @@
 // of alternating turns, tile / panel path, GFLOP/s):
 //   M = 10: 156-171 / 162-178 (int4, 1.04-1.05x), LM head int8 100 / 114 (1.14x);
 //   M = 32-64: 171-182 / 175-184 (1.01-1.03x); M = 256-512: 174-182 / 169-184 (0.94x for gate_up at 512,
-//   1.01-1.02x for the others), so the tile path keeps M >= 256.
+//   1.01-1.02x for the others), so the tile path keeps M >= 256. On 2 threads, 3-9 rows (the rows of a decode
+//   step at batch 3-9): panels 1.00-1.20x at M = 3, 1.01-1.68x from 5 (the LM head most), 0.93-0.99x at M = 2
+//   but the LM head's 1.17x, so the panel path starts at 3 rows (it started at 10 before).
 // The packed bf16 GEMM on the same shapes ran at 182-219 (vdpbf16ps has the same rate and no fold): the integer
 // path is 0.81-0.92x of it from M = 64 and 1.25-1.8x at M = 10. Fewer fold products per block would change the
 // arithmetic (the scales of a Q4_1 weight change every block of 32), so the bits.
@@ -61,7 +63,7 @@ constexpr int TILE = 16;   // output rows per tile: one int32 lane each
 constexpr int BLOCK = 32;  // columns per activation block
 // the panel path (below) for PANEL_MIN_ROWS <= M < PANEL_MAX_ROWS, the tile path otherwise (where each was faster:
 // benchmarks/cpu_qgemm.py, docs/performance.md)
-constexpr int64_t PANEL_MIN_ROWS = 10, PANEL_MAX_ROWS = 256;
+constexpr int64_t PANEL_MIN_ROWS = 3, PANEL_MAX_ROWS = 256;
 constexpr int PANEL_TILES_INT4 = 3, PANEL_ROWS_INT4 = 4;  // NT x MR of the panel path's register tiles
 constexpr int PANEL_TILES_INT8 = 4, PANEL_ROWS_INT8 = 3;
 
