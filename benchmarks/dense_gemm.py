@@ -6,7 +6,7 @@ same run (the floor of a weight-bound call: its weight bytes over that bandwidth
                                            [--dtypes float32,bfloat16]
 
 Per shape, dtype and M: the kernel's time per call (the best of --repeats), the weight bytes it reads per second,
-its GFLOP/s; for bf16 where the packed path runs (kernels/cpu/dense_gemm_packed.cpp, from 10 rows), the per-row
+its GFLOP/s; for bf16 where the packed path runs (kernels/cpu/dense_gemm_packed.cpp, from 6 rows), the per-row
 kernel's GFLOP/s too; torch's F.linear's GFLOP/s on each of --torch-threads, and torch's time (on the first) over
 the kernel's. The engine runs torch on one thread and the kernel on its tier's kernel threads: the first of the
 default --torch-threads compares what a decode engine runs, the second what oneDNN would do with both cores.

@@ -1,4 +1,4 @@
-"""Dense linears on x86-64 CPUs: the C++ kernel of kernels/cpu/dense_gemm.cpp (and, for bf16 from 10 rows,
+"""Dense linears on x86-64 CPUs: the C++ kernel of kernels/cpu/dense_gemm.cpp (and, for bf16 from 6 rows,
 kernels/cpu/dense_gemm_packed.cpp), its pure-torch reference, and the rule for when it runs.
 
 A decode step's linears multiply a handful of rows by the whole weight, so they are bound by reading the weight
@@ -22,7 +22,7 @@ from tandem.kernels import cpu_ext
 
 # rows of x up to which the kernel beats torch's matmul on the engine's one torch thread here (python -m
 # tandem.benchmarks.dense_gemm): fp32 at every size (torch's fp32 GEMM, MKL's, runs without AVX-512 on this AMD
-# CPU: about 100 GFLOP/s per thread, the kernel 170), bf16 at every size where the packed path is built (from 10
+# CPU: about 100 GFLOP/s per thread, the kernel 170), bf16 at every size where the packed path is built (from 6
 # rows: on one thread level with oneDNN's bf16 GEMM, about 540 GFLOP/s here, and it runs on every kernel thread)
 MAX_ROWS = {torch.float32: None, torch.bfloat16: None}
 # bf16 without AVX512-BF16 (a build for x86-64-v3): the per-row kernel while the weight's bytes bound it; past
@@ -55,8 +55,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ValueError when supports(x, weight) is False or bias does not fit.
 
     Batch invariance: each y[m, n] is summed in an order that depends neither on the kernel threads nor on M or
-    the row's place in the batch, with one exception: bf16 with the packed path sums in one order up to 9 rows
-    and in another from 10, so a row's bits can differ between a batch of 9 and one of 10."""
+    the row's place in the batch, with one exception: bf16 with the packed path sums in one order up to 5 rows
+    and in another from 6, so a row's bits can differ between a batch of 5 and one of 6."""
     if not supports(x, weight):
         raise ValueError(f"the dense CPU kernel does not take x {x.dtype} {tuple(x.shape)} on {x.device} with "
                          f"weight {weight.dtype} {tuple(weight.shape)} (see kernels.cpu_dense.supports)")

@@ -116,9 +116,10 @@ void dense_gemm_block(const T* x, const T* w, const T* bias, T* y, int64_t M, in
 }
 
 // bf16 rows of x from which dense_gemm_packed.cpp runs instead: a decode step at batch 10 ran its linears 1.09x
-// faster that way, at 12 1.2x, at 16 1.35x; at 8 and 9 these per-row tiles were as fast or faster (python -m
-// tandem.benchmarks.step_profile --dtype bfloat16, docs/performance.md)
-constexpr int64_t PACKED_MIN_ROWS = 10;
+// faster that way, at 12 1.2x, at 16 1.35x; on the Zen 4 host of 2026-12-06 at 7-9 too (steps of 24.3-27.0 ms
+// against 26.6-34.3, the weights streaming from memory), at 6 level (python -m tandem.benchmarks.step_profile
+// --dtype bfloat16, docs/performance.md)
+constexpr int64_t PACKED_MIN_ROWS = 6;
 
 constexpr int64_t MC = 16 * MT;  // x rows per pass over the weight: an L2-resident block of x (96 x K fp32)
 

@@ -1,4 +1,4 @@
-// Packed bf16 GEMM for many rows of x (prefill chunks, decode batches of 10 rows or more) on CPUs with
+// Packed bf16 GEMM for many rows of x (prefill chunks, decode batches of 6 rows or more) on CPUs with
 // AVX512-BF16; dense_gemm.cpp calls it from PACKED_MIN_ROWS rows, past its per-row path.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x, w, bias and y bf16; products exact, sums in fp32, the bias added
