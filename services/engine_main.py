@@ -124,12 +124,13 @@ async def _yield_to_prefill(registry: Registry, info: InstanceInfo, engine: Asyn
     tiers share, a decode running a few requests steps every ~10 ms, each step streaming all the weights for a few
     tokens, and takes half the cores from the prefill, doubling every queued prompt's TTFT; spacing its steps gives
     the prefill most of the cores while its queue lasts, for a TPOT of about interval_s (docs/performance.md). A
-    registry that cannot be read leaves the last decision for YIELD_CHECK_S."""
+    registry that cannot be read (Redis down: its lists are old) is no reason to yield: full speed until it answers."""
     yielding_to = None
     while True:
         try:
             prefills = await registry.list_instances("prefill")
-            busy = [p for p in prefills if p.shares_cpus(info) and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S]
+            busy = [p for p in prefills if registry.healthy and p.shares_cpus(info)
+                    and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S]  # fmt: skip
             engine.step_interval_s = interval_s if busy else 0.0
             now = busy[0].instance_id if busy else None
             if now != yielding_to:
@@ -139,8 +140,11 @@ async def _yield_to_prefill(registry: Registry, info: InstanceInfo, engine: Asyn
                 else:
                     log.info("no prefill on these CPUs is backed up: stepping at full speed")
                 yielding_to = now
-        except Exception as e:  # (Redis down: the registry logs it too)
-            log.debug("could not read the prefill tier's records: %s", e)
+        except Exception as e:  # (a record the decision cannot read: full speed; logged once until it reads)
+            engine.step_interval_s = 0.0
+            if yielding_to != "failed":
+                log.warning("could not read the prefill tier's records, stepping at full speed: %s", e)
+            yielding_to = "failed"
         await asyncio.sleep(YIELD_CHECK_S)
 
 

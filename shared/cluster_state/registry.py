@@ -68,8 +68,10 @@ class InstanceInfo:
     cpus: list[int] = field(default_factory=list)
 
     def shares_cpus(self, other: InstanceInfo) -> bool:
-        """Whether the two run on one machine with a CPU in common (so one's work slows the other's steps)."""
-        return bool(self.boot_id) and self.boot_id == other.boot_id and not set(self.cpus).isdisjoint(other.cpus)
+        """Whether the two run on one machine with a CPU in common (so one's work slows the other's steps); False
+        for a record whose cpus is no list (a malformed one)."""
+        return (bool(self.boot_id) and self.boot_id == other.boot_id and isinstance(self.cpus, list)
+                and isinstance(other.cpus, list) and not set(self.cpus).isdisjoint(other.cpus))
 
     @property
     def key(self) -> str:
@@ -152,6 +154,11 @@ class Registry:
             infos = sorted((i for i in parsed if i is not None), key=lambda i: i.instance_id)
             if infos or now - last_time > REREGISTER_GRACE_S:
                 self._last_seen[tier] = (infos, now)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the last read of Redis answered (False: list_instances gives the last lists seen)."""
+        return self._healthy
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -38,20 +38,29 @@ async def _interval_after(registry: Registry, engine, prefills: list[InstanceInf
     return engine.step_interval_s
 
 
-async def scenario(url: str) -> list[float]:
+async def _after_redis_stops(engine, stop_redis) -> float:
+    """The decode's step interval once Redis has been down for a few reads (its last list says: backed up)."""
+    await asyncio.get_running_loop().run_in_executor(None, stop_redis)
+    await asyncio.sleep(2.5)  # (a read times out after 2 s)
+    return engine.step_interval_s
+
+
+async def scenario(url: str, stop_redis) -> list[float]:
     registry = Registry(url)
     engine = types.SimpleNamespace(step_interval_s=0.0)  # (the one attribute _yield_to_prefill sets)
     task = asyncio.create_task(engine_main._yield_to_prefill(registry, record("d", "decode"), engine, 0.08))
     try:
         measured = {"tokens_per_s": 1000.0}
-        return [await _interval_after(registry, engine, prefills) for prefills in (
+        intervals = [await _interval_after(registry, engine, prefills) for prefills in (
             [record("p1", "prefill", num_queued_tokens=5000, **measured)],  # 5 s queued, same CPUs: yield
             [record("p1", "prefill", num_queued_tokens=500, **measured)],  # 0.5 s: full speed
             [record("p1", "prefill", num_queued_tokens=5000, boot_id=OTHER_BOOT_ID, **measured)],  # another machine
             [record("p1", "prefill", num_queued_tokens=5000)],  # no rate measured yet
             [record("p1", "prefill", num_queued_tokens=500, **measured),  # one of two backed up
              record("p2", "prefill", num_queued_tokens=9000, cpus=(1,), **measured)],
-            [record("p2", "prefill", num_queued_tokens=0, cpus=(1,), **measured)])]  # its queue gone  # fmt: skip
+            [record("p2", "prefill", num_queued_tokens=0, cpus=(1,), **measured)],  # its queue gone
+            [record("p1", "prefill", num_queued_tokens=5000, **measured)])]  # fmt: skip
+        return intervals + [await _after_redis_stops(engine, stop_redis)]
     finally:
         await cancel_and_wait(task)
         await registry.close()
@@ -59,4 +68,5 @@ async def scenario(url: str) -> list[float]:
 
 def test_a_decode_spaces_its_steps_only_while_a_prefill_on_its_cpus_is_backed_up(redis_server, monkeypatch):
     monkeypatch.setattr(engine_main, "YIELD_CHECK_S", 0.05)
-    assert asyncio.run(scenario(redis_server.url)) == [0.08, 0.0, 0.0, 0.0, 0.08, 0.0]
+    # the last two: backed up again, then Redis stops (its last list still says backed up): full speed
+    assert asyncio.run(scenario(redis_server.url, redis_server.stop)) == [0.08, 0.0, 0.0, 0.0, 0.08, 0.0, 0.08, 0.0]
