@@ -20,10 +20,10 @@ from tandem.services.server import Server, dump_stacks_on_sigusr1, exit_on_signa
 from tandem.services.tracing import setup_tracing
 from tandem.shared.async_engine import AsyncEngine, build_engine
 from tandem.shared.engine_args import EngineArgs
-from tandem.shared.utils import machine_cpus
 from tandem.shared.cluster_state import cancel_and_wait
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher
 from tandem.shared.cluster_state.registry import InstanceInfo, Registry
+from tandem.shared.utils import machine_cpus
 from tandem.v1 import common_pb2_grpc
 
 log = logging.getLogger(__name__)

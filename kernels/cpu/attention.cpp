@@ -7,10 +7,10 @@
 // read from memory once, where it lies. At batch 32 a decode step's KV (30 layers) is hundreds of MB, so the
 // kernel is bound by memory reads: it prefetches the rows (the hardware prefetchers miss them), and its
 // arithmetic is kept below the read time (scores LANES tokens at a time, V rows weighed for several query rows
-// per read: attend_one). Measured (`python -m tandem.benchmarks.decode_attention`, and against the per-token loop
-// it replaced): docs/performance.md. Softmax is exact two-pass fp32 (scores, max, e^(s - max), sum), as the reference
-// kernels/paged_attention.py paged_decode_attention_ref computes it; e^x is Cephes' polynomial (simd.h). A bf16
-// query and cache are widened to fp32 as they are loaded (exact); scores, softmax and the weighted sum of V are
+// per read: attend_one). Measured (`python -m tandem.benchmarks.decode_attention`, and against the per-token
+// loop it replaced): docs/performance.md. Softmax is exact two-pass fp32 (scores, max, e^(s - max), sum), as the
+// reference kernels/paged_attention.py paged_decode_attention_ref computes it; e^x is Cephes' polynomial (simd.h).
+// A bf16 query and cache are widened to fp32 as they are loaded (exact); scores, softmax and the weighted sum of V are
 // fp32, and the output is rounded to bf16 once (as the reference: fp32 math, then .to(bf16)).
 //
 // Layouts (those of shared/attention.py): query [S, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
@@ -123,7 +123,8 @@ inline V hsum_lanes(const V* v) {
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   // u[j], per 128-bit lane L: the partial sums over L of v[4j] .. v[4j + 3]
   for (int j = 0; j < 4; ++j)
-    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
   for (int j = 0; j < 2; ++j)  // w[j]: u[2j]'s lanes 0 + 1, 2 + 3, then u[2j + 1]'s
     w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
                          _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
@@ -136,7 +137,8 @@ inline V hsum_lanes(const V* v) {
   for (int i = 0; i < 4; ++i)
     t[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int j = 0; j < 2; ++j)
-    u[j] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm256_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
+    u[j] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
+                         _mm256_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
   return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 constexpr int PV_ROWS = 2;
@@ -176,7 +178,8 @@ void weigh_values(const C* value_cache, const int64_t* offsets, int64_t n, const
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NV; ++c) store_f32(out + r * D + (d0 + c) * LANES, vmul(acc[r][c], vbroadcast_value(weights[r])));
+    for (int c = 0; c < NV; ++c)
+      store_f32(out + r * D + (d0 + c) * LANES, vmul(acc[r][c], vbroadcast_value(weights[r])));
 }
 
 template <int NR, typename T, int FMT, typename C>
@@ -184,7 +187,8 @@ void weigh_values_rows(const C* value_cache, const int64_t* offsets, int64_t n, 
                        const float* weights, int64_t D, T* out) {
   const int64_t dv = D / LANES;
   int64_t d0 = 0;
-  for (; d0 + 4 <= dv; d0 += 4) weigh_values<NR, 4, T, FMT>(value_cache, offsets, n, p, padded, weights, D, d0, out);
+  for (; d0 + PV_VECS <= dv; d0 += PV_VECS)
+    weigh_values<NR, PV_VECS, T, FMT>(value_cache, offsets, n, p, padded, weights, D, d0, out);
   if (d0 + 2 <= dv) {
     weigh_values<NR, 2, T, FMT>(value_cache, offsets, n, p, padded, weights, D, d0, out);
     d0 += 2;
@@ -221,10 +225,11 @@ void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_ca
 
   // Software prefetch into L2, which the hardware prefetchers do not do for rows that hop from block to block and
   // skip the other heads' rows: the K rows PREFETCH_CHUNKS chunks ahead, and each chunk's V rows (read again after
-  // every score). Measured (2 threads, 32 sequences of 150 tokens, fp32, caches out of L3): 18 GB/s against 12
-  // without, of this machine's 22 GB/s read bandwidth.
+  // every score). Measured (2 threads, 32 sequences of 150 tokens, fp32, caches out of L3): 18-22 GB/s against 12
+  // without (docs/performance.md).
   const int64_t row_bytes = row_size * static_cast<int64_t>(sizeof(C));
-  for (int64_t i = 0; i < std::min(padded, PREFETCH_CHUNKS * LANES); ++i) prefetch_row(key_cache + offsets[i], row_bytes);
+  for (int64_t i = 0; i < std::min(padded, PREFETCH_CHUNKS * LANES); ++i)
+    prefetch_row(key_cache + offsets[i], row_bytes);
   for (int64_t c = 0; c < padded; c += LANES) {
     for (int64_t i = c + PREFETCH_CHUNKS * LANES; i < std::min(padded, c + (PREFETCH_CHUNKS + 1) * LANES); ++i)
       prefetch_row(key_cache + offsets[i], row_bytes);
@@ -276,7 +281,8 @@ void attend_one(const T* q, int64_t group, const C* key_cache, const C* value_ca
     weigh_values_rows<2, T, FMT>(value_cache, offsets, n, p + r * padded, padded, weights + r, D, out + r * D);
     r += 2;
   }
-  if (r < group) weigh_values_rows<1, T, FMT>(value_cache, offsets, n, p + r * padded, padded, weights + r, D, out + r * D);
+  if (r < group)
+    weigh_values_rows<1, T, FMT>(value_cache, offsets, n, p + r * padded, padded, weights + r, D, out + r * D);
 }
 
 }  // namespace
