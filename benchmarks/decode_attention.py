@@ -1,4 +1,4 @@
-"""The CPU paged decode attention kernel (kernels/cpu/attention.cpp) against the machine's memory-read bandwidth
+"""The CPU paged decode attention kernel (kernels/cpu/attention.cpp) against the machine's memory bandwidth
 measured in the same run, on the default model's attention shape (9 query heads, 3 KV heads, head_dim 64).
 
     python -m tandem.benchmarks.decode_attention [--shapes 1x1000,8x150,32x150,32x400] [--kernel-threads 1,2]
@@ -7,8 +7,9 @@ measured in the same run, on the default model's attention shape (9 query heads,
 A shape SxC is S sequences of C cached tokens each. A decode step reads every layer's K and V once, more bytes than
 the last-level cache holds at batch 8-32, so the benchmark gives each of --layers layers caches of its own (blocks
 in shuffled order, as a pool hands them out) and calls them in turn, as a step does. Printed: us per layer call
-(the mean over --repeats passes), the K and V bytes read per second, and that as a share of the read bandwidth: a
-sum over a 256 MB tensor on the kernels' thread count (torch's sum). Numbers printed, nothing asserted.
+(the mean over --repeats passes), the K and V bytes read per second, and that as a share of the copy bandwidth on
+the kernels' thread count (model_shapes.memory_bandwidth_gb_s: STREAM's copy, bytes read + written per second).
+Numbers printed, nothing asserted.
 """
 from __future__ import annotations
 
@@ -17,23 +18,11 @@ import time
 
 import torch
 
+from tandem.benchmarks.model_shapes import memory_bandwidth_gb_s
 from tandem.kernels import cpu_ext
 from tandem.kernels.cpu_attention import paged_decode_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes per second torch's sum reads from a 256 MB fp32 tensor on threads threads (best of 5)."""
-    torch.set_num_threads(threads)
-    x = torch.ones(64 << 20)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    torch.set_num_threads(1)
-    return x.numel() * 4 / best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,10 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     scale = HEAD_DIM**-0.5
     print(f"{Q_HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, {args.layers} layers' caches called in turn")
-    print(f"{'dtype':>9} {'shape':>8} {'threads':>7} {'us/layer':>9} {'GB/s':>6} {'of read bw':>10}")
+    print(f"{'dtype':>9} {'shape':>8} {'threads':>7} {'us/layer':>9} {'GB/s':>6} {'of copy bw':>10}")
     for threads in (int(t) for t in args.kernel_threads.split(",")):
-        bandwidth = read_bandwidth(threads)
-        print(f"read bandwidth, {threads} thread(s): {bandwidth / 1e9:.1f} GB/s")
+        bandwidth = memory_bandwidth_gb_s(threads) * 1e9
+        torch.set_num_threads(1)
+        print(f"copy bandwidth, {threads} thread(s): {bandwidth / 1e9:.1f} GB/s")
         cpu_ext.set_num_threads(threads)
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             for shape in args.shapes.split(","):

@@ -156,11 +156,12 @@ def test_a_reservation_that_will_fit_soon_waits_best_priority_first():
 
 
 class SteppingEngine(FakeEngine):
-    """Steps while it holds requests; each step records which requests it ran and takes about 20 ms."""
+    """Steps while it holds requests; each step records when it started and which requests it ran, and takes about
+    20 ms."""
 
     def __init__(self):
         super().__init__()
-        self.running, self.steps = set(), []
+        self.running, self.steps, self.starts = set(), [], []
 
     def add_request(self, request):
         self.running.add(request.request_id)
@@ -175,6 +176,7 @@ class SteppingEngine(FakeEngine):
     def step(self):
         import time
 
+        self.starts.append(time.monotonic())
         self.steps.append(set(self.running))
         time.sleep(0.02)
         return []
@@ -246,24 +248,10 @@ def test_a_failed_step_ends_the_batch_or_loses_a_tensor_parallel_instance():
     assert [(o.finish_reason, o.error) for o in outputs] == [(FinishReason.ABORT, state)] and steps == 1
 
 
-class TimedEngine(SteppingEngine):
-    """SteppingEngine that records when each step starts."""
-
-    def __init__(self):
-        super().__init__()
-        self.starts = []
-
-    def step(self):
-        import time
-
-        self.starts.append(time.monotonic())
-        return super().step()
-
-
 async def interval_scenario():
     import time
 
-    fake = TimedEngine()
+    fake = SteppingEngine()
     engine = AsyncEngine(fake, asyncio.get_running_loop())
     try:
         await engine.add_request(make_request("a"))
