@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     if not cpu_qgemm.has_vnni():
         raise SystemExit("gemm_vnni needs the CPU kernels built for AVX-512 VNNI (see kernels/cpu_ext.py)")
-    bf16_packed = cpu_dense.has_packed_bf16()
+    bf16_packed = cpu_dense.has_packed(torch.bfloat16)
     wanted = args.shapes.split(",")
     lo, hi = cpu_qgemm.VNNI_PANEL_ROWS
     print(f"GFLOP/s, median of {args.rounds} turns; tiles / panels: gemm_vnni's two paths (the engine runs panels "

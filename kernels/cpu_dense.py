@@ -1,13 +1,14 @@
-"""Dense linears on x86-64 CPUs: the C++ kernel of kernels/cpu/dense_gemm.cpp (and, for bf16 from 6 rows,
+"""Dense linears on x86-64 CPUs: the C++ kernel of kernels/cpu/dense_gemm.cpp (and, from 22 rows,
 kernels/cpu/dense_gemm_packed.cpp), its pure-torch reference, and the rule for when it runs.
 
 A decode step's linears multiply a handful of rows by the whole weight, so they are bound by reading the weight
 (fp32 or bf16). The kernel streams each weight once per call on the CPU kernels' own threads (all of them, while
 the engine runs torch on one) and widens bf16 to fp32 in registers, as the reference computes: fp32 products and
 sums, one rounding to the output's type. Prefill chunks and larger decode batches are bound by arithmetic: there,
-with AVX512-BF16, bf16 runs a GEMM whose weight panels are repacked per call for vdpbf16ps (register tiles of
-fp32 accumulators, as oneDNN's): as fast as oneDNN's bf16 GEMM on one thread, on every kernel thread. Where torch's
-GEMM does better (bf16 past MAX_ROWS_UNPACKED_BF16 rows on a CPU without AVX512-BF16) the caller uses it.
+with AVX-512 (fp32) and AVX512-BF16 (bf16), a GEMM runs whose weight panels are repacked per call for FMA or
+vdpbf16ps (register tiles of fp32 accumulators, as oneDNN's): bf16 as fast as oneDNN's bf16 GEMM on one thread, on
+every kernel thread. Where torch's GEMM does better (bf16 past MAX_ROWS_UNPACKED_BF16 rows on a CPU without
+AVX512-BF16) the caller uses it.
 
 Built and loaded by kernels/cpu_ext.py (with the other CPU kernels).
 Torch only: nothing here imports triton or shared/.
@@ -22,7 +23,7 @@ from tandem.kernels import cpu_ext
 
 # rows of x up to which the kernel beats torch's matmul on the engine's one torch thread here (python -m
 # tandem.benchmarks.dense_gemm): fp32 at every size (torch's fp32 GEMM, MKL's, runs without AVX-512 on this AMD
-# CPU: about 100 GFLOP/s per thread, the kernel 170), bf16 at every size where the packed path is built (from 6
+# CPU: about 100 GFLOP/s per thread, the kernel 170), bf16 at every size where the packed path is built (from 22
 # rows: on one thread level with oneDNN's bf16 GEMM, about 540 GFLOP/s here, and it runs on every kernel thread)
 MAX_ROWS = {torch.float32: None, torch.bfloat16: None}
 # bf16 without AVX512-BF16 (a build for x86-64-v3): the per-row kernel while the weight's bytes bound it; past
@@ -31,9 +32,10 @@ MAX_ROWS_UNPACKED_BF16 = 16
 
 
 @functools.cache
-def has_packed_bf16() -> bool:
-    """True when the kernels are built with the packed bf16 GEMM (a CPU with AVX512-BF16)."""
-    return cpu_ext.available() and cpu_ext.extension().dense_gemm_packed_available()
+def has_packed(dtype: torch.dtype) -> bool:
+    """True when the kernels are built with the packed GEMM for dtype: fp32 on a CPU with AVX-512, bf16 with
+    AVX512-BF16."""
+    return cpu_ext.available() and cpu_ext.extension().dense_gemm_packed_available(dtype == torch.bfloat16)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,7 +47,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.shape[1] % 32 != 0 or not cpu_ext.available():
         return False
     max_rows = MAX_ROWS[x.dtype]
-    if max_rows is None and x.dtype == torch.bfloat16 and not has_packed_bf16():
+    if max_rows is None and x.dtype == torch.bfloat16 and not has_packed(torch.bfloat16):
         max_rows = MAX_ROWS_UNPACKED_BF16
     return max_rows is None or x.shape[0] <= max_rows
 
@@ -55,8 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ValueError when supports(x, weight) is False or bias does not fit.
 
     Batch invariance: each y[m, n] is summed in an order that depends neither on the kernel threads nor on M or
-    the row's place in the batch, with one exception: bf16 with the packed path sums in one order up to 5 rows
-    and in another from 6, so a row's bits can differ between a batch of 5 and one of 6."""
+    the row's place in the batch, with one exception: where the packed path is built it sums in one order up to
+    21 rows and in another from 22, so a row's bits can differ between a batch of 21 and one of 22."""
     if not supports(x, weight):
         raise ValueError(f"the dense CPU kernel does not take x {x.dtype} {tuple(x.shape)} on {x.device} with "
                          f"weight {weight.dtype} {tuple(weight.shape)} (see kernels.cpu_dense.supports)")

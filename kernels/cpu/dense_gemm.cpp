@@ -11,8 +11,9 @@
 // runs on the kernels' own thread pool (thread_pool.h), so a decode engine with one torch thread still reads with
 // every kernel thread.
 //
-// bf16 from PACKED_MIN_ROWS rows, where the CPU has AVX512-BF16, runs dense_gemm_packed.cpp instead: bound by
-// arithmetic there, its register tiles over a repacked weight panel do more per instruction than these dot products.
+// From PACKED_MIN_ROWS rows (fp32 where the CPU has AVX-512, bf16 where it has AVX512-BF16) dense_gemm_packed.cpp
+// runs instead: bound by arithmetic there, its register tiles over a repacked weight panel do more per instruction
+// than these dot products.
 //
 // Layouts: x [M, K] and w [N, K] contiguous (nn.Linear's), K % 32 == 0 (checked in Python and here).
 #include <torch/extension.h>
@@ -22,13 +23,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 using namespace tandem_simd;
 
 constexpr int NT = 4;                   // weight rows per tile
 constexpr int MT = LANES == 16 ? 6 : 2; // x rows per register block: NT * MT accumulators + NT + 1 vectors
-constexpr int64_t PREFETCH_TILES = 2;   // tiles ahead of use: each row of a tile is a short stream
+constexpr int64_t PREFETCH_TILES = 1;   // tiles ahead of use: each row of a tile is a short stream
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
@@ -36,18 +38,24 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 inline void store_out(float* y, float v) { *y = v; }
 inline void store_out(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // (c10: round to nearest even)
 
-template <typename T>
-inline void prefetch_rows(const T* w, int64_t K, int64_t n, int64_t N) {
-  if (n + NT > N) return;
-  const char* p0 = reinterpret_cast<const char*>(w + n * K);
-  const char* p1 = reinterpret_cast<const char*>(w + (n + NT) * K);
-  for (const char* p = p0; p < p1; p += 64) _mm_prefetch(p, _MM_HINT_T0);
-}
+// The tile PREFETCH_TILES ahead (NT rows of w: contiguous bytes), fetched a few lines per K step while this tile
+// computes, so that a weight streaming from memory arrives while the FMA pipes are busy (a burst of the whole tile
+// per tile let the loads wait: at 8 rows the linears took the sum of their arithmetic's and their reads' times).
+// Per K step of `step_bytes` bytes per row, NT times that many bytes of the tile ahead.
+struct Prefetch {
+  const char* next;  // null: nothing to fetch
+  inline void step(int64_t step_bytes) {
+    if (next == nullptr) return;
+    for (int64_t b = 0; b < NT * step_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+    next += NT * step_bytes;
+  }
+};
 
 // acc[j][i] += the products of x row i and weight row wr[j] over K, per lane (fp32).
 template <int ROWS, typename T>
-inline void accumulate(const T* x, const T* const wr[NT], int64_t K, V acc[NT][ROWS]) {
+inline void accumulate(const T* x, const T* const wr[NT], int64_t K, V acc[NT][ROWS], Prefetch pf) {
   for (int64_t k = 0; k < K; k += LANES) {
+    pf.step(LANES * sizeof(T));
     V wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = load_f32(wr[j] + k);
     for (int i = 0; i < ROWS; ++i) {
@@ -61,8 +69,10 @@ inline void accumulate(const T* x, const T* const wr[NT], int64_t K, V acc[NT][R
 // bf16 with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 lanes (exact products, fp32 sums, inputs'
 // and outputs' subnormals flushed), twice the arithmetic of widening + FMA, so a prefill chunk runs here too.
 template <int ROWS>
-inline void accumulate(const at::BFloat16* x, const at::BFloat16* const wr[NT], int64_t K, V acc[NT][ROWS]) {
+inline void accumulate(const at::BFloat16* x, const at::BFloat16* const wr[NT], int64_t K, V acc[NT][ROWS],
+                       Prefetch pf) {
   for (int64_t k = 0; k < K; k += 32) {
+    pf.step(32 * sizeof(at::BFloat16));
     __m512bh wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
     for (int i = 0; i < ROWS; ++i) {
@@ -75,14 +85,15 @@ inline void accumulate(const at::BFloat16* x, const at::BFloat16* const wr[NT], 
 
 // y[m0 + i, n0 + j] for i < ROWS, j < rows (rows <= NT; absent rows read row n0 again and are not stored).
 template <int ROWS, typename T>
-inline void micro_kernel(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n0, int rows) {
+inline void micro_kernel(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n0, int rows,
+                         Prefetch pf) {
   V acc[NT][ROWS];
   const T* wr[NT];
   for (int j = 0; j < NT; ++j) {
     wr[j] = w + (n0 + (j < rows ? j : 0)) * K;
     for (int i = 0; i < ROWS; ++i) acc[j][i] = vzero();
   }
-  accumulate<ROWS>(x, wr, K, acc);
+  accumulate<ROWS>(x, wr, K, acc, pf);
   for (int j = 0; j < rows; ++j) {
     const float b = bias != nullptr ? to_float(bias[n0 + j]) : 0.0f;
     for (int i = 0; i < ROWS; ++i) store_out(y + i * N + n0 + j, hsum(acc[j][i]) + b);
@@ -91,10 +102,10 @@ inline void micro_kernel(const T* x, const T* w, const T* bias, T* y, int64_t K,
 
 template <int ROWS, typename T>
 inline void rows_left(const T* x, const T* w, const T* bias, T* y, int64_t m_left, int64_t K, int64_t N, int64_t n0,
-                      int rows) {
+                      int rows, Prefetch pf) {
   if constexpr (ROWS > 0) {
-    if (m_left == ROWS) return micro_kernel<ROWS>(x, w, bias, y, K, N, n0, rows);
-    rows_left<ROWS - 1>(x, w, bias, y, m_left, K, N, n0, rows);
+    if (m_left == ROWS) return micro_kernel<ROWS>(x, w, bias, y, K, N, n0, rows, pf);
+    rows_left<ROWS - 1>(x, w, bias, y, m_left, K, N, n0, rows, pf);
   }
 }
 
@@ -107,19 +118,23 @@ void dense_gemm_block(const T* x, const T* w, const T* bias, T* y, int64_t M, in
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = NT * t;
       const int rows = static_cast<int>(std::min<int64_t>(NT, N - n0));
-      prefetch_rows(w, K, n0 + PREFETCH_TILES * NT, N);
+      // (the first pass over the tile fetches the one ahead; the others find this one in L1)
+      const int64_t ahead = n0 + PREFETCH_TILES * NT;
+      Prefetch pf{ahead + NT <= N ? reinterpret_cast<const char*>(w + ahead * K) : nullptr};
       int64_t m = 0;
-      for (; m + MT <= M; m += MT) micro_kernel<MT>(x + m * K, w, bias, y + m * N, K, N, n0, rows);
-      rows_left<MT - 1>(x + m * K, w, bias, y + m * N, M - m, K, N, n0, rows);
+      for (; m + MT <= M; m += MT, pf.next = nullptr) micro_kernel<MT>(x + m * K, w, bias, y + m * N, K, N, n0, rows, pf);
+      rows_left<MT - 1>(x + m * K, w, bias, y + m * N, M - m, K, N, n0, rows, pf);
     }
   });
 }
 
-// bf16 rows of x from which dense_gemm_packed.cpp runs instead: a decode step at batch 10 ran its linears 1.09x
-// faster that way, at 12 1.2x, at 16 1.35x; on the Zen 4 host of 2026-12-06 at 7-9 too (steps of 24.3-27.0 ms
-// against 26.6-34.3, the weights streaming from memory), at 6 level (python -m tandem.benchmarks.step_profile
-// --dtype bfloat16, docs/performance.md)
-constexpr int64_t PACKED_MIN_ROWS = 6;
+// rows of x from which dense_gemm_packed.cpp runs instead, where it is built: fewer rows stream the weight from
+// memory faster here, more are bound by arithmetic, which its register tiles do with fewer instructions. Measured on
+// the Zen 4 host of 2026-12-06, a decode step's linears of the default model streaming from memory (the per-row path
+// with its spread prefetch): bf16 per-row 11.8 / 12.7 / 16.0 / 20.9 / 22.9 ms at 6 / 8 / 12 / 16 / 20 rows against
+// packed 16.7 / 18.0 / 19.3 / 26.7 / 24.5, at 22 level, at 24 and 32 packed 1.09-1.11x faster; fp32 per-row ahead up
+// to 16 rows (23.3 ms at 8 against 31.6), level at 20, packed 1.08-1.10x faster at 24 and 32.
+constexpr int64_t PACKED_MIN_ROWS = 22;
 
 constexpr int64_t MC = 16 * MT;  // x rows per pass over the weight: an L2-resident block of x (96 x K fp32)
 
@@ -131,14 +146,30 @@ void dense_gemm_impl(const T* x, const T* w, const T* bias, T* y, int64_t M, int
 
 }  // namespace
 
-// dense_gemm_packed.cpp: bf16 with a repacked weight panel, for many rows (where built with AVX512-BF16)
-bool dense_gemm_packed_available();
+// dense_gemm_packed.cpp: a repacked weight panel, for many rows: bf16 where built with AVX512-BF16, fp32 with
+// AVX-512 (elsewhere they raise)
+bool dense_gemm_packed_available(bool bf16);
 void dense_gemm_packed(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
                        int64_t M, int64_t K, int64_t N);
+void dense_gemm_packed(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N);
+
+namespace {
+template <typename T>
+void dense_gemm_typed(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N,
+                      c10::optional<bool> packed) {
+  const bool built = dense_gemm_packed_available(std::is_same_v<T, at::BFloat16>);
+  if (packed.has_value() ? *packed : built && M >= PACKED_MIN_ROWS) {
+    TORCH_CHECK(built, "the packed GEMM needs AVX-512 (fp32) or AVX512-BF16 (bf16): not in this build");
+    dense_gemm_packed(x, w, bias, y, M, K, N);
+  } else {
+    dense_gemm_impl<T>(x, w, bias, y, M, K, N);
+  }
+}
+}  // namespace
 
 // x [M, K] and weight [N, K] both fp32 or both bf16, contiguous, K % 32 == 0; bias [N] of that type or empty ->
-// y [M, N] of that type. packed: bf16 through dense_gemm_packed.cpp (true), through the per-row tiles here (false),
-// or (none) the packed path from PACKED_MIN_ROWS rows where it is built.
+// y [M, N] of that type. packed: through dense_gemm_packed.cpp (true), through the per-row tiles here (false), or
+// (none) the packed path from PACKED_MIN_ROWS rows where it is built.
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                          c10::optional<bool> packed) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous(),
@@ -155,16 +186,11 @@ torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<to
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   if (x.scalar_type() == torch::kFloat) {
-    dense_gemm_impl<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
-                           has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
-  } else if (packed.has_value() ? *packed : dense_gemm_packed_available() && M >= PACKED_MIN_ROWS) {
-    TORCH_CHECK(dense_gemm_packed_available(), "the packed bf16 GEMM needs AVX512-BF16 (not in this build)");
-    dense_gemm_packed(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                      has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), M, K, N);
+    dense_gemm_typed(x.data_ptr<float>(), weight.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+                     y.data_ptr<float>(), M, K, N, packed);
   } else {
-    dense_gemm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                                  has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
-                                  M, K, N);
+    dense_gemm_typed(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                     has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), M, K, N, packed);
   }
   return y;
 }

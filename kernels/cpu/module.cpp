@@ -25,7 +25,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                          c10::optional<bool> packed);
-bool dense_gemm_packed_available();
+bool dense_gemm_packed_available(bool bf16);
 void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor seg_starts,
               torch::Tensor seg_lens, torch::Tensor seg_slots);
 
@@ -47,10 +47,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on query and key heads; keys and values into the KV cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (torch.argmax(-1)'s rule)");
-  m.def("dense_gemm", &dense_gemm, "y = x @ W.T (+ bias), fp32 or bf16; packed: bf16's packed path (None: by M)",
+  m.def("dense_gemm", &dense_gemm, "y = x @ W.T (+ bias), fp32 or bf16; packed: the packed path (None: by M)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("packed") = py::none());
   m.def("dense_gemm_packed_available", &dense_gemm_packed_available,
-        "whether dense_gemm's packed bf16 path runs here (built for a CPU with AVX512-BF16)");
+        "whether dense_gemm's packed path runs here for bf16 (built with AVX512-BF16) or fp32 (with AVX-512)",
+        py::arg("bf16"));
   m.def("add_lora", &add_lora, "in place: y[rows of s] += (x[rows of s] @ lora_a[slot s].T) @ lora_b[slot s].T",
         py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("seg_starts"), py::arg("seg_lens"),
         py::arg("seg_slots"));

@@ -1,6 +1,6 @@
-"""The dense CPU GEMM (kernels/cpu/dense_gemm.cpp, and dense_gemm_packed.cpp for bf16 from 6 rows) against its
-pure-torch reference, in fp32 and bf16, on one and two kernel threads, and CpuDenseLinear (shared/model.py) against
-nn.Linear on both sides of the kernel's row limit."""
+"""The dense CPU GEMM (kernels/cpu/dense_gemm.cpp, and dense_gemm_packed.cpp from 22 rows) against its pure-torch
+reference, in fp32 and bf16, on one and two kernel threads, and CpuDenseLinear (shared/model.py) against nn.Linear
+on both sides of the kernel's row limit."""
 
 import pytest
 import torch
@@ -12,9 +12,10 @@ pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="the CPU kernel 
 # M covers every tail of the 6-row (AVX-512) and 2-row (AVX2) register blocks and more than one 96-row pass over
 # the weight; N a tail of the 4-row tiles; K one and several 32-column chunks.
 SHAPES = [(0, 8, 64), (1, 3, 32), (1, 64, 96), (2, 36, 64), (5, 20, 256), (7, 68, 96), (13, 9, 64), (100, 130, 192)]
-# bf16 from 6 rows (the packed path where AVX512-BF16 is built): M a tail of the 12-row register tiles and a split
-# into row blocks (N one panel); N a tail of the 16-column vectors and the 32-column panels; K one, two and three
-# 2,048-column blocks, the last one partial.
+# The packed path (fp32 where AVX-512 is built, bf16 where AVX512-BF16 is), called as such: M a tail of the 12-row
+# register tiles and a split into row blocks (N one panel); N a tail of the 16-column vectors and the 32-column
+# panels (and, at N = 130 and 72, panels with one two ahead to prefetch and without); K one, two and three K blocks
+# (2,048 bf16 or 1,536 fp32 columns), the last one partial.
 PACKED_SHAPES = [(6, 40, 64), (10, 40, 64), (17, 40, 64), (33, 130, 192), (100, 16, 2144), (512, 72, 96), (33, 24, 4160)]
 # fp32: sums of K products of size ~1 in another order. bf16: the same fp32 sum rounded once to bf16 can land one
 # bf16 step (2^-8 relative) either side.
@@ -44,26 +45,49 @@ def test_dense_gemm_matches_reference(M, N, K, dtype, bias, kernel_threads, monk
     torch.testing.assert_close(y, cpu_dense.linear_ref(x, weight, b), **TOLERANCE[dtype])
 
 
+def _skip_without_packed(dtype):
+    if not cpu_dense.has_packed(dtype):
+        pytest.skip(f"the packed {dtype} GEMM is not built here (fp32: AVX-512, bf16: AVX512-BF16)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M, N, K", PACKED_SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-def test_packed_bf16_matches_reference(M, N, K, bias, kernel_threads, monkeypatch):
-    _kernel_at_every_m(monkeypatch, torch.bfloat16)
-    x = torch.randn(M, K, generator=_gen(0)).to(torch.bfloat16)
-    weight = torch.randn(N, K, generator=_gen(1)).to(torch.bfloat16)
-    b = torch.randn(N, generator=_gen(2)).to(torch.bfloat16) if bias else None
-    torch.testing.assert_close(cpu_dense.linear(x, weight, b), cpu_dense.linear_ref(x, weight, b),
-                               **TOLERANCE[torch.bfloat16])
+def test_packed_matches_reference(M, N, K, dtype, bias, kernel_threads):
+    _skip_without_packed(dtype)
+    x = torch.randn(M, K, generator=_gen(0)).to(dtype)
+    weight = torch.randn(N, K, generator=_gen(1)).to(dtype)
+    b = torch.randn(N, generator=_gen(2)).to(dtype) if bias else None
+    y = cpu_ext.extension().dense_gemm(x, weight, b, packed=True)
+    torch.testing.assert_close(y, cpu_dense.linear_ref(x, weight, b), **TOLERANCE[dtype])
 
 
-@pytest.mark.skipif(not cpu_dense.has_packed_bf16(), reason="the packed bf16 GEMM needs AVX512-BF16")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_packed_path_runs_from_22_rows(dtype):
+    """dense_gemm without `packed` takes the per-row path up to 21 rows and the packed one from 22. The two sum in
+    different orders, which these values tell apart: 2^25 first, then ones (each lost against 2^25 in a sum over K
+    in order, the packed path's; kept in the per-row path's other lanes), then -2^25."""
+    _skip_without_packed(dtype)
+    ext = cpu_ext.extension()
+    x = torch.ones(22, 128, dtype=dtype)
+    weight = torch.ones(8, 128, dtype=dtype)
+    weight[:, 0], weight[:, -1] = 2.0**25, -(2.0**25)
+    per_row, packed = ext.dense_gemm(x, weight, packed=False), ext.dense_gemm(x, weight, packed=True)
+    assert not torch.equal(per_row, packed)
+    assert torch.equal(ext.dense_gemm(x[:21], weight), per_row[:21])
+    assert torch.equal(ext.dense_gemm(x, weight), packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("K", [192, 4160], ids=["one-k-block", "three-k-blocks"])
-def test_packed_bf16_is_batch_invariant(K):
+def test_packed_is_batch_invariant(K, dtype):
     """Each row of a batch of 100 equals, bit for bit, the row computed alone, within a batch of 33, and on one
     thread instead of two (the summation order is per output element, whatever M and the threads)."""
+    _skip_without_packed(dtype)
     ext = cpu_ext.extension()
-    x = torch.randn(100, K, generator=_gen(0)).to(torch.bfloat16)
-    weight = torch.randn(70, K, generator=_gen(1)).to(torch.bfloat16)
-    bias = torch.randn(70, generator=_gen(2)).to(torch.bfloat16)
+    x = torch.randn(100, K, generator=_gen(0)).to(dtype)
+    weight = torch.randn(70, K, generator=_gen(1)).to(dtype)
+    bias = torch.randn(70, generator=_gen(2)).to(dtype)
     before = cpu_ext.num_threads()
     try:
         cpu_ext.set_num_threads(2)
