@@ -66,6 +66,7 @@ constexpr int BLOCK = 32;  // columns per activation block
 constexpr int64_t PANEL_MIN_ROWS = 3, PANEL_MAX_ROWS = 256;
 constexpr int PANEL_TILES_INT4 = 3, PANEL_ROWS_INT4 = 4;  // NT x MR of the panel path's register tiles
 constexpr int PANEL_TILES_INT8 = 4, PANEL_ROWS_INT8 = 3;
+constexpr int64_t PREFETCH_TASKS = 2;  // tasks ahead whose tiles a task fetches (Prefetch)
 
 #ifdef TANDEM_HAS_VNNI
 
@@ -129,15 +130,43 @@ inline __m512i broadcast_pair(const int16_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// Tiles [t0, t0 + nt) of a later task, fetched into L2 while this one computes: per block of 32 columns, the share
+// of their codes one block's work reads (they are contiguous: nt * nb blocks), and at each group's first block the
+// group's scales and zero points. The weight of a decode step streams from memory; without this its reads waited
+// on the hardware prefetchers, which follow each tile's stream only after a few misses.
+struct Prefetch {
+  const Packed* w = nullptr;  // null: nothing to fetch
+  int64_t t0 = 0, nt = 0, block_bytes = 0;
+  inline void step(int64_t b, int64_t g, bool group_start) const {
+    if (w == nullptr) return;
+    const char* codes = reinterpret_cast<const char*>(w->codes) + (t0 * w->nb + b * nt) * block_bytes;
+    for (int64_t off = 0; off < nt * block_bytes; off += 64) _mm_prefetch(codes + off, _MM_HINT_T1);
+    if (!group_start) return;
+    for (int64_t t = t0; t < t0 + nt; ++t) {
+      _mm_prefetch(reinterpret_cast<const char*>(w->scales + (t * w->num_groups + g) * TILE), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w->zs + (t * w->num_groups + g) * TILE), _MM_HINT_T1);
+    }
+  }
+};
+
+// The tiles `ahead` tasks of nt tiles later (a thread's next task, where claims alternate between threads), within
+// the weight's tiles; none past them.
+inline Prefetch prefetch_ahead(const Packed& w, int64_t t0, int64_t nt, int64_t ahead, int loads) {
+  const int64_t tiles = (w.N + TILE - 1) / TILE, ta = t0 + ahead * nt;
+  if (ta + nt > tiles) return Prefetch{};
+  return Prefetch{&w, ta, nt, static_cast<int64_t>(loads) * 32};
+}
+
 // y rows [m0, m0 + MT) x tiles [t0, t0 + NTL): NTL * MT int32 accumulators per block, folded into fp32 ones.
 template <bool INT4, int NTL, int MT>
-void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y) {
+void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y, const Prefetch& pf) {
   constexpr int LOADS = INT4 ? 8 : 16;  // 32-byte loads per block of a tile
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   __m512 f[NTL][MT];
   for (int t = 0; t < NTL; ++t)
     for (int i = 0; i < MT; ++i) f[t][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
+    pf.step(b, b / w.blocks_per_group, b % w.blocks_per_group == 0);
     __m512i acc[NTL][MT];
     for (int t = 0; t < NTL; ++t)
       for (int i = 0; i < MT; ++i) acc[t][i] = _mm512_setzero_si512();
@@ -183,12 +212,14 @@ void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* 
 
 // Rows [m0, m0 + mt) (mt <= 8) over tiles [t0, t1): few rows take several tiles at once so that the int32
 // accumulators form independent chains (one vpdpbusd's latency is several cycles).
+// pf: a later task's tiles, fetched during the first call.
 template <bool INT4>
-void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int64_t m0, int mt, float* y) {
+void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int64_t m0, int mt, float* y,
+                     Prefetch pf) {
   int64_t t = t0;
-#define TANDEM_TILES(NTL, MT)                                                           \
-  for (; t + NTL <= t1; t += NTL) tile_kernel<INT4, NTL, MT>(w, a, t, m0, y);           \
-  for (; t < t1; ++t) tile_kernel<INT4, 1, MT>(w, a, t, m0, y);                         \
+#define TANDEM_TILES(NTL, MT)                                                                    \
+  for (; t + NTL <= t1; t += NTL, pf = Prefetch{}) tile_kernel<INT4, NTL, MT>(w, a, t, m0, y, pf); \
+  for (; t < t1; ++t, pf = Prefetch{}) tile_kernel<INT4, 1, MT>(w, a, t, m0, y, pf);               \
   return;
   switch (mt) {
     case 1: TANDEM_TILES(4, 1)
@@ -211,7 +242,7 @@ void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int
 // (NT * K / 2 bytes for int4) stay in L1 while the rows pass over them. Each output element's arithmetic is
 // tile_kernel's, in the same order: the same bits as the tile path for every M (tests/unit/kernels).
 template <bool INT4, int NT, int MR>
-void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y) {
+void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y, const Prefetch& pf) {
   constexpr int LOADS = INT4 ? 8 : 16;  // 32-byte loads per block of a tile
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   const int64_t K = a.K, nb = a.nb, tile_bytes = w.nb * LOADS * 32, tile_scales = w.num_groups * TILE;
@@ -225,6 +256,7 @@ void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float*
   for (int t = 0; t < NT; ++t)
     for (int i = 0; i < MR; ++i) f[t][i] = _mm512_setzero_ps();
   for (int64_t b = 0, g = 0, in_group = 0; b < nb; ++b) {
+    pf.step(b, g, in_group == 0);
     const uint8_t* cb = codes + b * LOADS * 32;
     __m512i acc[NT][MR];
     for (int t = 0; t < NT; ++t)
@@ -275,9 +307,9 @@ void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float*
 }
 
 template <bool INT4, int NT, int MR>  // rows <= MR
-void panel_rows(const Packed& w, const Acts& a, int64_t t0, int64_t m0, int rows, float* y) {
-  if (rows == MR) return panel_kernel<INT4, NT, MR>(w, a, t0, m0, y);
-  if constexpr (MR > 1) panel_rows<INT4, NT, MR - 1>(w, a, t0, m0, rows, y);
+void panel_rows(const Packed& w, const Acts& a, int64_t t0, int64_t m0, int rows, float* y, const Prefetch& pf) {
+  if (rows == MR) return panel_kernel<INT4, NT, MR>(w, a, t0, m0, y, pf);
+  if constexpr (MR > 1) panel_rows<INT4, NT, MR - 1>(w, a, t0, m0, rows, y, pf);
 }
 
 template <bool INT4, int NT, int MR>
@@ -295,12 +327,14 @@ void gemm_panels(const Packed& w, const Acts& a, int64_t M, float* y) {
       const int64_t r0 = (task % row_blocks) * rows_per_block, rows = std::min(rows_per_block, M - r0);
       // row tiles of equal size (+-1): no short last tile, whose few chains would wait on vpdpwssd's latency
       const int64_t num = (rows + MR - 1) / MR, base = rows / num, longer = rows % num;
-      for (int64_t j = 0, m = r0; j < num; ++j) {
+      // (the first row tile of a group's first row block fetches a later group: PREFETCH_TASKS groups on)
+      Prefetch pf = r0 == 0 ? prefetch_ahead(w, t0, NT, PREFETCH_TASKS, INT4 ? 8 : 16) : Prefetch{};
+      for (int64_t j = 0, m = r0; j < num; ++j, pf = Prefetch{}) {
         const int r = static_cast<int>(base + (j < longer));
         if (nt == NT) {
-          panel_rows<INT4, NT, MR>(w, a, t0, m, r, y);
+          panel_rows<INT4, NT, MR>(w, a, t0, m, r, y, pf);
         } else {
-          for (int64_t t = t0; t < t0 + nt; ++t) panel_rows<INT4, 1, MR>(w, a, t, m, r, y);
+          for (int64_t t = t0; t < t0 + nt; ++t) panel_rows<INT4, 1, MR>(w, a, t, m, r, y, Prefetch{});
         }
         m += r;
       }
@@ -332,8 +366,10 @@ torch::Tensor gemm_vnni(const torch::Tensor& x, const Packed& w, bool panels) {
   tandem_pool::parallel_for(chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t t0 = c * tiles_per_chunk, t1 = std::min(tiles, t0 + tiles_per_chunk);
+      // (the first pass of rows fetches a later chunk)
       for (int64_t m0 = 0; m0 < M; m0 += MT)
-        rows_over_tiles<INT4>(w, a, t0, t1, m0, static_cast<int>(std::min(MT, M - m0)), yp);
+        rows_over_tiles<INT4>(w, a, t0, t1, m0, static_cast<int>(std::min(MT, M - m0)), yp,
+                              m0 == 0 ? prefetch_ahead(w, t0, t1 - t0, PREFETCH_TASKS, INT4 ? 8 : 16) : Prefetch{});
     }
   });
   return y;
