@@ -4,7 +4,7 @@ bf16 GEMM (kernels/cpu/dense_gemm_packed.cpp) on a bf16 weight of the same shape
 prefill row counts, on 1 and 2 kernel threads (torch on 1).
 
     python -m tandem.benchmarks.cpu_qgemm [--kernel-threads 1,2] [--rows 1,10,32,64,256,512] [--rounds 7]
-                                          [--float-kernels]
+                                          [--float-kernels] [--step-rows 1,8,16,32]
 
 The machine is shared and noisy: the calls of one case run in turns, --rounds times (each turn about 20 ms of
 calls), and each column is the median of its turns; the ratios compare medians of the same run. The two integer
@@ -13,6 +13,11 @@ kernels/cpu/qgemm.cpp) and torch's fp32 matmul.
 
 Shapes: fused gate/up [3072, 576], down [576, 1536], fused QKV [960, 576] and o_proj [576, 576] in int4 per group
 of 32 (GGUF Q4_1's layout), and the LM head [49152, 576] in int8 per group of 32 (Q8_0), each with random codes.
+
+Then (--step-rows; an empty value skips it) a decode step's integer linears as a decode runs them: 30 layers of
+those four and the LM head, distinct weights (about 140 MB with their scales), so that they stream from memory,
+each called once per pass in the model's order through gemm_vnni's path for that M, on the last of
+--kernel-threads; ms per pass, the best of 5.
 """
 from __future__ import annotations
 
@@ -79,6 +84,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default=",".join(s[0].split()[0] for s in SHAPES),
                         help="comma list of: " + ", ".join(s[0].split()[0] for s in SHAPES))
     parser.add_argument("--float-kernels", action="store_true", help="also the fp32-activation kernels and torch")
+    parser.add_argument("--step-rows", default="1,8,16,32", help="rows of the decode-step table ('': none)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if not cpu_qgemm.has_vnni():
@@ -116,7 +122,37 @@ def main(argv=None) -> None:
                 print(f"{threads:>7}  {name:<13} {m:>4}  {rate['tiles']:>6.0f}  {rate['panels']:>6.0f}  "
                       f"{rate['panels'] / rate['tiles']:>12.2f}  {b:>6.0f}  {rate['panels'] / b:>11.2f}{extra}",
                       flush=True)
+    if args.step_rows:
+        step_linears([int(r) for r in args.step_rows.split(",")])
     cpu_ext.set_num_threads(1)
+
+
+def step_linears(rows: list[int], num_layers: int = 30) -> None:
+    """The decode-step table (see the module's docstring)."""
+    gen = torch.Generator().manual_seed(1)
+    layers = [s for s in SHAPES if s[3]] * num_layers + [s for s in SHAPES if not s[3]]
+    weights = []
+    for _, n, k, int4 in layers:
+        scales = torch.rand(n, k // GROUP_SIZE, generator=gen) * 0.05
+        codes = (torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8) if int4
+                 else torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8))
+        zeros = torch.rand(n, k // GROUP_SIZE, generator=gen) * 15 if int4 else None
+        weights.append((cpu_qgemm.pack_vnni(codes, scales, zeros, GROUP_SIZE), k))
+    flop_per_row = sum(2 * n * k for _, n, k, _ in layers)
+    print(f"\na decode step's integer linears ({num_layers} layers + LM head), the weights streaming from memory, "
+          f"{cpu_ext.num_threads()} kernel threads: ms per pass (best of 5)")
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen) for k in {k for _, k in weights}}
+
+        def one_pass() -> float:
+            start = time.perf_counter()
+            for weight, k in weights:
+                cpu_qgemm.gemm_vnni(xs[k], weight)
+            return time.perf_counter() - start
+
+        one_pass()  # (warm-up)
+        best = min(one_pass() for _ in range(5))
+        print(f"M = {m:3}: {best * 1e3:7.2f} ms, {flop_per_row * m / best / 1e9:6.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

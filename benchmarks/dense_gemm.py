@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy bandwidth {bandwidth} GB/s ({args.kernel_threads} threads); kernel on {args.kernel_threads} "
           f"threads, torch on {args.torch_threads}; GFLOP/s (per-row and packed: each path, where the packed one is "
           f"built: fp32 {cpu_dense.has_packed(torch.float32)}, bf16 {cpu_dense.has_packed(torch.bfloat16)} here)")
-    print(f"{'linear':13} {'dtype':8} {'M':>4} {'kernel us':>10} {'GB/s':>6} {'kernel':>7} {'per-row':>7} {'packed':>7} "
-          + " ".join(f"{f'torch x{t}':>8}" for t in torch_threads) + f" {'torch/kernel':>12}")
+    print(f"{'linear':13} {'dtype':8} {'M':>4} {'kernel us':>10} {'GB/s':>6} {'kernel':>7} {'per-row':>7} "
+          f"{'packed':>7} " + " ".join(f"{f'torch x{t}':>8}" for t in torch_threads) + f" {'torch/kernel':>12}")
     g = torch.Generator().manual_seed(0)
     ext = cpu_ext.extension()  # (the kernel at every M, past MAX_ROWS too)
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                     torch.set_num_threads(t)
                     theirs.append(best_us(lambda: torch.nn.functional.linear(x, weight), args.repeats))
                 gb_s = weight.numel() * weight.element_size() / ours / 1e3
-                print(f"{name:13} {str(dtype)[6:]:8} {m:4} {ours:10.0f} {gb_s:6.1f} {gflop / ours:7.0f} {per_row:>7} {packed:>7} "
-                      + " ".join(f"{gflop / us:8.0f}" for us in theirs) + f" {theirs[0] / ours:12.2f}")
+                print(f"{name:13} {str(dtype)[6:]:8} {m:4} {ours:10.0f} {gb_s:6.1f} {gflop / ours:7.0f} {per_row:>7} "
+                      f"{packed:>7} " + " ".join(f"{gflop / us:8.0f}" for us in theirs) + f" {theirs[0] / ours:12.2f}")
     print("kernel used by the engine up to M =", {str(d)[6:]: r or "any" for d, r in cpu_dense.MAX_ROWS.items()})
     if args.step_rows:
         step_linears(args.dtypes, [int(r) for r in args.step_rows.split(",")])
