@@ -30,7 +30,8 @@ using namespace tandem_simd;
 
 constexpr int NT = 4;                   // weight rows per tile
 constexpr int MT = LANES == 16 ? 6 : 2; // x rows per register block: NT * MT accumulators + NT + 1 vectors
-constexpr int64_t PREFETCH_TILES = 1;   // tiles ahead of use: each row of a tile is a short stream
+// tiles ahead of use (a decode step's fp32 linears at 8 rows: 23.5 ms a pass 1 ahead, 25.8 at 2, 27.2 at 4)
+constexpr int64_t PREFETCH_TILES = 1;
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
@@ -122,7 +123,8 @@ void dense_gemm_block(const T* x, const T* w, const T* bias, T* y, int64_t M, in
       const int64_t ahead = n0 + PREFETCH_TILES * NT;
       Prefetch pf{ahead + NT <= N ? reinterpret_cast<const char*>(w + ahead * K) : nullptr};
       int64_t m = 0;
-      for (; m + MT <= M; m += MT, pf.next = nullptr) micro_kernel<MT>(x + m * K, w, bias, y + m * N, K, N, n0, rows, pf);
+      for (; m + MT <= M; m += MT, pf.next = nullptr)
+        micro_kernel<MT>(x + m * K, w, bias, y + m * N, K, N, n0, rows, pf);
       rows_left<MT - 1>(x + m * K, w, bias, y + m * N, M - m, K, N, n0, rows, pf);
     }
   });

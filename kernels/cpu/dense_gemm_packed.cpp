@@ -46,7 +46,7 @@ constexpr int NV = 2;             // 16-column vectors per panel
 constexpr int NC = 16 * NV;       // output columns per panel
 constexpr int MR = 12;            // rows of x per register tile: MR * NV accumulators + NV weight vectors
 constexpr int64_t MC_MAX = 1024;  // rows per task at most: x's block and the fp32 partial sums stay in L2/L3
-constexpr int64_t PREFETCH_PANELS = 2;  // panels ahead fetched while one computes (1 and 2 were level, 2 a little ahead)
+constexpr int64_t PREFETCH_PANELS = 2;  // panels ahead fetched while one computes (1 and 2 level, 2 a little ahead)
 
 // What differs between the element types. A panel holds dwords: one per (column, K step), where a K step is a pair
 // of bf16 (vdpbf16ps' unit) or one fp32; x's K steps are broadcast as dwords the same way.
@@ -134,7 +134,8 @@ struct Tile {
   int64_t K;
   const int32_t* panel;  // the packed block of k0's K steps
   int64_t steps;         // kc / E
-  float* partial;        // [R][NC] fp32 sums of the earlier K blocks (read unless first), this one's (written unless last)
+  float* partial;        // [R][NC] fp32 sums of the earlier K blocks (read unless first), this one's (written unless
+                         // last)
   bool first, last;
   const float* bias;     // [NC] fp32 (0 past N and without a bias)
   T* y;                  // y[m0, n0]; rows N apart

@@ -66,7 +66,9 @@ constexpr int BLOCK = 32;  // columns per activation block
 constexpr int64_t PANEL_MIN_ROWS = 3, PANEL_MAX_ROWS = 256;
 constexpr int PANEL_TILES_INT4 = 3, PANEL_ROWS_INT4 = 4;  // NT x MR of the panel path's register tiles
 constexpr int PANEL_TILES_INT8 = 4, PANEL_ROWS_INT8 = 3;
-constexpr int64_t PREFETCH_TASKS = 2;  // tasks ahead whose tiles a task fetches (Prefetch)
+// tasks ahead whose tiles a task fetches (Prefetch): a decode step's integer linears at 8 rows took 10.6 ms a pass
+// at 2, 10.7 at 1, 13.9 at 4, 14.3 without (python -m tandem.benchmarks.cpu_qgemm --step-rows)
+constexpr int64_t PREFETCH_TASKS = 2;
 
 #ifdef TANDEM_HAS_VNNI
 
