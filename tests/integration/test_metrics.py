@@ -39,10 +39,25 @@ def scrape_all(cluster) -> dict[str, dict]:
     return {name: scrape(url) for name, url in cluster.metrics_urls.items()}
 
 
+def scrape_all_settled(cluster, timeout_s: float = 15) -> dict[str, dict]:
+    """scrape_all once the engines' token counters stop moving: they are refreshed every second, so an earlier
+    test's last tokens can reach them after its requests are done (wait_idle reads the live load)."""
+    deadline = time.monotonic() + timeout_s
+    last = scrape_all(cluster)
+    while True:
+        time.sleep(1.2)
+        now = scrape_all(cluster)
+        moved = any(delta(now[n], last[n], counter) for n in ("prefill0", "decode0")
+                    for counter in ("tandem:generation_tokens_total", "tandem:prompt_tokens_total"))
+        if not moved or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def test_metrics_follow_the_traffic(cluster):
     assert set(cluster.metrics_urls) == {"gateway", "prefill0", "decode0"}
     wait_idle(cluster)  # (the shared cluster: nothing of an earlier test's may run into these counts)
-    before = scrape_all(cluster)
+    before = scrape_all_settled(cluster)
     received, requests = 0, 4
     with Client(cluster.gateway_address) as client:
         for i in range(requests):  # long prompts: the prefill computes them and ships their KV
