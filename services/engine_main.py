@@ -129,8 +129,9 @@ async def _yield_to_prefill(registry: Registry, info: InstanceInfo, engine: Asyn
     while True:
         try:
             prefills = await registry.list_instances("prefill")
-            busy = [p for p in prefills if p.shares_cpus(info) and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S
-                    ] if registry.healthy else []  # fmt: skip
+            if not registry.healthy:  # (that read got no answer: these are the last lists seen)
+                prefills = []
+            busy = [p for p in prefills if p.shares_cpus(info) and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S]
             engine.step_interval_s = interval_s if busy else 0.0
             now = busy[0].instance_id if busy else None
             if now != yielding_to:

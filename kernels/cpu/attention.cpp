@@ -147,9 +147,7 @@ constexpr int PV_VECS = 4;  // vectors of a V row per pass
 constexpr int64_t PREFETCH_CHUNKS = 8;  // how far ahead the K rows are fetched, in chunks of LANES tokens
 
 // Every 64-byte line of bytes at p into L2.
-inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T1);
-}
+inline void prefetch_row(const void* p, int64_t bytes) { Prefetch(p, bytes).step(bytes); }
 
 // What one thread reuses from one (sequence, KV head) to the next.
 struct Scratch {

@@ -39,24 +39,11 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 inline void store_out(float* y, float v) { *y = v; }
 inline void store_out(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // (c10: round to nearest even)
 
-// The tile PREFETCH_TILES ahead (NT rows of w: contiguous bytes), fetched a few lines per K step while this tile
-// computes, so that a weight streaming from memory arrives while the FMA pipes are busy (a burst of the whole tile
-// per tile let the loads wait: at 8 rows the linears took the sum of their arithmetic's and their reads' times).
-// Per K step of `step_bytes` bytes per row, NT times that many bytes of the tile ahead.
-struct Prefetch {
-  const char* next;  // null: nothing to fetch
-  inline void step(int64_t step_bytes) {
-    if (next == nullptr) return;
-    for (int64_t b = 0; b < NT * step_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
-    next += NT * step_bytes;
-  }
-};
-
 // acc[j][i] += the products of x row i and weight row wr[j] over K, per lane (fp32).
 template <int ROWS, typename T>
 inline void accumulate(const T* x, const T* const wr[NT], int64_t K, V acc[NT][ROWS], Prefetch pf) {
   for (int64_t k = 0; k < K; k += LANES) {
-    pf.step(LANES * sizeof(T));
+    pf.step(NT * LANES * sizeof(T));  // (the tile ahead: NT rows, at the rate this one is read)
     V wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = load_f32(wr[j] + k);
     for (int i = 0; i < ROWS; ++i) {
@@ -73,7 +60,7 @@ template <int ROWS>
 inline void accumulate(const at::BFloat16* x, const at::BFloat16* const wr[NT], int64_t K, V acc[NT][ROWS],
                        Prefetch pf) {
   for (int64_t k = 0; k < K; k += 32) {
-    pf.step(32 * sizeof(at::BFloat16));
+    pf.step(NT * 32 * sizeof(at::BFloat16));
     __m512bh wv[NT];
     for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
     for (int i = 0; i < ROWS; ++i) {
@@ -119,11 +106,12 @@ void dense_gemm_block(const T* x, const T* w, const T* bias, T* y, int64_t M, in
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = NT * t;
       const int rows = static_cast<int>(std::min<int64_t>(NT, N - n0));
-      // (the first pass over the tile fetches the one ahead; the others find this one in L1)
+      // (the first pass over the tile fetches the one ahead, NT rows of w: contiguous; the others find this one
+      // in L1)
       const int64_t ahead = n0 + PREFETCH_TILES * NT;
-      Prefetch pf{ahead + NT <= N ? reinterpret_cast<const char*>(w + ahead * K) : nullptr};
+      Prefetch pf = ahead + NT <= N ? Prefetch(w + ahead * K, NT * K * static_cast<int64_t>(sizeof(T))) : Prefetch();
       int64_t m = 0;
-      for (; m + MT <= M; m += MT, pf.next = nullptr)
+      for (; m + MT <= M; m += MT, pf = Prefetch())
         micro_kernel<MT>(x + m * K, w, bias, y + m * N, K, N, n0, rows, pf);
       rows_left<MT - 1>(x + m * K, w, bias, y + m * N, M - m, K, N, n0, rows, pf);
     }

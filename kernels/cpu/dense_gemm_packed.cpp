@@ -39,6 +39,7 @@
 
 #ifdef __AVX512F__
 namespace {
+using tandem_simd::Prefetch;
 using tandem_simd::round_bits;
 using bf16 = at::BFloat16;
 
@@ -114,20 +115,6 @@ void pack_panel(const T* w, int64_t K, int64_t N, int64_t n0, int nv, int64_t k0
   }
 }
 
-// The cache lines of a later panel's K block, fetched into L2 a few at a time while this panel's tiles compute: a
-// weight that streams from memory (every layer's, at a decode step) then arrives while the multiply pipes are busy,
-// not while the packing waits on it (a burst of prefetches during the packing, into L1, gained nothing). Lines are
-// taken row by row within each 64-byte column (NC rows: a power of 2).
-struct Prefetch {
-  const char* base = nullptr;  // w[n0', k0] of that panel; null: nothing to fetch
-  int64_t row_bytes = 0;       // K * sizeof(T)
-  int64_t lines = 0, next = 0; // NC * the K block's lines; the next one to fetch
-  void step(int count) {
-    for (; count > 0 && next < lines; --count, ++next)
-      _mm_prefetch(base + (next % NC) * row_bytes + (next / NC) * 64, _MM_HINT_T1);
-  }
-};
-
 template <typename T>
 struct Tile {
   const T* x;            // x[m0, k0]; rows K apart
@@ -153,10 +140,8 @@ void tile_kernel(const Tile<T>& t, Prefetch& pf) {
   const int32_t* xr = reinterpret_cast<const int32_t*>(t.x);  // x's K steps as dwords
   const int64_t ldx = t.K / Elem<T>::PER_DWORD;
   const int32_t* wp = t.panel;
-  // lines per K step: the next panel's lines over this tile's steps, rounded up
-  const int pf_per_step = static_cast<int>((pf.lines - pf.next + t.steps - 1) / t.steps);
   for (int64_t p = 0; p < t.steps; ++p, wp += NC) {
-    pf.step(pf_per_step);
+    pf.step(NC * sizeof(int32_t));  // (a later panel at the rate this one is read: it is in by this tile's end)
     __m512i wv[NVU];
     for (int v = 0; v < NVU; ++v) wv[v] = _mm512_load_si512(wp + 16 * v);
     for (int i = 0; i < R; ++i) {
@@ -224,12 +209,12 @@ void packed_gemm(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
         const int64_t kc = std::min(KC, K - k0);
         if (n0 != packed_n0) pack_panel(w, K, N, n0, nv, k0, kc, panel);
         packed_n0 = kc == K ? n0 : -1;
-        // the panel PREFETCH_PANELS ahead, when it is whole (threads that claim one panel at a time alternate)
-        Prefetch pf;
-        const int64_t next_n0 = n0 + PREFETCH_PANELS * NC;
-        if (m0 == 0 && next_n0 + NC <= N)
-          pf = Prefetch{reinterpret_cast<const char*>(w + next_n0 * K + k0), K * static_cast<int64_t>(sizeof(T)),
-                        NC * ((kc * static_cast<int64_t>(sizeof(T)) + 63) / 64), 0};
+        // the panel PREFETCH_PANELS ahead, when it is whole (threads that claim one panel at a time alternate): its
+        // NC rows' K block, fetched into L2 while this panel's first tile computes
+        const int64_t next_n0 = n0 + PREFETCH_PANELS * NC, row_bytes = K * static_cast<int64_t>(sizeof(T));
+        Prefetch pf = m0 == 0 && next_n0 + NC <= N
+                          ? Prefetch(w + next_n0 * K + k0, kc * static_cast<int64_t>(sizeof(T)), NC, row_bytes)
+                          : Prefetch();
         // tiles of equal rows (+-1): no short last tile, whose few accumulators would wait on the multiply-add's
         // latency
         const int64_t num_tiles = (rows + MR - 1) / MR, base = rows / num_tiles, longer = rows % num_tiles;

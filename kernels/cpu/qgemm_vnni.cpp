@@ -44,6 +44,7 @@
 // arithmetic (the scales of a Q4_1 weight change every block of 32), so the bits.
 #include <torch/extension.h>
 
+#include "simd.h"
 #include "thread_pool.h"
 
 #include <immintrin.h>
@@ -58,6 +59,7 @@
 #endif
 
 namespace {
+using tandem_simd::Prefetch;
 
 constexpr int TILE = 16;   // output rows per tile: one int32 lane each
 constexpr int BLOCK = 32;  // columns per activation block
@@ -132,43 +134,40 @@ inline __m512i broadcast_pair(const int16_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Tiles [t0, t0 + nt) of a later task, fetched into L2 while this one computes: per block of 32 columns, the share
-// of their codes one block's work reads (they are contiguous: nt * nb blocks), and at each group's first block the
-// group's scales and zero points. The weight of a decode step streams from memory; without this its reads waited
-// on the hardware prefetchers, which follow each tile's stream only after a few misses.
-struct Prefetch {
-  const Packed* w = nullptr;  // null: nothing to fetch
-  int64_t t0 = 0, nt = 0, block_bytes = 0;
-  inline void step(int64_t b, int64_t g, bool group_start) const {
-    if (w == nullptr) return;
-    const char* codes = reinterpret_cast<const char*>(w->codes) + (t0 * w->nb + b * nt) * block_bytes;
-    for (int64_t off = 0; off < nt * block_bytes; off += 64) _mm_prefetch(codes + off, _MM_HINT_T1);
-    if (!group_start) return;
-    for (int64_t t = t0; t < t0 + nt; ++t) {
-      _mm_prefetch(reinterpret_cast<const char*>(w->scales + (t * w->num_groups + g) * TILE), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(w->zs + (t * w->num_groups + g) * TILE), _MM_HINT_T1);
-    }
+// Tiles [t0, t0 + nt) of a later task, fetched into L2 while this one computes (simd.h's Prefetch): their codes
+// (contiguous: nt * nb blocks), scales and zero points, stepped once per block at the rate this task reads its own.
+struct TilesAhead {
+  Prefetch codes, scales, zs;
+  int64_t codes_step = 0, scales_step = 0;
+  inline void step() {
+    codes.step(codes_step);
+    scales.step(scales_step);
+    zs.step(scales_step);
   }
 };
 
 // The tiles `ahead` tasks of nt tiles later (a thread's next task, where claims alternate between threads), within
 // the weight's tiles; none past them.
-inline Prefetch prefetch_ahead(const Packed& w, int64_t t0, int64_t nt, int64_t ahead, int loads) {
+inline TilesAhead prefetch_ahead(const Packed& w, int64_t t0, int64_t nt, int64_t ahead, int loads) {
   const int64_t tiles = (w.N + TILE - 1) / TILE, ta = t0 + ahead * nt;
-  if (ta + nt > tiles) return Prefetch{};
-  return Prefetch{&w, ta, nt, static_cast<int64_t>(loads) * 32};
+  if (ta + nt > tiles) return TilesAhead{};
+  const int64_t block_bytes = static_cast<int64_t>(loads) * 32, scale_bytes = nt * w.num_groups * TILE * 4;
+  return TilesAhead{Prefetch(w.codes + ta * w.nb * block_bytes, nt * w.nb * block_bytes),
+                    Prefetch(w.scales + ta * w.num_groups * TILE, scale_bytes),
+                    Prefetch(w.zs + ta * w.num_groups * TILE, scale_bytes), nt * block_bytes,
+                    (scale_bytes + w.nb - 1) / w.nb};
 }
 
 // y rows [m0, m0 + MT) x tiles [t0, t0 + NTL): NTL * MT int32 accumulators per block, folded into fp32 ones.
 template <bool INT4, int NTL, int MT>
-void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y, const Prefetch& pf) {
+void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y, TilesAhead pf) {
   constexpr int LOADS = INT4 ? 8 : 16;  // 32-byte loads per block of a tile
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   __m512 f[NTL][MT];
   for (int t = 0; t < NTL; ++t)
     for (int i = 0; i < MT; ++i) f[t][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
-    pf.step(b, b / w.blocks_per_group, b % w.blocks_per_group == 0);
+    pf.step();
     __m512i acc[NTL][MT];
     for (int t = 0; t < NTL; ++t)
       for (int i = 0; i < MT; ++i) acc[t][i] = _mm512_setzero_si512();
@@ -217,11 +216,11 @@ void tile_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* 
 // pf: a later task's tiles, fetched during the first call.
 template <bool INT4>
 void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int64_t m0, int mt, float* y,
-                     Prefetch pf) {
+                     TilesAhead pf) {
   int64_t t = t0;
 #define TANDEM_TILES(NTL, MT)                                                                    \
-  for (; t + NTL <= t1; t += NTL, pf = Prefetch{}) tile_kernel<INT4, NTL, MT>(w, a, t, m0, y, pf); \
-  for (; t < t1; ++t, pf = Prefetch{}) tile_kernel<INT4, 1, MT>(w, a, t, m0, y, pf);               \
+  for (; t + NTL <= t1; t += NTL, pf = TilesAhead{}) tile_kernel<INT4, NTL, MT>(w, a, t, m0, y, pf); \
+  for (; t < t1; ++t, pf = TilesAhead{}) tile_kernel<INT4, 1, MT>(w, a, t, m0, y, pf);               \
   return;
   switch (mt) {
     case 1: TANDEM_TILES(4, 1)
@@ -244,7 +243,7 @@ void rows_over_tiles(const Packed& w, const Acts& a, int64_t t0, int64_t t1, int
 // (NT * K / 2 bytes for int4) stay in L1 while the rows pass over them. Each output element's arithmetic is
 // tile_kernel's, in the same order: the same bits as the tile path for every M (tests/unit/kernels).
 template <bool INT4, int NT, int MR>
-void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y, const Prefetch& pf) {
+void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float* y, TilesAhead pf) {
   constexpr int LOADS = INT4 ? 8 : 16;  // 32-byte loads per block of a tile
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   const int64_t K = a.K, nb = a.nb, tile_bytes = w.nb * LOADS * 32, tile_scales = w.num_groups * TILE;
@@ -258,7 +257,7 @@ void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float*
   for (int t = 0; t < NT; ++t)
     for (int i = 0; i < MR; ++i) f[t][i] = _mm512_setzero_ps();
   for (int64_t b = 0, g = 0, in_group = 0; b < nb; ++b) {
-    pf.step(b, g, in_group == 0);
+    pf.step();
     const uint8_t* cb = codes + b * LOADS * 32;
     __m512i acc[NT][MR];
     for (int t = 0; t < NT; ++t)
@@ -309,7 +308,7 @@ void panel_kernel(const Packed& w, const Acts& a, int64_t t0, int64_t m0, float*
 }
 
 template <bool INT4, int NT, int MR>  // rows <= MR
-void panel_rows(const Packed& w, const Acts& a, int64_t t0, int64_t m0, int rows, float* y, const Prefetch& pf) {
+void panel_rows(const Packed& w, const Acts& a, int64_t t0, int64_t m0, int rows, float* y, const TilesAhead& pf) {
   if (rows == MR) return panel_kernel<INT4, NT, MR>(w, a, t0, m0, y, pf);
   if constexpr (MR > 1) panel_rows<INT4, NT, MR - 1>(w, a, t0, m0, rows, y, pf);
 }
@@ -330,13 +329,13 @@ void gemm_panels(const Packed& w, const Acts& a, int64_t M, float* y) {
       // row tiles of equal size (+-1): no short last tile, whose few chains would wait on vpdpwssd's latency
       const int64_t num = (rows + MR - 1) / MR, base = rows / num, longer = rows % num;
       // (the first row tile of a group's first row block fetches a later group: PREFETCH_TASKS groups on)
-      Prefetch pf = r0 == 0 ? prefetch_ahead(w, t0, NT, PREFETCH_TASKS, INT4 ? 8 : 16) : Prefetch{};
-      for (int64_t j = 0, m = r0; j < num; ++j, pf = Prefetch{}) {
+      TilesAhead pf = r0 == 0 ? prefetch_ahead(w, t0, NT, PREFETCH_TASKS, INT4 ? 8 : 16) : TilesAhead{};
+      for (int64_t j = 0, m = r0; j < num; ++j, pf = TilesAhead{}) {
         const int r = static_cast<int>(base + (j < longer));
         if (nt == NT) {
           panel_rows<INT4, NT, MR>(w, a, t0, m, r, y, pf);
         } else {
-          for (int64_t t = t0; t < t0 + nt; ++t) panel_rows<INT4, 1, MR>(w, a, t, m, r, y, Prefetch{});
+          for (int64_t t = t0; t < t0 + nt; ++t) panel_rows<INT4, 1, MR>(w, a, t, m, r, y, TilesAhead{});
         }
         m += r;
       }
@@ -371,7 +370,7 @@ torch::Tensor gemm_vnni(const torch::Tensor& x, const Packed& w, bool panels) {
       // (the first pass of rows fetches a later chunk)
       for (int64_t m0 = 0; m0 < M; m0 += MT)
         rows_over_tiles<INT4>(w, a, t0, t1, m0, static_cast<int>(std::min(MT, M - m0)), yp,
-                              m0 == 0 ? prefetch_ahead(w, t0, t1 - t0, PREFETCH_TASKS, INT4 ? 8 : 16) : Prefetch{});
+                              m0 == 0 ? prefetch_ahead(w, t0, t1 - t0, PREFETCH_TASKS, INT4 ? 8 : 16) : TilesAhead{});
     }
   });
   return y;

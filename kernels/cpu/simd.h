@@ -127,6 +127,27 @@ inline V round_to(V v) {
   else return vround_bf16(v);
 }
 
+// Bytes a kernel reads next (`rows` rows of row_bytes each, stride bytes apart; one row: a contiguous range),
+// fetched into L2 a share at a time while it computes the current ones, so that a weight streaming from memory
+// arrives while the multiply pipes are busy. (A burst of the whole next tile into L1 let the loads wait: at 8 rows
+// the dense fp32 linears took the sum of their arithmetic's and their reads' times, docs/performance.md.) The
+// kernels step it at the rate they read the current tile, so it runs out as they reach the next. Default: nothing.
+struct Prefetch {
+  const char* row = nullptr;
+  int64_t row_bytes = 0, rows = 0, stride = 0, at = 0;
+  Prefetch() = default;
+  Prefetch(const void* begin, int64_t row_bytes_, int64_t rows_ = 1, int64_t stride_ = 0)
+      : row(static_cast<const char*>(begin)), row_bytes(row_bytes_), rows(rows_), stride(stride_) {}
+  // the next `bytes` of the range (whole 64-byte lines), or what is left of it. (Inlined: a call inside a kernel's
+  // loop would spill its accumulators around it.)
+  __attribute__((always_inline)) inline void step(int64_t bytes) {
+    for (; bytes > 0 && rows > 0; bytes -= 64) {
+      _mm_prefetch(row + at, _MM_HINT_T1);
+      if ((at += 64) >= row_bytes) at = 0, row += stride, --rows;
+    }
+  }
+};
+
 // The scalar forms (the loops' tails): c10's conversions, the same roundings.
 inline float to_f32(float v) { return v; }
 inline float to_f32(at::BFloat16 v) { return static_cast<float>(v); }
