@@ -46,10 +46,17 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.shape[1] % 32 != 0 or not cpu_ext.available():
         return False
-    max_rows = MAX_ROWS[x.dtype]
-    if max_rows is None and x.dtype == torch.bfloat16 and not has_packed(torch.bfloat16):
-        max_rows = MAX_ROWS_UNPACKED_BF16
-    return max_rows is None or x.shape[0] <= max_rows
+    limit = max_rows(x.dtype)
+    return limit is None or x.shape[0] <= limit
+
+
+def max_rows(dtype: torch.dtype) -> int | None:
+    """Rows of x up to which linear() runs the kernel for dtype (fp32 or bf16) on this build (None: any number;
+    bf16 without the packed path: MAX_ROWS_UNPACKED_BF16); past them the caller uses torch's linear."""
+    limit = MAX_ROWS[dtype]
+    if limit is None and dtype == torch.bfloat16 and not has_packed(torch.bfloat16):
+        return MAX_ROWS_UNPACKED_BF16
+    return limit
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Builds and loads the C++ CPU kernels (kernels/cpu/*.cpp: quantized and dense GEMMs, paged decode attention,
-the elementwise layer ops, the batched LoRA delta) as one torch extension; kernels/cpu_qgemm.py,
-kernels/cpu_dense.py, kernels/cpu_attention.py, kernels/cpu_layer_ops.py and kernels/cpu_lora.py wrap them.
+the elementwise layer ops, the batched LoRA delta, a model's decoder layers as one call) as one torch extension;
+kernels/cpu_qgemm.py, kernels/cpu_dense.py, kernels/cpu_attention.py, kernels/cpu_layer_ops.py, kernels/cpu_lora.py
+and shared/decoder_stack.py wrap them.
 
 The extension is compiled once with torch.utils.cpp_extension (gcc, ninja; about a minute) into torch's extension
 cache ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for -march=$TANDEM_CPU_ARCH (default native:
@@ -24,8 +25,8 @@ import torch
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("qgemm.cpp", "qgemm_vnni.cpp", "dense_gemm.cpp",
                                                                "dense_gemm_packed.cpp", "attention.cpp",
                                                                "prefill_attention.cpp", "layer_ops.cpp", "lora.cpp",
-                                                               "thread_pool.cpp", "module.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h")]
+                                                               "decoder_stack.cpp", "thread_pool.cpp", "module.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "thread_pool.h", "ops.h")]
 log = logging.getLogger(__name__)
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build
 

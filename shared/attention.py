@@ -148,14 +148,21 @@ def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, s
     """Every request has few query rows (a decode token and its drafts): each row becomes a decode row of the
     C++ kernel that attends to its own causal prefix (row j of a request with n rows and context c sees c - n + j
     + 1 tokens), through its request's block table."""
+    tables, lens = decode_rows_layout(meta)
+    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, softcap,
+                                                meta.kv_quant)
+
+
+def decode_rows_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row as a decode row: (block tables [num_tokens, max_blocks] int32, context lens [num_tokens]
+    int32), row j of a request with n rows and context c seeing c - n + j + 1 tokens; made once per forward
+    (meta.cpu_rows_layout)."""
     if meta.cpu_rows_layout is None:
         counts = torch.tensor([b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])])
         lens = [c - n + j + 1 for c, n in zip(meta.context_lens, counts.tolist()) for j in range(n)]
         meta.cpu_rows_layout = (meta.block_tables.repeat_interleave(counts, dim=0),
                                 torch.tensor(lens, dtype=torch.int32))  # fmt: skip
-    tables, lens = meta.cpu_rows_layout
-    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, softcap,
-                                                meta.kv_quant)
+    return meta.cpu_rows_layout
 
 
 def _decode_attention_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,

@@ -19,6 +19,7 @@ from torch import nn
 from tandem.kernels import cpu_dense, cpu_layer_ops
 from tandem.kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
 from tandem.kernels.masks import soft_cap
+from tandem.shared import decoder_stack
 from tandem.shared.attention import AttentionMetadata, paged_attention, write_kv_cache
 from tandem.shared.config import ModelConfig, torch_dtype
 from tandem.shared.device import use_triton
@@ -208,6 +209,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # on the CPU, the layers as one C++ call where they can be (shared/decoder_stack.py); False: always the
+        # Python layers
+        self.use_decoder_stack = True
+        self.register_load_state_dict_post_hook(lambda model, _: decoder_stack.drop(model))
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices,
@@ -230,8 +235,11 @@ class LlamaForCausalLM(nn.Module):
         ropes = {False: self.model.rotary_emb(positions, meta.rope_long)}
         if self.config.rope_local:
             ropes[True] = self.model.rotary_emb_local(positions)
-        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta, lora)
+        if (stack := decoder_stack.for_forward(self, x, kv_caches, meta, lora)) is not None:
+            x, residual = decoder_stack.run(stack, x, *ropes[False], kv_caches, meta, num_layers)
+        else:
+            for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
+                x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta, lora)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         if residual is None:
             x = self.model.norm(x[rows])

@@ -1,33 +1,10 @@
 // The Python module of the CPU kernels (kernels/cpu_ext.py builds qgemm.cpp, qgemm_vnni.cpp, dense_gemm.cpp,
-// dense_gemm_packed.cpp, attention.cpp, prefill_attention.cpp, layer_ops.cpp, lora.cpp, thread_pool.cpp and this
-// file).
+// dense_gemm_packed.cpp, attention.cpp, prefill_attention.cpp, layer_ops.cpp, lora.cpp, decoder_stack.cpp,
+// thread_pool.cpp and this file; ops.h declares what each defines).
 #include <torch/extension.h>
 
+#include "ops.h"
 #include "thread_pool.h"
-
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group_size);
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zero_scales,
-                        int64_t group_size);
-torch::Tensor gemm_vnni(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zero_scales,
-                      int64_t N, int64_t group_size, bool int4, c10::optional<bool> panels);
-bool has_vnni();
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t window, double softcap, int64_t kv_format);
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor context_lens, double scale, int64_t window, double softcap);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor argmax_rows(torch::Tensor logits);
-torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
-                         c10::optional<bool> packed);
-bool dense_gemm_packed_available(bool bf16);
-void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor seg_starts,
-              torch::Tensor seg_lens, torch::Tensor seg_slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ dequant(int8 W).T");
@@ -55,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora", &add_lora, "in place: y[rows of s] += (x[rows of s] @ lora_a[slot s].T) @ lora_b[slot s].T",
         py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("seg_starts"), py::arg("seg_lens"),
         py::arg("seg_slots"));
+  bind_decoder_stack(m);
   m.def("set_num_threads", &tandem_pool::set_num_threads, "threads of the GEMM and attention kernels, the caller's included");
   m.def("get_num_threads", &tandem_pool::num_threads, "threads of the GEMM and attention kernels");
 }
