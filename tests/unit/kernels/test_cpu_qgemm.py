@@ -110,16 +110,19 @@ def test_layers_forward_matches_their_dequantized_weight(M, kind, kernel_threads
 @pytest.mark.heavy  # (a second build of the whole extension: about a minute of gcc)
 def test_avx2_build_matches_reference_too():
     """The kernels built for AVX2 + FMA alone (TANDEM_CPU_ARCH=x86-64-v3, as the Docker image builds it) pass the
-    reference comparisons above and the dense GEMM's (test_cpu_dense.py); this machine's default build uses AVX-512
-    where the CPU has it."""
+    reference comparisons above, the dense GEMM's (test_cpu_dense.py) and the decoder stack's against the Python
+    layers (tests/unit/test_decoder_stack.py: bf16 past 16 rows on torch's linear there); this machine's default
+    build uses AVX-512 where the CPU has it."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, TANDEM_CPU_ARCH="x86-64-v3")
     dense = os.path.join(os.path.dirname(__file__), "test_cpu_dense.py")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, dense, "-k",
-                          "gemm_matches_reference or large_n"], env=env, capture_output=True, text=True, timeout=600)
+    stack = os.path.join(os.path.dirname(__file__), "..", "test_decoder_stack.py")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, dense, stack,
+                          "-k", "gemm_matches_reference or large_n or match_python"], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
