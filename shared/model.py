@@ -8,7 +8,8 @@ with load_state_dict and quantized linears can replace nn.Linear by name. Numeri
 tokens match them. The residual stream is carried beside each layer's output (vLLM's layout) so that its add fuses
 into the next RMSNorm. On the CPU in fp32 and bf16 the elementwise ops run as the C++ kernels of
 kernels/cpu_layer_ops.py (one call each, rounding as the torch ops do); elsewhere (fp16, Gemma's norms in bf16) as
-their torch references.
+their torch references. On the CPU a Llama-layout model's layers run as one C++ call with those same kernels
+(shared/decoder_stack.py) where every layer is one it computes.
 """
 from __future__ import annotations
 
