@@ -8,7 +8,7 @@ sums, one rounding to the output's type. Prefill chunks and larger decode batche
 with AVX-512 (fp32) and AVX512-BF16 (bf16), a GEMM runs whose weight panels are repacked per call for FMA or
 vdpbf16ps (register tiles of fp32 accumulators, as oneDNN's): bf16 as fast as oneDNN's bf16 GEMM on one thread, on
 every kernel thread. Where torch's GEMM does better (bf16 past MAX_ROWS_UNPACKED_BF16 rows on a CPU without
-AVX512-BF16) the caller uses it.
+AVX512-BF16) the caller uses it. CpuDenseLinear is the nn.Linear that runs it (a CPU model's float linears).
 
 Built and loaded by kernels/cpu_ext.py (with the other CPU kernels).
 Torch only: nothing here imports triton or shared/.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tandem.kernels import cpu_ext
 
@@ -87,3 +89,14 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+class CpuDenseLinear(nn.Linear):
+    """nn.Linear whose forward runs the kernel (linear_supported) where it takes the input, torch's F.linear
+    elsewhere. shared/model.py's load_model turns a CPU model's float linears into these (same parameters, same
+    names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if supports(x, self.weight):
+            return linear_supported(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

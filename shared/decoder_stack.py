@@ -95,10 +95,8 @@ def build(model: nn.Module, dtype: torch.dtype):
 
 def _stack_linear(ext, module: nn.Module, dtype: torch.dtype, sources: list[torch.Tensor]):
     """module as a StackLinear computing what its forward computes for dtype activations on the CPU, or None."""
-    from tandem.shared.model import CpuDenseLinear
-
     bias = getattr(module, "bias", None)
-    if type(module) is CpuDenseLinear:
+    if type(module) is cpu_dense.CpuDenseLinear:
         if module.weight.dtype != dtype or module.in_features % 32:
             return None
         sources += [module.weight] + ([] if bias is None else [bias])

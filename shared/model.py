@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_dense, cpu_layer_ops
+from tandem.kernels import cpu_layer_ops
+from tandem.kernels.cpu_dense import CpuDenseLinear
 from tandem.kernels.cpu_layer_ops import fused_add_rms_norm_ref, rms_norm_ref, rotate_half, silu_and_mul_ref
 from tandem.kernels.masks import soft_cap
 from tandem.shared import decoder_stack
@@ -73,17 +74,6 @@ def linear(layer: nn.Module, x: torch.Tensor, lora: LoRAMetadata | None) -> torc
     """layer(x), with the step's LoRA segments when the batch has any (layer is then a LoRALinear:
     shared/lora/layers.py); without, exactly layer(x)."""
     return layer(x) if lora is None else layer(x, lora)
-
-
-class CpuDenseLinear(nn.Linear):
-    """nn.Linear whose forward runs the dense CPU kernel (kernels/cpu_dense.py: the weight streamed once on the
-    CPU kernels' threads) where it takes the input, torch's F.linear elsewhere. load_model turns a CPU model's float
-    linears into these (same parameters, same names)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_dense.supports(x, self.weight):
-            return cpu_dense.linear_supported(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):

@@ -1,5 +1,5 @@
 """The dense CPU GEMM (kernels/cpu/dense_gemm.cpp, and dense_gemm_packed.cpp from 22 rows) against its pure-torch
-reference, in fp32 and bf16, on one and two kernel threads, and CpuDenseLinear (shared/model.py) against nn.Linear
+reference, in fp32 and bf16, on one and two kernel threads, and CpuDenseLinear against nn.Linear
 on both sides of the kernel's row limit."""
 
 import pytest
@@ -133,7 +133,7 @@ def test_what_the_kernel_does_not_take_raises_value_error(bad, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_dense_linear_equals_nn_linear_on_both_sides_of_the_row_limit(dtype):
-    from tandem.shared.model import CpuDenseLinear
+    from tandem.kernels.cpu_dense import CpuDenseLinear
 
     linear = nn.Linear(64, 40, bias=True).to(dtype)
     fast = nn.Linear(64, 40, bias=True).to(dtype)
