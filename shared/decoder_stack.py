@@ -10,10 +10,11 @@ CPU with AVX-512 VNNI), the activations fp32 or bf16 with a float KV pool of the
 adapters; otherwise the Python layers run. model.use_decoder_stack = False turns it off (step_profile times the
 Python layers' calls).
 
-The stack is built on the first forward that can use it and kept on the model; it is built again when a tensor it
-was made from changes in place or gets new storage (DecoderStack.stale: each source's data_ptr and version, the
-key of shared/quant/layers.py's _derived) or is replaced by load_state_dict (a hook drops it); code that swaps
-modules (shared/parallel/layers.py shard_model) calls drop().
+The stack is built on the first forward that can use it and kept on the model. It holds the model's own float
+tensors (a change in place is seen as it is); it is built again when the tensors an integer layout was derived
+from (codes, scales, zero points) change in place or get new storage (DecoderStack.stale: each one's data_ptr and
+version, the key of shared/quant/layers.py's _derived), or when load_state_dict replaces tensors (a hook drops
+it); code that swaps modules (shared/parallel/layers.py shard_model) calls drop().
 """
 from __future__ import annotations
 
@@ -87,7 +88,6 @@ def build(model: nn.Module, dtype: torch.dtype):
                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(linear is None for linear in linears):
             return None
-        sources += [n.weight for n in norms]
         stack.add_layer(norms[0].weight.detach(), norms[1].weight.detach(), *linears, attn.window or 0)
     stack.watch(sources)
     return stack
@@ -99,7 +99,6 @@ def _stack_linear(ext, module: nn.Module, dtype: torch.dtype, sources: list[torc
     if type(module) is cpu_dense.CpuDenseLinear:
         if module.weight.dtype != dtype or module.in_features % 32:
             return None
-        sources += [module.weight] + ([] if bias is None else [bias])
         max_rows = cpu_dense.max_rows(dtype)
         return ext.StackLinear.dense(module.weight.detach(), None if bias is None else bias.detach(),
                                      -1 if max_rows is None else max_rows)
