@@ -11,10 +11,14 @@ adapters; otherwise the Python layers run. model.use_decoder_stack = False turns
 Python layers' calls).
 
 The stack is built on the first forward that can use it and kept on the model. It holds the model's own float
-tensors (a change in place is seen as it is); it is built again when the tensors an integer layout was derived
-from (codes, scales, zero points) change in place or get new storage (DecoderStack.stale: each one's data_ptr and
-version, the key of shared/quant/layers.py's _derived), or when load_state_dict replaces tensors (a hook drops
-it); code that swaps modules (shared/parallel/layers.py shard_model) calls drop().
+parameters (not copies: a change in place, or `.data =`, `.to()`, is seen as it is). It is built again:
+- when the codes, scales or zero points an integer layout was derived from change in place or get new storage
+  (DecoderStack.stale: each one's data_ptr and version, the key of shared/quant/layers.py's _derived);
+- when any module anywhere registers a parameter, buffer or submodule (torch's global registration hooks bump a
+  counter: a replaced weight or linear, load_state_dict(assign=True), shard_model), or the number of layers
+  changes.
+Per-layer settings that are plain attributes (a norm's eps, a layer's window, the head counts) are read when it
+is built.
 """
 from __future__ import annotations
 
@@ -28,6 +32,22 @@ from tandem.shared.lora.layers import LoRAMetadata
 from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
 
 
+# NOTE: bumped by torch's global hooks whenever a module registers a parameter, buffer or submodule by assignment
+# (nn.Module.__setattr__ / register_*): a cached stack built before may hold a replaced tensor or module. Rare
+# while serving (models are built and wrapped before their first forward).
+_registrations = 0
+
+
+def _count_registration(*_) -> None:
+    global _registrations
+    _registrations += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
 def for_forward(model: nn.Module, x: torch.Tensor, kv_caches, meta: AttentionMetadata,
                 lora: LoRAMetadata | None):
     """The model's DecoderStack for this forward (x [T, H] the embeddings), or None when the Python layers must
@@ -36,16 +56,12 @@ def for_forward(model: nn.Module, x: torch.Tensor, kv_caches, meta: AttentionMet
             or not isinstance(kv_caches, torch.Tensor) or kv_caches.dtype != x.dtype
             or not cpu_layer_ops.supports(x) or use_triton(x)):
         return None
+    key = (x.dtype, _registrations, len(model.model.layers))
     cached = model.__dict__.get("_decoder_stack")
-    if cached is None or cached[0] != x.dtype or (cached[1] is not None and cached[1].stale()):
-        cached = (x.dtype, build(model, x.dtype))
+    if cached is None or cached[0] != key or (cached[1] is not None and cached[1].stale()):
+        cached = (key, build(model, x.dtype))
         model.__dict__["_decoder_stack"] = cached
     return cached[1]
-
-
-def drop(model: nn.Module) -> None:
-    """Forget the model's stack (its modules or tensors were replaced); the next forward builds it again."""
-    model.__dict__.pop("_decoder_stack", None)
 
 
 def run(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: torch.Tensor,
@@ -59,8 +75,9 @@ def run(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches:
         decode, (tables, lens) = True, decode_rows_layout(meta)
     else:
         decode, tables, lens = False, meta.block_tables, meta.context_lens_t
+    num_layers = len(range(stack.num_layers)[:num_layers])  # (the Python loop's slice, negative counts included)
     x, residual = stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, decode, tables, lens,
-                                meta.query_start_loc_t, -1 if num_layers is None else num_layers)
+                                meta.query_start_loc_t, num_layers)
     return x, residual
 
 
@@ -82,13 +99,14 @@ def build(model: nn.Module, dtype: torch.dtype):
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (layer.sandwich or layer.local_rope or mlp.gelu or hasattr(attn, "q_norm")
                 or (attn.num_heads, attn.num_kv_heads) != (first.num_heads, first.num_kv_heads)
-                or any(n.unit_offset or n.weight.dtype != dtype or n.eps != config.rms_norm_eps for n in norms)):
+                or any(n.unit_offset or n.weight.dtype != dtype or n.eps != config.rms_norm_eps
+                       or not n.weight.is_contiguous() for n in norms)):
             return None
         linears = [_stack_linear(ext, m, dtype, sources)
                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(linear is None for linear in linears):
             return None
-        stack.add_layer(norms[0].weight.detach(), norms[1].weight.detach(), *linears, attn.window or 0)
+        stack.add_layer(norms[0].weight, norms[1].weight, *linears, attn.window or 0)
     stack.watch(sources)
     return stack
 
@@ -97,11 +115,11 @@ def _stack_linear(ext, module: nn.Module, dtype: torch.dtype, sources: list[torc
     """module as a StackLinear computing what its forward computes for dtype activations on the CPU, or None."""
     bias = getattr(module, "bias", None)
     if type(module) is cpu_dense.CpuDenseLinear:
-        if module.weight.dtype != dtype or module.in_features % 32:
+        if (module.weight.dtype != dtype or module.in_features % 32 or not module.weight.is_contiguous()
+                or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
             return None
         max_rows = cpu_dense.max_rows(dtype)
-        return ext.StackLinear.dense(module.weight.detach(), None if bias is None else bias.detach(),
-                                     -1 if max_rows is None else max_rows)
+        return ext.StackLinear.dense(module.weight, bias, -1 if max_rows is None else max_rows)
     int4 = type(module) is WeightOnlyInt4Linear
     if not int4 and type(module) is not WeightOnlyInt8Linear:
         return None
@@ -109,10 +127,10 @@ def _stack_linear(ext, module: nn.Module, dtype: torch.dtype, sources: list[torc
     group_size = module.group_size or module.in_features
     if (dtype != torch.float32 or module.scales.dtype != torch.float32 or not cpu_qgemm.has_vnni()
             or not cpu_qgemm.supports(padded_k, group_size)
-            or (not int4 and module.outlier_idx is not None and module.outlier_idx.numel())):
+            or (not int4 and module.outlier_idx is not None and module.outlier_idx.numel())
+            or (bias is not None and bias.dtype != torch.float32)):
         return None
     packed = module._packed_vnni()
     sources += [module.qweight, module.scales] + ([module.zeros] if int4 else []) + ([] if bias is None else [bias])
     return ext.StackLinear.vnni(packed.codes, packed.scales, packed.zero_scales, packed.out_features,
-                                packed.group_size, packed.int4, padded_k,
-                                None if bias is None else bias.detach().to(torch.float32))
+                                packed.group_size, packed.int4, padded_k, bias)

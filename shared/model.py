@@ -203,7 +203,6 @@ class LlamaForCausalLM(nn.Module):
         # on the CPU, the layers as one C++ call where they can be (shared/decoder_stack.py); False: always the
         # Python layers
         self.use_decoder_stack = True
-        self.register_load_state_dict_post_hook(lambda model, _: decoder_stack.drop(model))
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices,
@@ -229,7 +228,8 @@ class LlamaForCausalLM(nn.Module):
         if (stack := decoder_stack.for_forward(self, x, kv_caches, meta, lora)) is not None:
             x, residual = decoder_stack.run(stack, x, *ropes[False], kv_caches, meta, num_layers)
         else:
-            for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
+            # (a list's slice: a ModuleList's would build a ModuleList, registering every layer again)
+            for layer, kv_cache in zip(list(self.model.layers)[:num_layers], kv_caches):
                 x, residual = layer(x, residual, *ropes[layer.local_rope], kv_cache, meta, lora)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         if residual is None:

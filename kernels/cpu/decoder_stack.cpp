@@ -18,9 +18,9 @@
 // Each linear is dense (dense_gemm, or torch's linear past max_rows rows, as CpuDenseLinear) or integer (gemm_vnni
 // on the packed codes, as WeightOnlyInt4Linear / WeightOnlyInt8Linear, x zero-padded to padded_k).
 //
-// Staleness: the stack holds the tensors it was built from; watch() records the (data_ptr, version) of the
-// tensors its derived layouts were made from, and stale() says whether any has changed since (the caller
-// rebuilds), the key shared/quant/layers.py's _derived uses.
+// Staleness: the stack holds the model's own float tensors (the same TensorImpls, so a change of their data is
+// seen); watch() records the (data_ptr, version) of the tensors its integer layouts were derived from, and stale()
+// says whether any has changed since (the caller rebuilds), the key shared/quant/layers.py's _derived uses.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -42,7 +42,7 @@ struct StackLinear {
 
   static StackLinear dense(torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t max_rows) {
     StackLinear l;
-    l.weight = weight.contiguous();
+    l.weight = weight;
     l.bias = bias;
     l.max_rows = max_rows;
     return l;
@@ -65,8 +65,11 @@ struct StackLinear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // x [T, K] contiguous -> [T, N]
     if (!integer) {
+      // (the model's own tensors, held as they are: .contiguous() is free unless one was made strided since)
       if (max_rows >= 0 && x.size(0) > max_rows) return at::linear(x, weight, bias);
-      return dense_gemm(x, weight, bias, c10::nullopt);
+      c10::optional<torch::Tensor> b;
+      if (bias.has_value() && bias->defined()) b = bias->contiguous();
+      return dense_gemm(x, weight.contiguous(), b, c10::nullopt);
     }
     torch::Tensor x2 = x.size(1) == padded_k ? x : at::constant_pad_nd(x, {0, padded_k - x.size(1)});
     torch::Tensor y = gemm_vnni(x2, codes, scales, zero_scales, out_features, group_size, int4, c10::nullopt);
@@ -88,7 +91,7 @@ class DecoderStack {
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, StackLinear qkv, StackLinear o,
                  StackLinear gate_up, StackLinear down, int64_t window) {
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o),
+    layers_.push_back(Layer{input_norm, post_norm, std::move(qkv), std::move(o),
                             std::move(gate_up), std::move(down), window});
   }
 
@@ -131,9 +134,9 @@ class DecoderStack {
       const torch::Tensor value_cache = kv_caches.select(0, l).select(0, 1);
       if (l == 0) {
         residual = x;
-        x = rms_norm(x, layer.input_norm, eps_);
+        x = rms_norm(x, layer.input_norm.contiguous(), eps_);
       } else {
-        fused_add_rms_norm(x, residual, layer.input_norm, eps_);
+        fused_add_rms_norm(x, residual, layer.input_norm.contiguous(), eps_);
       }
       torch::Tensor qkv = layer.qkv(x).view({T, num_heads_ + 2 * num_kv_heads_, D});
       torch::Tensor q = rope_write_kv(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads_);
@@ -143,7 +146,7 @@ class DecoderStack {
                         : paged_prefill_attention(q, key_cache, value_cache, block_tables, query_start_loc,
                                                   context_lens, scale_, layer.window, softcap_);
       x = layer.o(attn.view({T, num_heads_ * D}));
-      fused_add_rms_norm(x, residual, layer.post_norm, eps_);
+      fused_add_rms_norm(x, residual, layer.post_norm.contiguous(), eps_);
       x = layer.down(silu_and_mul(layer.gate_up(x)));
     }
     return {x, residual};

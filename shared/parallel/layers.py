@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.shared import decoder_stack
 from tandem.shared.config import ModelConfig
 from tandem.shared.parallel.group import TensorParallelGroup
 from tandem.shared.quant.layers import ConcatLinear, WeightOnlyInt4Linear, WeightOnlyInt8Linear
@@ -94,7 +93,6 @@ def shard_model(model: nn.Module, config: ModelConfig, group: TensorParallelGrou
     layer kind that is not sharded (outlier-aware INT8, LoRA wrappers)."""
     rank, size = group.rank, group.size
     check_tensor_parallel(config, size)
-    decoder_stack.drop(model)  # (its layers are replaced below)
     d, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     q_per_rank, kv_per_rank = heads // size, num_kv_heads_per_rank(config, size)
     q0 = rank * q_per_rank

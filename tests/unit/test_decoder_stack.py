@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from tandem.kernels import cpu_ext, cpu_qgemm
+from tandem.kernels.cpu_dense import CpuDenseLinear
 from tandem.shared import decoder_stack
 from tandem.shared.config import ModelConfig
 from tandem.shared.lora.layers import LoRAMetadata
@@ -101,6 +103,18 @@ def test_quantized_layers_match_python(checkpoints, name):
     compare(model)
 
 
+def test_forwards_register_nothing(checkpoints):
+    """A forward, on either path, registers no module, parameter or buffer: the counter that rebuilds the stack
+    stays where it was, and so does the stack."""
+    model = load_model(ModelConfig.from_dir(checkpoints["llama3"]))
+    compare(model)
+    registrations, stack = decoder_stack._registrations, model.__dict__["_decoder_stack"][1]
+    compare(model)
+    compare(model, num_layers=1)
+    assert decoder_stack._registrations == registrations
+    assert model.__dict__["_decoder_stack"][1] is stack
+
+
 def test_float_weights_changed_in_place_or_replaced(checkpoints):
     model = load_model(ModelConfig.from_dir(checkpoints["llama3"]))
     compare(model)
@@ -111,10 +125,29 @@ def test_float_weights_changed_in_place_or_replaced(checkpoints):
     compare(model)
     assert model.__dict__["_decoder_stack"][1] is first
     state = {k: v.clone() * 0.5 if k.endswith("o_proj.weight") else v for k, v in model.state_dict().items()}
-    model.load_state_dict(state, assign=True)  # new tensors: the hook drops the stack
-    assert "_decoder_stack" not in model.__dict__
+    model.load_state_dict(state, assign=True)  # new tensors
     compare(model)
     assert model.__dict__["_decoder_stack"][1] is not first
+    second = model.__dict__["_decoder_stack"][1]
+    with torch.no_grad():  # a new parameter (the registration hooks) and new storage (.data): both seen
+        model.model.layers[0].mlp.down_proj.weight = nn.Parameter(model.model.layers[0].mlp.down_proj.weight * 0.5)
+        model.model.layers[1].self_attn.qkv_proj.weight.data = model.model.layers[1].self_attn.qkv_proj.weight * 2
+    compare(model)
+    assert model.__dict__["_decoder_stack"][1] is not second
+    third = model.__dict__["_decoder_stack"][1]
+    old = model.model.layers[1].self_attn.o_proj  # a module swapped
+    new = CpuDenseLinear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 0.7)
+    model.model.layers[1].self_attn.o_proj = new
+    compare(model)
+    assert model.__dict__["_decoder_stack"][1] is not third
+    model.to(torch.bfloat16).to(torch.float32)  # rounded in place, no forward between
+    compare(model)
+
+
+def test_early_exit_counts_layers_as_the_python_slice(checkpoints):
+    compare(load_model(ModelConfig.from_dir(checkpoints["llama3"])), num_layers=-1)
 
 
 @pytest.mark.skipif(not cpu_qgemm.has_vnni(), reason="gemm_vnni needs AVX-512 VNNI")
