@@ -339,6 +339,8 @@ class SpeculativeConfig:
             raise ValueError("--draft-model goes with --speculative-method draft, and that method needs it")
         if self.draft_num_layers is not None and self.method != "early-exit":
             raise ValueError("--draft-num-layers goes with --speculative-method early-exit")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"--draft-num-layers must be at least 1, got {self.draft_num_layers}")
         if self.suffix_max_spec_factor <= 0 or not 0 <= self.suffix_min_token_prob <= 1 or self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix decoding needs --suffix-max-spec-factor > 0, --suffix-min-token-prob in [0, 1] "
                              f"and --suffix-cache-tokens >= 0, got {self.suffix_max_spec_factor}, "

@@ -53,7 +53,9 @@ class Drafter:
             self.proposer = SuffixProposer(config.suffix_max_spec_factor, config.suffix_min_token_prob,
                                            config.suffix_cache_tokens)
         elif config.method == "early-exit":
-            num_layers = config.draft_num_layers or max(1, target.num_hidden_layers // 4)
+            num_layers = config.draft_num_layers
+            if num_layers is None:
+                num_layers = max(1, target.num_hidden_layers // 4)
             if not 1 <= num_layers < target.num_hidden_layers:
                 raise ValueError(f"--draft-num-layers must be in [1, {target.num_hidden_layers}) for this model, "
                                  f"got {num_layers}")

@@ -232,6 +232,9 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_model, model_config):
                   speculative_config=SpeculativeConfig("early-exit", draft_num_layers=2))  # fmt: skip
     with pytest.raises(ValueError, match="draft-model"):
         SpeculativeConfig("draft")
+    for layers in (0, -1):  # (0 is not "unset")
+        with pytest.raises(ValueError, match="draft-num-layers must be at least 1"):
+            SpeculativeConfig("early-exit", draft_num_layers=layers)
 
 
 def test_chi_square_helper_rejects_a_wrong_distribution():
