@@ -1,7 +1,7 @@
 """A model's decoder layers as one C++ call on the CPU (kernels/cpu/decoder_stack.cpp): the loop of
 LlamaForCausalLM.forward over its layers, with the kernels the Python layers call, in the same order, so the
-results are the same bits; without the 5-15 us of Python around each of a step's ~270 kernel calls (2-3 ms of a
-10-16 ms decode step of the default model at 1-8 sequences: docs/performance.md).
+results are the same bits; without the 5-15 us of Python around each of a step's ~270 kernel calls (4 ms of a
+10-16 ms decode step of the packaged GGUF at 1-8 sequences, 1.4-3 ms in fp32 and bf16: docs/performance.md).
 
 It runs a forward when every layer is one the stack computes as the Python layers would (Llama's layout: RMSNorm
 before attention and MLP, rotate-half RoPE, SwiGLU; no Gemma norms, QK norms or local RoPE), each linear dense
