@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = make_engine(64 * batch, 2048, max(batch, 1))
         for i in range(batch):
             engine.add_request(Request(f"r{i}", [(j * 7919 + i) % 40000 + 100 for j in range(args.prompt_len)],
-                                       SamplingParams(max_tokens=4 * (args.steps + 1) + 20, temperature=0.0, ignore_eos=True)))
+                                       SamplingParams(max_tokens=4 * (args.steps + 1) + 20, temperature=0.0,
+                                                      ignore_eos=True)))  # (4 rounds of steps)
         while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         for _ in range(3):

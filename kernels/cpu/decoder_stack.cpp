@@ -4,9 +4,9 @@
 //
 // Why: a decode step of a small model is about 270 kernel calls of 5-500 us each, and each call from Python costs
 // 5-15 us around the kernel (the module's forward, the wrapper's checks, the weight's layout lookup, pybind): 4 ms
-// of a 10-16 ms step of the packaged GGUF at 1-8 sequences, 1.4-3 ms in fp32 and bf16 (docs/performance.md). Here a step's layers cost one call, made without the
-// GIL, so the server's event loop runs meanwhile. The same idea as CUDA graphs for a GPU's launch cost, and as
-// llama.cpp's graph of the whole model.
+// of a 10-16 ms step of the packaged GGUF at 1-8 sequences, 1.4-3 ms in fp32 and bf16 (docs/performance.md).
+// Here a step's layers cost one call, made without the GIL, so the server's event loop runs meanwhile. The same
+// idea as CUDA graphs for a GPU's launch cost, and as llama.cpp's graph of the whole model.
 //
 // Per layer (x the previous layer's output, residual the stream before it; the first layer starts from the
 // embeddings with no residual):
