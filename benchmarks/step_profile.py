@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     cpu_ext.set_num_threads(args.kernel_threads)
     config = ModelConfig.from_dir(prepare_model(), args.quantization, args.dtype)
     timers = Timers()
-    forward = timers.seconds
     # the model's parts: each wrapped where it is called from (the module's forward or a module-level name)
     for part, owner, name in (("attention", model_module, "paged_attention"),
                               ("norms", model_module.RMSNorm, "forward"),
@@ -93,7 +92,13 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.prefill_chunk:
         return profile_prefill(args, make_engine, timers, Request, SamplingParams, config.weight_format)
-    print(f"{config.weight_format}, {args.kernel_threads} kernel threads; ms per step")
+    profile_decode(args, make_engine, timers, Request, SamplingParams, config.weight_format)
+
+
+def profile_decode(args, make_engine, timers: Timers, Request, SamplingParams, weight_format: str) -> None:
+    """Per batch size: a running batch of that many requests; rounds of args.steps decode steps alternating the
+    Python layers (timed per part) with the decoder stack (steps and forwards); prints the quickest round of each."""
+    print(f"{weight_format}, {args.kernel_threads} kernel threads; ms per step")
     print(f"{'batch':>5} {'step':>7} {'linears':>8} {'attention':>9} {'layer ops':>9} {'fwd rest':>8} "
           f"{'sampling':>8} {'outside':>8} {'stack: step':>11} {'forward':>8}")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -110,11 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         for use_stack in (False, True, False, True):  # (alternating: both share the run's load)
             engine.model_runner.model.use_decoder_stack = use_stack
             engine.step()
-            forward.clear()
+            timers.seconds.clear()
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
-            ms = {k: v / args.steps * 1e3 for k, v in forward.items()}
+            ms = {k: v / args.steps * 1e3 for k, v in timers.seconds.items()}
             ms["step"] = (time.perf_counter() - start) / args.steps * 1e3
             if use_stack not in best or ms["step"] < best[use_stack]["step"]:
                 best[use_stack] = ms
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         inside = ms["linears"] + ms["attention"] + layer_ops
         print(f"{batch:5} {ms['step']:7.2f} {ms['linears']:8.2f} {ms['attention']:9.2f} {layer_ops:9.2f} "
               f"{ms['forward'] - inside:8.2f} {ms['sampling']:8.2f} {ms['step'] - ms['forward'] - ms['sampling']:8.2f} "
-              f"{stack['step']:8.2f} {stack['forward']:8.2f}")
+              f"{stack['step']:11.2f} {stack['forward']:8.2f}")
 
 
 PREFILL_PARTS = ("linears", "attention", "norms", "rope + kv", "activation")

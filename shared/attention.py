@@ -86,8 +86,9 @@ def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scal
         return _attention_triton(query, key_cache, value_cache, meta, scale, window, softcap)
     if meta.is_decode_only:
         return _decode_attention_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
-    if meta.max_query_len <= MAX_ROWS_AS_DECODE and cpu_attention.supports(query, key_cache, meta.kv_quant):
-        return _short_queries_cpu(query, key_cache, value_cache, meta, scale, window, softcap)
+    if cpu_attention.supports(query, key_cache, meta.kv_quant) and (rows := decode_kernel_rows(meta)) is not None:
+        return cpu_attention.paged_decode_attention(query, key_cache, value_cache, *rows, scale, window, softcap,
+                                                    meta.kv_quant)  # (short queries: verified drafts)
     if cpu_prefill_attention.supports(query, key_cache, meta.kv_quant):
         return cpu_prefill_attention.paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
                                                              meta.query_start_loc_t, meta.context_lens_t, scale,
@@ -143,20 +144,16 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
 MAX_ROWS_AS_DECODE = 16  # CPU: requests with at most this many query rows (verified drafts) run as decode rows
 
 
-def _short_queries_cpu(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, window: int | None,
-                       softcap: float | None) -> torch.Tensor:
-    """Every request has few query rows (a decode token and its drafts): each row becomes a decode row of the
-    C++ kernel that attends to its own causal prefix (row j of a request with n rows and context c sees c - n + j
-    + 1 tokens), through its request's block table."""
-    tables, lens = decode_rows_layout(meta)
-    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, softcap,
-                                                meta.kv_quant)
-
-
-def decode_rows_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row as a decode row: (block tables [num_tokens, max_blocks] int32, context lens [num_tokens]
-    int32), row j of a request with n rows and context c seeing c - n + j + 1 tokens; made once per forward
-    (meta.cpu_rows_layout)."""
+def decode_kernel_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of the CPU decode kernel when a batch runs there: (block tables [rows, max_blocks] int32, context
+    lens [rows] int32); None when a request has more than MAX_ROWS_AS_DECODE query rows (the prefill kernel's).
+    A decode batch's rows are its requests. Short queries (a decode token and its drafts) are one row per query
+    row, each attending to its own causal prefix through its request's block table: row j of a request with n rows
+    and context c sees c - n + j + 1 tokens (made once per forward: meta.cpu_rows_layout)."""
+    if meta.is_decode_only:
+        return meta.block_tables, meta.context_lens_t
+    if meta.max_query_len > MAX_ROWS_AS_DECODE:
+        return None
     if meta.cpu_rows_layout is None:
         counts = torch.tensor([b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])])
         lens = [c - n + j + 1 for c, n in zip(meta.context_lens, counts.tolist()) for j in range(n)]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import cpu_dense, cpu_ext, cpu_layer_ops, cpu_qgemm
-from tandem.shared.attention import MAX_ROWS_AS_DECODE, AttentionMetadata, decode_rows_layout
+from tandem.shared.attention import AttentionMetadata, decode_kernel_rows
 from tandem.shared.device import use_triton
 from tandem.shared.lora.layers import LoRAMetadata
 from tandem.shared.quant.layers import WeightOnlyInt4Linear, WeightOnlyInt8Linear
@@ -65,20 +65,15 @@ def for_forward(model: nn.Module, x: torch.Tensor, kv_caches, meta: AttentionMet
 
 
 def run(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: torch.Tensor,
-        meta: AttentionMetadata, num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        meta: AttentionMetadata, num_layers: int | None) -> list[torch.Tensor]:
     """The first num_layers layers (None: all) over x [T, H] (the embeddings, overwritten), attention as
-    shared/attention.py paged_attention picks it on the CPU. Returns (the last layer's MLP output, the residual
-    stream before it), as the Python loop."""
-    if meta.is_decode_only:
-        decode, tables, lens = True, meta.block_tables, meta.context_lens_t
-    elif meta.max_query_len <= MAX_ROWS_AS_DECODE:
-        decode, (tables, lens) = True, decode_rows_layout(meta)
-    else:
-        decode, tables, lens = False, meta.block_tables, meta.context_lens_t
+    shared/attention.py paged_attention picks it on the CPU. Returns [the last layer's MLP output, the residual
+    stream before it], as the Python loop."""
+    rows = decode_kernel_rows(meta)
+    tables, lens = rows if rows is not None else (meta.block_tables, meta.context_lens_t)
     num_layers = len(range(stack.num_layers)[:num_layers])  # (the Python loop's slice, negative counts included)
-    x, residual = stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, decode, tables, lens,
-                                meta.query_start_loc_t, num_layers)
-    return x, residual
+    return stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, rows is not None, tables, lens,
+                         meta.query_start_loc_t, num_layers)
 
 
 def build(model: nn.Module, dtype: torch.dtype):

@@ -112,16 +112,16 @@ class DecoderStack {
   // paged_decode_attention with block_tables [rows, max_blocks] int32 and context_lens [rows] int32, one query row
   // each (a decode batch, or every query row of short queries with its own causal length); otherwise
   // paged_prefill_attention with block_tables [S, max_blocks], context_lens [S] and query_start_loc [S + 1].
-  // num_layers: the first that many layers (-1: all). Returns (the last layer's MLP output, the residual stream
+  // num_layers: the first that many layers. Returns (the last layer's MLP output, the residual stream
   // before it), both [T, H].
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_caches,
                                      torch::Tensor slot_mapping, bool decode_kernel, torch::Tensor block_tables,
                                      torch::Tensor context_lens, torch::Tensor query_start_loc, int64_t num_layers) {
     TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2,
                 "kv_caches must be [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]");
+    TORCH_CHECK(num_layers >= 0, "num_layers must be >= 0, got ", num_layers);
     // (as the Python loop's zip: the layers that have a cache)
-    const int64_t n = std::min({num_layers < 0 ? this->num_layers() : num_layers, this->num_layers(),
-                                kv_caches.size(0)});
+    const int64_t n = std::min({num_layers, this->num_layers(), kv_caches.size(0)});
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
     const int64_t T = x.size(0), D = kv_caches.size(5);
     cos = cos.contiguous();
