@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 import uuid
 from typing import Any, Callable
 
@@ -110,6 +111,9 @@ async def _log_stats(engine: AsyncEngine, interval_s: float = 30.0) -> None:
 
 YIELD_CHECK_S = 0.5  # how often a decode reads the prefill tier's records (the records beat every second)
 YIELD_MIN_BACKLOG_S = 1.0  # a prefill's queued prompts, in seconds at its measured rate, that a decode yields to
+# a prefill record not published again for this long (two heartbeats missed) is a prefill that died or froze: its
+# queue is nothing to yield to (its record stays listed until its TTL, 10 s)
+YIELD_STALE_S = 2.5
 
 
 def prefill_backlog_s(prefill: InstanceInfo) -> float:
@@ -124,14 +128,17 @@ async def _yield_to_prefill(registry: Registry, info: InstanceInfo, engine: Asyn
     tiers share, a decode running a few requests steps every ~10 ms, each step streaming all the weights for a few
     tokens, and takes half the cores from the prefill, doubling every queued prompt's TTFT; spacing its steps gives
     the prefill most of the cores while its queue lasts, for a TPOT of about interval_s (docs/performance.md). A
-    registry that cannot be read (Redis down: its lists are old) is no reason to yield: full speed until it answers."""
+    registry that cannot be read (Redis down: its lists are old) is no reason to yield: full speed until it answers;
+    nor is a prefill whose record was last published over YIELD_STALE_S ago (it died or froze)."""
     yielding_to = None
     while True:
         try:
             prefills = await registry.list_instances("prefill")
             if not registry.healthy:  # (that read got no answer: these are the last lists seen)
                 prefills = []
-            busy = [p for p in prefills if p.shares_cpus(info) and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S]
+            now_s = time.time()  # (a record shares_cpus with this one only on this machine: one clock)
+            busy = [p for p in prefills if p.shares_cpus(info) and prefill_backlog_s(p) >= YIELD_MIN_BACKLOG_S
+                    and now_s - p.published_s <= YIELD_STALE_S]
             engine.step_interval_s = interval_s if busy else 0.0
             now = busy[0].instance_id if busy else None
             if now != yielding_to:

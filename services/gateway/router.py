@@ -10,7 +10,8 @@ and the prefix index (shared/cluster_state/prefix_index.py). docs/prefix-caching
   instance holding more in its pool.
 - Pairs: a prefill and a decode only when the prefill can send it KV (InstanceInfo.can_send_kv_to: KV dtype and
   block size, as a fleet changing --kv-dtype mixes them; with tensor parallelism on either side, records that list
-  the decode's rank endpoints). A decode no prefill pairs with computes prompts itself.
+  the decode's rank endpoints). A decode no prefill pairs with computes prompts itself, as every decode does while
+  no prefill is left (none registered, each one marked down, or each one failed for the request being placed).
 - Decode: among instances with room for the request, the highest score: prompt tokens it already holds in its
   pool (not shipped: received KV is reserved in the pool alone) minus DECODE_LOAD_TOKENS per request it serves or
   holds.
@@ -148,6 +149,18 @@ class Router:
         now = time.monotonic()
         return [i for i in found if self._down.get(i.instance_id, 0) <= now] or found
 
+    async def _prefills(self, skip: set[str], local: bool) -> list[InstanceInfo]:
+        """The prefills a request may go to: instances("prefill", skip); where the decode may compute the prompt
+        itself (local), without those marked down, and none left is no error (the decode computes it)."""
+        if not local:
+            return await self.instances("prefill", skip)
+        try:
+            found = await self.instances("prefill", skip)
+        except NoInstanceError:
+            return []
+        now = time.monotonic()
+        return [p for p in found if self._down.get(p.instance_id, 0) <= now]
+
     def mark_down(self, instance: InstanceInfo) -> None:
         """A call to instance failed as unreachable or draining: route around it until its registry record has
         expired (one TTL), not only for the request that saw it fail."""
@@ -164,9 +177,11 @@ class Router:
         session_id: the request's session (the module's docstring), which then moves to the pair chosen;
         keep_session False: the cost model places it even when its pair qualifies (a migrated request, whose
         decode just failed). lora_name: the request's adapter (the module's docstring; UnknownLoRAError naming it
-        when no live instance has it loaded). NoInstanceError when a tier has no live instance outside skip."""
+        when no live instance has it loaded). No live prefill outside skip and not marked down: the decode computes
+        the prompt itself (local; a prefill that died mid-prompt does not fail the request). NoInstanceError when no
+        live decode is left outside skip, or no prefill and not local."""
         decodes = await self.instances("decode", skip)
-        prefills = await self.instances("prefill", skip)
+        prefills = await self._prefills(skip, local)
         plan = None
         if lora_name is not None:
             lora = await self.adapter(lora_name)
@@ -223,9 +238,9 @@ class Router:
         """route's cost model over the candidate decodes (roomy) and prefills; plan: the request's adapter."""
         if self.policy == "round-robin":
             decode = self._turn("decode", roomy)
-            if not prefills:  # (none serves the request's adapter with the cluster's files)
+            if not prefills:  # (none left, or none serves the request's adapter with the cluster's files)
                 return Route(decode, None, explanation=["round-robin", f"-> decode {decode.instance_id} computes the "
-                             f"prompt itself: {plan.no_prefill()}"], reason="decode_local")  # fmt: skip
+                             f"prompt itself: {_no_prefill(plan)}"], reason="decode_local")  # fmt: skip
             return Route(decode, self._turn("prefill", self._paired(decode, prefills)),
                          explanation=["round-robin"], reason="round_robin")  # fmt: skip
         bs = self.contract.block_size
@@ -261,7 +276,7 @@ class Router:
         decode = self._turn("decode", _best(roomy, decode_score, max))
         uncached = n - cached[decode.instance_id]
         if local and not any(p.can_send_kv_to(decode) for p in prefills):
-            why = plan.no_prefill() if plan is not None and not prefills else (
+            why = _no_prefill(plan) if not prefills else (
                 f"no prefill shares its KV format ({decode.kv_dtype}, blocks of {decode.block_size}) and knows its "
                 f"{decode.tensor_parallel_size} ranks")  # fmt: skip
             explanation.append(f"-> decode {decode.instance_id} computes the prompt itself: {why}")
@@ -461,6 +476,12 @@ class Router:
             await self.index.cleanup(live)
         except IndexUnavailableError:
             pass  # _cached_tokens reports the outage
+
+
+def _no_prefill(plan: AdapterPlan | None) -> str:
+    """Why a request has no prefill to go to: its adapter's (plan), or none is left."""
+    return plan.no_prefill() if plan is not None else ("no live prefill is left (none is registered, or each one "
+                                                       "failed for this request)")
 
 
 def _best(candidates: list[InstanceInfo], key, pick) -> list[InstanceInfo]:

@@ -52,7 +52,8 @@ class InstanceInfo:
         if self.tensor_parallel_size == 1 and decode.tensor_parallel_size == 1:
             return True
         return bool(self.kv_endpoints) and len(decode.kv_endpoints) == decode.tensor_parallel_size
-    incarnation: str = ""  # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
+    # new on each start of the process: its prefix-index entries (shared/cluster_state/prefix_index.py)
+    incarnation: str = ""
     hash_contract: dict | None = None  # shared.block_hash.HashContract.to_dict() of its prefix cache; None: none
     # LoRA adapters loaded here (docs/lora.md): name -> {"digest": 16 hex digits of its files, "path": its PEFT
     # directory}; the router prefers instances holding a request's adapter, and loads it on another from path
@@ -66,6 +67,7 @@ class InstanceInfo:
     # older record
     boot_id: str = ""
     cpus: list[int] = field(default_factory=list)
+    published_s: float = 0.0  # time.time() when Registry.publish wrote this record (0: an older writer's)
 
     def shares_cpus(self, other: InstanceInfo) -> bool:
         """Whether the two run on one machine with a CPU in common (so one's work slows the other's steps); False
@@ -97,7 +99,9 @@ class Registry:
         self._reads: dict[str, tuple[asyncio.Future, float]] = {}  # tier -> (the read in flight or the last, start)
 
     async def publish(self, info: InstanceInfo) -> None:
-        await self.redis.set(info.key, json.dumps(asdict(info)), px=int(self.ttl_s * 1000))
+        """Write info's record (published_s: now), to expire in ttl_s unless published again."""
+        record = asdict(info) | {"published_s": time.time()}
+        await self.redis.set(info.key, json.dumps(record), px=int(self.ttl_s * 1000))
 
     async def remove(self, info: InstanceInfo) -> None:
         await self.redis.delete(info.key)

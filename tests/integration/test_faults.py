@@ -1,12 +1,14 @@
 """Faults on a real 2 prefill + 3 decode cluster with a Redis of the test's own (issue 16), each bounded in time:
 Redis stopped, and in the long pass also frozen, under load, slow clients (gRPC and HTTP SSE), 200 requests (16
 in make test's short pass) cancelled or timed out at random points, a decode frozen mid-stream, one stopped while a
-stream outlives its drain, then kill -9 of a decode mid-stream and of a prefill mid-transfer; streams on a decode
-that fails migrate (issue 36). Make test runs the Redis stop, the slow clients, the short pass of cancellations and
-the prefill's kill; the rest is in .ci/run's heavy pass. Loopback only.
+stream outlives its drain, then kill -9 of a decode mid-stream and of each prefill mid-transfer; streams on a decode
+that fails migrate (issue 36), and a prompt whose last prefill dies goes to a decode. Make test runs the Redis stop,
+the slow clients, the short pass of cancellations and the prefills' kills; the rest is in .ci/run's heavy pass.
+Loopback only.
 
-The tests share one cluster and run in file order: the last three stop an instance each (a decode killed, a
-prefill killed, then a decode drained: make test runs only the prefill's; the other two are in the heavy pass). One
+The tests share one cluster and run in file order: the last four stop an instance each (a decode killed, each
+prefill killed, then a decode drained, whose prompts the decodes compute: make test runs only the prefills'; the
+other two are in the heavy pass). One
 file (over 400 lines) for that reason: the process deaths in a module of their own would start a second 2 + 3
 cluster, some 15 s of make test's budget.
 (A reservation's KV lease while its prompt queues on a busy prefill: test_robustness.py.)
@@ -465,16 +467,17 @@ def test_kill_9_of_a_decode_mid_stream_migrates_its_streams(cluster):
         assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
 
 
-# -- b. kill -9 of a prefill mid-transfer ---------------------------------------------------------------------------
-def test_kill_9_of_a_prefill_mid_transfer(cluster, tokenizer, hf_greedy):
-    ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
-    expected = hf_greedy(ids, 48)[:16]
+# -- b. kill -9 of a prefill mid-transfer, then of the last one ------------------------------------------------------
+def _kill_the_prefill_mid_transfer(cluster, salt: str) -> tuple[dict, str, int, float]:
+    """Send LONG_PROMPT (greedy, 16 tokens) and kill -9 the prefill that has sent some of its KV blocks and is still
+    computing it; wait for the answer. Returns (the client's result: out, ended, first_token_at, or code and details),
+    the prefill killed, the blocks it had sent, when it was killed."""
     prefills = [n for n in cluster.addresses if n.startswith("prefill")]
     exported = {n: load(cluster.addresses[n]).num_blocks_exported for n in prefills}
     result: dict = {}
 
     def run() -> None:
-        request = make_request(LONG_PROMPT, raw=True, max_tokens=16, temperature=0.0, cache_salt="kill-prefill")
+        request = make_request(LONG_PROMPT, raw=True, max_tokens=16, temperature=0.0, cache_salt=salt)
         out = Completion()
         try:
             with grpc.insecure_channel(cluster.gateway_address) as channel:
@@ -500,19 +503,43 @@ def test_kill_9_of_a_prefill_mid_transfer(cluster, tokenizer, hf_greedy):
     client.join(timeout=180)
     assert not client.is_alive()
     del cluster.processes[victim], cluster.addresses[victim]
+    return result, victim, sent, killed_at
+
+
+def _assert_whole_and_idle(cluster, result: dict, expected: list[int]) -> None:
+    assert "code" not in result, result
+    assert result["out"].token_ids == expected
+    loads = wait_idle(cluster, timeout_s=30)
+    for name, l in loads.items():
+        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+
+
+def test_kill_9_of_a_prefill_mid_transfer(cluster, tokenizer, hf_greedy):
+    ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
+    result, victim, sent, killed_at = _kill_the_prefill_mid_transfer(cluster, "kill-prefill")
     first_before_kill = result.get("first_token_at", float("inf")) < killed_at
     print(f"\nkill -9 {victim} after {sent} of {len(ids) // 16} KV blocks sent: "
           f"{result.get('code', 'OK')} after {result['ended'] - killed_at:.1f} s, first token before the kill: "
           f"{first_before_kill}")
     # before its first token the request is placed again; after it (the decode fails the broken transfer), it
     # migrates: either way the answer is whole and exact
-    assert "code" not in result, result
-    assert result["out"].token_ids == expected
     log = (cluster.log_dir / "gateway.log").read_text()
     assert ("migrated in" if first_before_kill else "placing it again") in log
-    loads = wait_idle(cluster, timeout_s=30)
-    for name, l in loads.items():
-        assert (l.num_free_blocks, l.num_running, l.num_waiting) == (l.num_blocks, 0, 0), (name, l)
+    _assert_whole_and_idle(cluster, result, hf_greedy(ids, 48)[:16])
+
+
+def test_kill_9_of_the_last_prefill_mid_prompt_leaves_the_prompt_to_a_decode(cluster, tokenizer, hf_greedy):
+    """No prefill left (the test above killed one; this one kills the other mid-prompt, or both when it runs
+    alone): the request is placed again on a decode, which computes the prompt itself, and answers it whole."""
+    for name in [n for n in cluster.addresses if n.startswith("prefill")][:-1]:
+        cluster.kill(name)
+        del cluster.processes[name], cluster.addresses[name]
+    ids = tokenizer(LONG_PROMPT, add_special_tokens=False).input_ids
+    result, victim, sent, killed_at = _kill_the_prefill_mid_transfer(cluster, "kill-last-prefill")
+    print(f"\nkill -9 {victim} (the last prefill) after {sent} KV blocks sent: {result.get('code', 'OK')} after "
+          f"{result['ended'] - killed_at:.1f} s")
+    assert "computes the prompt itself: no live prefill is left" in (cluster.log_dir / "gateway.log").read_text()
+    _assert_whole_and_idle(cluster, result, hf_greedy(ids, 48)[:16])
 
 
 # -- a decode stopped (SIGTERM) while a stream runs past its drain timeout -------------------------------------------

@@ -144,15 +144,30 @@ def test_killed_instance_is_not_a_candidate(redis_server):
 
 def test_an_instance_marked_down_is_routed_around_until_its_ttl_unless_no_other_is_left(redis_server,
                                                                                        monkeypatch):
+    """Down or failed prefills: the others; none left: the decode computes the prompt itself, or (a request only a
+    prefill can serve: local False) the down ones are tried anyway rather than the request refused."""
     async def body(world):
         a, b = instance("prefill-a", "prefill"), instance("prefill-b", "prefill")
         await world.register(instance("decode-1", "decode"), a, b)
-        router = world.router(local_prefill_tokens=0, policy="round-robin")
-        router.mark_down(a)  # (a call to it failed as unreachable)
-        assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-b"}
-        router.mark_down(b)  # every one down: try them anyway rather than refuse
-        assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-a", "prefill-b"}
+        for policy in ("round-robin", "cache-aware"):
+            router = world.router(local_prefill_tokens=0, policy=policy)
+            router.mark_down(a)  # (a call to it failed as unreachable)
+            assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-b"}
+            router.mark_down(b)
+            for route in [await router.route(PROMPT, 300) for _ in range(2)]:
+                assert route.prefill is None and route.reason == "decode_local", route.explain()
+                assert "computes the prompt itself: no live prefill is left" in route.explain()
+            routes = {(await router.route(PROMPT, 300, local=False)).prefill.instance_id for _ in range(4)}
+            both = {"prefill-a", "prefill-b"}
+            assert routes == both if policy == "round-robin" else routes < both  # (cache-aware: the prompt's)
+            # each one failed for this request (still registered): the decode; none for local False
+            route = await world.router(local_prefill_tokens=0, policy=policy).route(PROMPT, 300, skip={"prefill-a",
+                                                                                                    "prefill-b"})
+            assert route.prefill is None and route.reason == "decode_local", route.explain()
+            with pytest.raises(NoInstanceError, match="no live prefill instance"):
+                await router.route(PROMPT, 300, skip={"prefill-a", "prefill-b"}, local=False)
         monkeypatch.setattr(world.registry, "ttl_s", 0.0)
+        router = world.router(local_prefill_tokens=0, policy="round-robin")
         router.mark_down(a)  # (for one TTL: 0 s now)
         router.mark_down(b)
         assert {(await router.route(PROMPT, 300)).prefill.instance_id for _ in range(4)} == {"prefill-a", "prefill-b"}

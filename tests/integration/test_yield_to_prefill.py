@@ -1,9 +1,13 @@
 """A decode yields its CPUs to a backed-up prefill that shares them (services/engine_main.py _yield_to_prefill), on
 a real redis-server: prefill records as engines publish them decide the decode's step interval; and the records'
-machine identity (shared/utils.py machine_cpus, InstanceInfo.shares_cpus)."""
+machine identity (shared/utils.py machine_cpus, InstanceInfo.shares_cpus); a record no longer published (its prefill
+died) is nothing to yield to."""
 import asyncio
+import json
 import os
+import time
 import types
+from dataclasses import asdict
 
 from tandem.services import engine_main
 from tandem.shared.cluster_state import cancel_and_wait
@@ -38,6 +42,15 @@ async def _interval_after(registry: Registry, engine, prefills: list[InstanceInf
     return engine.step_interval_s
 
 
+async def _after_a_prefill_stops_beating(registry: Registry, engine, info: InstanceInfo) -> float:
+    """The decode's step interval once info's record (backed up) was last published YIELD_STALE_S ago and more: a
+    prefill killed within its record's TTL."""
+    record = asdict(info) | {"published_s": time.time() - engine_main.YIELD_STALE_S - 0.5}
+    await registry.redis.set(info.key, json.dumps(record), px=int(registry.ttl_s * 1000))
+    await asyncio.sleep(0.6)
+    return engine.step_interval_s
+
+
 async def _after_redis_stops(engine, stop_redis) -> float:
     """The decode's step interval once Redis has been down for a few reads (its last list says: backed up)."""
     await asyncio.get_running_loop().run_in_executor(None, stop_redis)
@@ -60,6 +73,9 @@ async def scenario(url: str, stop_redis) -> list[float]:
              record("p2", "prefill", num_queued_tokens=9000, cpus=(1,), **measured)],
             [record("p2", "prefill", num_queued_tokens=0, cpus=(1,), **measured)],  # its queue gone
             [record("p1", "prefill", num_queued_tokens=5000, **measured)])]  # fmt: skip
+        backed_up = record("p1", "prefill", num_queued_tokens=5000, **measured)
+        intervals += [await _after_a_prefill_stops_beating(registry, engine, backed_up),
+                      await _interval_after(registry, engine, [backed_up])]  # (it beats again)
         return intervals + [await _after_redis_stops(engine, stop_redis)]
     finally:
         await cancel_and_wait(task)
@@ -68,5 +84,7 @@ async def scenario(url: str, stop_redis) -> list[float]:
 
 def test_a_decode_spaces_its_steps_only_while_a_prefill_on_its_cpus_is_backed_up(redis_server, monkeypatch):
     monkeypatch.setattr(engine_main, "YIELD_CHECK_S", 0.05)
-    # the last two: backed up again, then Redis stops (its last list still says backed up): full speed
-    assert asyncio.run(scenario(redis_server.url, redis_server.stop)) == [0.08, 0.0, 0.0, 0.0, 0.08, 0.0, 0.08, 0.0]
+    # then: backed up again; its record not published for YIELD_STALE_S (killed): full speed; it beats again;
+    # Redis stops (its last list still says backed up): full speed
+    assert asyncio.run(scenario(redis_server.url, redis_server.stop)) == [0.08, 0.0, 0.0, 0.0, 0.08, 0.0, 0.08, 0.0,
+                                                                          0.08, 0.0]
