@@ -84,8 +84,12 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
         if http is not None:
             http.should_exit = True
 
+    async def drain() -> None:  # (streams still open near the drain timeout end with an error: pipeline.drain)
+        pipeline.drain(args.drain_timeout)
+        await stop_http()
+
     try:
-        await server.serve_until_signal(on_drain=stop_http, busy=lambda: http_task is not None and not http_task.done())
+        await server.serve_until_signal(on_drain=drain, busy=lambda: http_task is not None and not http_task.done())
     finally:
         await cancel_and_wait(cleanup)
         await stop_http()

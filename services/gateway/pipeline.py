@@ -42,10 +42,11 @@ from tandem.services.gateway.validation import check_sampling_params, tokenize_r
 from tandem.services.tracing import bind_request, in_span, observe_generate, start_span, traced_stream
 from tandem.shared.config import ModelConfig
 from tandem.shared.errors import InvalidRequestError, UpstreamError
-from tandem.v1 import common_pb2, gateway_pb2
+from tandem.v1 import common_pb2, decode_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 STREAM_BUFFER = 64  # messages a request's merged completions may hold for a client that reads slowly
+STREAMS_END_MARGIN_S = 1.0  # a draining gateway ends the streams still open this long before its drain timeout
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -74,6 +75,39 @@ class GatewayPipeline:
                                                      DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
         # (the gateway's TLS settings for its calls to the engines: services/gateway/main.py)
         self.placer = Placer(router, channels or ChannelPool(), self.admission, self.metrics)
+        # set by drain(): resolves (an UpstreamError) when the streams still open must end
+        self._streams_end: asyncio.Future | None = None
+
+    def drain(self, timeout_s: float) -> None:
+        """The gateway drains (SIGTERM): the streams still open STREAMS_END_MARGIN_S before timeout_s (seconds from
+        now; at half of it when shorter) end with an UNAVAILABLE error saying so, through each API's error path (an
+        SSE error event and [DONE], a gRPC status), instead of being cut off when the servers stop."""
+        loop = asyncio.get_running_loop()
+        end = self._streams_end = loop.create_future()
+        error = UpstreamError("UNAVAILABLE", f"the gateway is shutting down: its drain timeout ({timeout_s:g} s) "
+                                             "ran out before this stream ended; send the request again")  # fmt: skip
+        end_in_s = timeout_s - STREAMS_END_MARGIN_S if timeout_s > 2 * STREAMS_END_MARGIN_S else timeout_s / 2
+        loop.call_later(end_in_s, lambda: end.done() or end.set_exception(error))
+        end.add_done_callback(lambda f: f.exception())  # (retrieved: no "never retrieved" log when none waits)
+
+    async def _read_decode(self, placement: Placement, decode, prefill) -> decode_pb2.DecodeResponse:
+        """Placer.read_decode; once the gateway drains, raced against its streams' end (drain())."""
+        read = self.placer.read_decode(placement.decode_call, decode, prefill)
+        if self._streams_end is None:  # (no task per message while serving)
+            return await read
+        if self._streams_end.done():
+            read.close()
+            raise self._streams_end.exception()
+        task = asyncio.ensure_future(read)
+        try:
+            await asyncio.wait({task, self._streams_end}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # (the stream's consumer is gone)
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise self._streams_end.exception()
 
     async def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """The prompt (text or chat turns) of a public request as token ids (validation.tokenize_request), off the
@@ -201,7 +235,7 @@ class GatewayPipeline:
                         await self.placer.end_of(placement.decode_call)  # (the decode ended it: its call ends OK)
                     break
                 try:
-                    reply = await self.placer.read_decode(placement.decode_call, decode, prefill)
+                    reply = await self._read_decode(placement, decode, prefill)
                 except DecodeLostError as e:
                     placement.decode_call.cancel()  # (frees its blocks where the decode still runs)
                     placement = await self._migrate(request, relay, e)

@@ -580,3 +580,58 @@ def test_a_stream_outliving_its_decodes_drain_migrates(cluster):
     assert "migrated in" in log and "(decode_failed)" in log
     assert len(out.token_ids) == 1000 and out.finish_reason == "length"
     assert out.token_ids == generate(cluster.gateway_address, request, timeout=300).token_ids
+
+
+# -- the gateway stopped (SIGTERM) while streams outlive its drain timeout ------------------------------------------
+def test_a_draining_gateway_ends_the_streams_left_with_an_error(cluster):
+    """The gateway drains (--drain-timeout 5 here): an HTTP stream and a gRPC stream still running 1 s before the
+    timeout end with an error saying it is shutting down (SSE: an error event, then [DONE]; gRPC: UNAVAILABLE),
+    not a cut connection, and the gateway exits 0 within the timeout. Last: it stops the gateway."""
+    base_url, results = cluster.openai_base_url, {}
+    model = httpx.get(f"{base_url}/models", timeout=10).json()["data"][0]["id"]
+
+    def read_http() -> None:
+        body = {"model": model, "prompt": "Tell me everything about the sea.", "max_tokens": 2000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        lines = []
+        try:
+            with httpx.Client(timeout=httpx.Timeout(60)) as client:
+                with client.stream("POST", f"{base_url}/completions", json=body) as response:
+                    lines += [line for line in response.iter_lines() if line]
+        except httpx.HTTPError as e:
+            lines.append(f"{type(e).__name__}: {e}")
+        results["http"] = lines
+
+    def read_grpc() -> None:
+        request = make_request("Tell me everything about the moon.", max_tokens=2000, temperature=0.0,
+                               ignore_eos=True)  # fmt: skip
+        out = Completion()
+        try:
+            for msg in generate_stream(cluster.gateway_address, request):
+                out.add(msg)
+            results["grpc"] = ("OK", len(out.token_ids))
+        except grpc.RpcError as e:
+            results["grpc"] = (e.code(), e.details(), len(out.token_ids))
+
+    readers = [threading.Thread(target=read_http, daemon=True), threading.Thread(target=read_grpc, daemon=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 120
+    while sum(load(a).num_running for n, a in cluster.addresses.items() if n.startswith("decode")) < 2:
+        assert time.monotonic() < deadline and all(r.is_alive() for r in readers), ("the streams never ran", results)
+        time.sleep(0.1)
+    stopped_at = time.monotonic()
+    assert cluster.terminate("gateway", timeout_s=60) == 0
+    took_s = time.monotonic() - stopped_at
+    for reader in readers:
+        reader.join(timeout=30)
+    del cluster.processes["gateway"]
+    print(f"\ngateway drained in {took_s:.1f} s: gRPC {results.get('grpc')}, HTTP's last events "
+          f"{results.get('http', [])[-2:]}")
+    assert took_s < cluster.drain_timeout_s + 3, took_s
+    code, details, num_tokens = results["grpc"]
+    assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details and num_tokens > 0, results["grpc"]
+    events = results["http"]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"] and len(events) > 3, (error, events[:3])
