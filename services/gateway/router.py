@@ -480,8 +480,8 @@ class Router:
 
 def _no_prefill(plan: AdapterPlan | None) -> str:
     """Why a request has no prefill to go to: its adapter's (plan), or none is left."""
-    return plan.no_prefill() if plan is not None else ("no live prefill is left (none is registered, or each one "
-                                                       "failed for this request)")
+    return plan.no_prefill() if plan is not None else ("no live prefill is left (none is registered, or each one is "
+                                                       "marked down or failed for this request)")
 
 
 def _best(candidates: list[InstanceInfo], key, pick) -> list[InstanceInfo]:
