@@ -26,6 +26,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The C++ CPU kernels (quantized GEMM, decode attention), compiled once into torch's extension cache; it is rebuilt when its source changes.
 $(VENV)/.cpu-kernels: $(wildcard kernels/cpu/*) $(VENV)/.installed
+	@echo "building the C++ CPU kernels (1-5 minutes on 2 cores; no output until done)"
 	$(BIN)/python -P -m tandem.kernels.cpu_ext
 	touch $@
 
