@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import xxhash
@@ -42,7 +43,7 @@ from tandem.services.gateway.validation import check_sampling_params, tokenize_r
 from tandem.services.tracing import bind_request, in_span, observe_generate, start_span, traced_stream
 from tandem.shared.config import ModelConfig
 from tandem.shared.errors import InvalidRequestError, UpstreamError
-from tandem.v1 import common_pb2, decode_pb2, gateway_pb2
+from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 STREAM_BUFFER = 64  # messages a request's merged completions may hold for a client that reads slowly
@@ -75,39 +76,22 @@ class GatewayPipeline:
                                                      DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
         # (the gateway's TLS settings for its calls to the engines: services/gateway/main.py)
         self.placer = Placer(router, channels or ChannelPool(), self.admission, self.metrics)
-        # set by drain(): resolves (an UpstreamError) when the streams still open must end
-        self._streams_end: asyncio.Future | None = None
+        # set by drain(): when the requests still running end (loop time), and their error
+        self._end: tuple[float, UpstreamError] | None = None
+        self._waiting: weakref.WeakSet[asyncio.Timeout] = weakref.WeakSet()  # run()'s waits for a message
 
     def drain(self, timeout_s: float) -> None:
-        """The gateway drains (SIGTERM): the streams still open STREAMS_END_MARGIN_S before timeout_s (seconds from
-        now; at half of it when shorter) end with an UNAVAILABLE error saying so, through each API's error path (an
-        SSE error event and [DONE], a gRPC status), instead of being cut off when the servers stop."""
+        """The gateway drains (SIGTERM): the requests still running STREAMS_END_MARGIN_S before timeout_s (seconds
+        from now; at half of it when shorter) end with an UNAVAILABLE error saying so, wherever they wait (run()),
+        through each API's error path (an HTTP error or SSE error event, a gRPC status), instead of being cut off
+        when the servers stop."""
         loop = asyncio.get_running_loop()
-        end = self._streams_end = loop.create_future()
-        error = UpstreamError("UNAVAILABLE", f"the gateway is shutting down: its drain timeout ({timeout_s:g} s) "
-                                             "ran out before this stream ended; send the request again")  # fmt: skip
         end_in_s = timeout_s - STREAMS_END_MARGIN_S if timeout_s > 2 * STREAMS_END_MARGIN_S else timeout_s / 2
-        loop.call_later(end_in_s, lambda: end.done() or end.set_exception(error))
-        end.add_done_callback(lambda f: f.exception())  # (retrieved: no "never retrieved" log when none waits)
-
-    async def _read_decode(self, placement: Placement, decode, prefill) -> decode_pb2.DecodeResponse:
-        """Placer.read_decode; once the gateway drains, raced against its streams' end (drain())."""
-        read = self.placer.read_decode(placement.decode_call, decode, prefill)
-        if self._streams_end is None:  # (no task per message while serving)
-            return await read
-        if self._streams_end.done():
-            read.close()
-            raise self._streams_end.exception()
-        task = asyncio.ensure_future(read)
-        try:
-            await asyncio.wait({task, self._streams_end}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # (the stream's consumer is gone)
-            task.cancel()
-            raise
-        if task.done():
-            return task.result()
-        task.cancel()
-        raise self._streams_end.exception()
+        self._end = (loop.time() + end_in_s, UpstreamError(
+            "UNAVAILABLE", f"the gateway is shutting down: its drain timeout ({timeout_s:g} s) ran out before this "
+                           "request ended; send it again"))  # fmt: skip
+        for waiting in self._waiting:
+            waiting.reschedule(self._end[0])
 
     async def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         """The prompt (text or chat turns) of a public request as token ids (validation.tokenize_request), off the
@@ -156,7 +140,31 @@ class GatewayPipeline:
         """A validated request's n completions (or beam search's n best beams) as one stream of relay()'s
         messages with their index set; each completion ends with its own finish message, and the stream ends
         when all have. The request holds one of the gateway's admission slots throughout: OverloadedError when
-        none comes free in time, DeadlineError when its deadline comes first."""
+        none comes free in time, DeadlineError when its deadline comes first. Once the gateway drains, drain()'s
+        error ends it wherever it waits: for a slot, its placement, a beam step or the decode's next token."""
+        stream = self._run(request)
+        try:
+            while True:
+                # (the wait for each message, not the yield: the consumer's code runs outside it)
+                waiting = asyncio.timeout_at(self._end and self._end[0])
+                try:
+                    async with waiting:
+                        self._waiting.add(waiting)
+                        try:
+                            msg = await anext(stream)
+                        finally:
+                            self._waiting.discard(waiting)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if not waiting.expired():  # (one of the stream's own)
+                        raise
+                    raise self._end[1] from None
+                yield msg
+        finally:
+            await stream.aclose()
+
+    async def _run(self, request: GatewayRequest) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         async with self.admission.slot(request.priority, request.time_remaining):
             if request.sampling_params.beam_width > 1:
                 stream = beam_search.run_beam_search(self, request)
@@ -235,7 +243,7 @@ class GatewayPipeline:
                         await self.placer.end_of(placement.decode_call)  # (the decode ended it: its call ends OK)
                     break
                 try:
-                    reply = await self._read_decode(placement, decode, prefill)
+                    reply = await self.placer.read_decode(placement.decode_call, decode, prefill)
                 except DecodeLostError as e:
                     placement.decode_call.cancel()  # (frees its blocks where the decode still runs)
                     placement = await self._migrate(request, relay, e)

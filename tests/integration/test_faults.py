@@ -582,56 +582,76 @@ def test_a_stream_outliving_its_decodes_drain_migrates(cluster):
     assert out.token_ids == generate(cluster.gateway_address, request, timeout=300).token_ids
 
 
-# -- the gateway stopped (SIGTERM) while streams outlive its drain timeout ------------------------------------------
-def test_a_draining_gateway_ends_the_streams_left_with_an_error(cluster):
-    """The gateway drains (--drain-timeout 5 here): an HTTP stream and a gRPC stream still running 1 s before the
-    timeout end with an error saying it is shutting down (SSE: an error event, then [DONE]; gRPC: UNAVAILABLE),
-    not a cut connection, and the gateway exits 0 within the timeout. Last: it stops the gateway."""
+# -- the gateway stopped (SIGTERM) while requests outlive its drain timeout -----------------------------------------
+def test_a_draining_gateway_ends_the_requests_left_with_an_error(cluster):
+    """The gateway drains (--drain-timeout 5 here): what still runs 1 s before the timeout ends with an error saying
+    it is shutting down, not a cut connection, wherever it waits: an HTTP and a gRPC stream between tokens, a gRPC
+    beam search (its steps wait on placements), and an HTTP request whose long prompt may still be computing
+    (before its first token: an HTTP 503; after: an error event). SSE ends with [DONE]; the gateway exits 0 within
+    the timeout. Last: it stops the gateway."""
     base_url, results = cluster.openai_base_url, {}
     model = httpx.get(f"{base_url}/models", timeout=10).json()["data"][0]["id"]
 
-    def read_http() -> None:
-        body = {"model": model, "prompt": "Tell me everything about the sea.", "max_tokens": 2000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+    def read_http(name: str, prompt: str) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
         lines = []
         try:
             with httpx.Client(timeout=httpx.Timeout(60)) as client:
                 with client.stream("POST", f"{base_url}/completions", json=body) as response:
+                    lines.append(f"HTTP {response.status_code}")
                     lines += [line for line in response.iter_lines() if line]
         except httpx.HTTPError as e:
             lines.append(f"{type(e).__name__}: {e}")
-        results["http"] = lines
+        results[name] = lines
 
-    def read_grpc() -> None:
-        request = make_request("Tell me everything about the moon.", max_tokens=2000, temperature=0.0,
-                               ignore_eos=True)  # fmt: skip
+    def read_grpc(name: str, request) -> None:
         out = Completion()
         try:
             for msg in generate_stream(cluster.gateway_address, request):
                 out.add(msg)
-            results["grpc"] = ("OK", len(out.token_ids))
+            results[name] = ("OK", len(out.token_ids))
         except grpc.RpcError as e:
-            results["grpc"] = (e.code(), e.details(), len(out.token_ids))
+            results[name] = (e.code(), e.details(), len(out.token_ids))
 
-    readers = [threading.Thread(target=read_http, daemon=True), threading.Thread(target=read_grpc, daemon=True)]
+    beam = make_request("1, 2, 3, 4, 5, 6,", raw=True, max_tokens=2000)
+    beam.sampling_params.beam_width = beam.sampling_params.n = 2
+    readers = [threading.Thread(target=read_http, args=("http", "Tell me everything about the sea.")),
+               threading.Thread(target=read_grpc, args=("grpc", make_request(
+                   "Tell me everything about the moon.", max_tokens=2000, temperature=0.0, ignore_eos=True))),
+               threading.Thread(target=read_grpc, args=("beam", beam))]
     for reader in readers:
+        reader.daemon = True
         reader.start()
     deadline = time.monotonic() + 120
     while sum(load(a).num_running for n, a in cluster.addresses.items() if n.startswith("decode")) < 2:
         assert time.monotonic() < deadline and all(r.is_alive() for r in readers), ("the streams never ran", results)
         time.sleep(0.1)
+    long_prompt = threading.Thread(target=read_http, args=("http_long", "\n\n".join([LONG_PROMPT] * 2)), daemon=True)
+    long_prompt.start()
+    readers.append(long_prompt)
+    time.sleep(1.0)  # (the beam search's steps run meanwhile)
     stopped_at = time.monotonic()
     assert cluster.terminate("gateway", timeout_s=60) == 0
     took_s = time.monotonic() - stopped_at
     for reader in readers:
         reader.join(timeout=30)
     del cluster.processes["gateway"]
-    print(f"\ngateway drained in {took_s:.1f} s: gRPC {results.get('grpc')}, HTTP's last events "
-          f"{results.get('http', [])[-2:]}")
-    assert took_s < cluster.drain_timeout_s + 3, took_s
-    code, details, num_tokens = results["grpc"]
-    assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details and num_tokens > 0, results["grpc"]
-    events = results["http"]
-    assert events[-1] == "data: [DONE]", events[-3:]
-    error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert "shutting down" in error["message"] and len(events) > 3, (error, events[:3])
+    print(f"\ngateway drained in {took_s:.1f} s: gRPC {results.get('grpc')}, beam {results.get('beam')}; HTTP's "
+          f"last events {results.get('http', [])[-2:]}; the long prompt's {results.get('http_long', [])[:2]}")
+    assert took_s < cluster.drain_timeout_s + 1, took_s
+    for name in ("grpc", "beam"):
+        code, details, _ = results[name]
+        assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, results[name]
+    assert results["grpc"][2] > 0
+    for name in ("http", "http_long"):
+        events = results[name]
+        if events[0] == "HTTP 503":  # (before its first token)
+            assert "shutting down" in json.loads(events[1])["error"]["message"], events
+            continue
+        assert events[0] == "HTTP 200" and events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"], (error, events[:3])
+    assert len(results["http"]) > 4, results["http"][:4]
+    log = (cluster.log_dir / "gateway.log").read_text()
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
