@@ -91,9 +91,15 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0]
+        if first.get("type") == "json_invalid":  # (its loc is the character the parse failed at, no field)
+            reason = (first.get("ctx") or {}).get("error", first.get("msg"))
+            at = [x for x in first.get("loc", ()) if isinstance(x, int)]
+            return error_response(APIError(400, f"the body is not valid JSON: {reason}"
+                                                + (f" at character {at[0]}" if at else "")), request)
         where = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = where[0] if where else None  # (later items name nested fields and pydantic's union branches)
-        message = f"{'.'.join(where)}: {first.get('msg')}" if where else f"the body is not a JSON object: {first.get('msg')}"
+        message = (f"{'.'.join(where)}: {first.get('msg')}" if where else
+                   f"the body is not a JSON object: {first.get('msg')}")  # fmt: skip
         return error_response(APIError(400, message, param), request)
 
 

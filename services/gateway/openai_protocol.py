@@ -190,7 +190,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
     if body.cache_salt is not None and len(body.cache_salt) > MAX_ID_CHARS:
         raise APIError(400, f"cache_salt has {len(body.cache_salt)} characters; at most {MAX_ID_CHARS}", "cache_salt")
-    p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
+    p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos,
+                                  include_stop_str_in_output=body.include_stop_str_in_output)
     for token, bias in (body.logit_bias or {}).items():
         if not (token.isascii() and token.isdigit()) or int(token) >= 2**32:
             raise APIError(400, f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
@@ -213,8 +214,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         setattr(p, name, value)
     if body.seed is not None:
         p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
-    if body.n < 1 or body.n > 2**31:
-        raise APIError(400, f"n must be in [1, 2^31], got {body.n}", "n")
+    if not 1 <= body.n <= MAX_N:  # (validation.py checks it again, for the gRPC API too)
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if not -(2**31) <= body.priority < 2**31:
         raise APIError(400, f"priority is out of range: {body.priority}", "priority")
     p.n = body.n

@@ -98,7 +98,8 @@ def test_sampling_parameters_reach_the_engine(cluster, client):
         ({"temperature": 1.0, "seed": 7}, {"temperature": 1.0, "seed": 7}),
         ({"temperature": 0, "presence_penalty": 2.0}, {"temperature": 0.0, "presence_penalty": 2.0}),
         ({"temperature": 0, "frequency_penalty": 2.0}, {"temperature": 0.0, "frequency_penalty": 2.0}),
-        ({"temperature": 0, "extra_body": {"repetition_penalty": 1.5}}, {"temperature": 0.0, "repetition_penalty": 1.5}),
+        ({"temperature": 0, "extra_body": {"repetition_penalty": 1.5}},
+         {"temperature": 0.0, "repetition_penalty": 1.5}),
         ({"temperature": 1.0, "seed": 7, "top_p": 0.5}, {"temperature": 1.0, "seed": 7, "top_p": 0.5}),
         ({"temperature": 1.0, "seed": 7, "extra_body": {"top_k": 2}}, {"temperature": 1.0, "seed": 7, "top_k": 2}),
         ({"temperature": 1.0, "seed": 7, "extra_body": {"min_p": 0.5}}, {"temperature": 1.0, "seed": 7, "min_p": 0.5}),
@@ -185,7 +186,9 @@ def test_errors_have_openai_shape(cluster, body, status, param):
 def test_malformed_bodies_and_the_official_client_errors(cluster, client):
     r = httpx.post(cluster.openai_base_url + "/completions", content=b"{not json", timeout=60,
                    headers={"content-type": "application/json"})  # fmt: skip
-    assert r.status_code == 400 and "error" in r.json()
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None, error  # (not the character it failed at)
+    assert error["message"].startswith("the body is not valid JSON: ") and "at character 1" in error["message"], error
     for prompt in ([10**7], [], [STORY, [1, 2]], 5, [[]]):
         r = httpx.post(cluster.openai_base_url + "/completions", json={"prompt": prompt}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", prompt
