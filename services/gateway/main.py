@@ -84,7 +84,7 @@ async def serve(args, instance_id: str, tls, api_keys) -> None:
         if http is not None:
             http.should_exit = True
 
-    async def drain() -> None:  # (streams still open near the drain timeout end with an error: pipeline.drain)
+    async def drain() -> None:  # (requests still running near the drain timeout end with an error: pipeline.drain)
         pipeline.drain(args.drain_timeout)
         await stop_http()
 

@@ -47,7 +47,7 @@ from tandem.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 STREAM_BUFFER = 64  # messages a request's merged completions may hold for a client that reads slowly
-STREAMS_END_MARGIN_S = 1.0  # a draining gateway ends the streams still open this long before its drain timeout
+STREAMS_END_MARGIN_S = 1.0  # a draining gateway ends the requests still running this long before its drain timeout
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -76,8 +76,8 @@ class GatewayPipeline:
                                                      DEFAULT_QUEUE_TIMEOUT_S)  # fmt: skip
         # (the gateway's TLS settings for its calls to the engines: services/gateway/main.py)
         self.placer = Placer(router, channels or ChannelPool(), self.admission, self.metrics)
-        # set by drain(): when the requests still running end (loop time), and their error
-        self._end: tuple[float, UpstreamError] | None = None
+        # set by drain(): when the requests still running end (loop time), and their error's message
+        self._end: tuple[float, str] | None = None
         self._waiting: weakref.WeakSet[asyncio.Timeout] = weakref.WeakSet()  # run()'s waits for a message
 
     def drain(self, timeout_s: float) -> None:
@@ -87,9 +87,8 @@ class GatewayPipeline:
         when the servers stop."""
         loop = asyncio.get_running_loop()
         end_in_s = timeout_s - STREAMS_END_MARGIN_S if timeout_s > 2 * STREAMS_END_MARGIN_S else timeout_s / 2
-        self._end = (loop.time() + end_in_s, UpstreamError(
-            "UNAVAILABLE", f"the gateway is shutting down: its drain timeout ({timeout_s:g} s) ran out before this "
-                           "request ended; send it again"))  # fmt: skip
+        self._end = (loop.time() + end_in_s, f"the gateway is shutting down: its drain timeout ({timeout_s:g} s) ran "
+                                             "out before this request ended; send it again")  # fmt: skip
         for waiting in self._waiting:
             waiting.reschedule(self._end[0])
 
@@ -159,7 +158,7 @@ class GatewayPipeline:
                 except TimeoutError:
                     if not waiting.expired():  # (one of the stream's own)
                         raise
-                    raise self._end[1] from None
+                    raise UpstreamError("UNAVAILABLE", self._end[1]) from None
                 yield msg
         finally:
             await stream.aclose()
