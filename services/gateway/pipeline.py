@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator
 
 import xxhash
@@ -78,7 +77,7 @@ class GatewayPipeline:
         self.placer = Placer(router, channels or ChannelPool(), self.admission, self.metrics)
         # set by drain(): when the requests still running end (loop time), and their error's message
         self._end: tuple[float, str] | None = None
-        self._waiting: weakref.WeakSet[asyncio.Timeout] = weakref.WeakSet()  # run()'s waits for a message
+        self._waiting: set[asyncio.Timeout] = set()  # run()'s waits for a message, each while it waits
 
     def drain(self, timeout_s: float) -> None:
         """The gateway drains (SIGTERM): the requests still running STREAMS_END_MARGIN_S before timeout_s (seconds

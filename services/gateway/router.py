@@ -140,26 +140,24 @@ class Router:
         self.session_max_load = session_max_load
         self.lora_changes = RecentLoRAChanges(registry.ttl_s)  # adapters this gateway loaded or unloaded lately
 
-    async def instances(self, tier: str, skip: set[str]) -> list[InstanceInfo]:
+    async def instances(self, tier: str, skip: set[str], down_if_none: bool = True) -> list[InstanceInfo]:
         """Live instances of tier for this model, leaving out skip, and those marked down unless no other is
-        left. NoInstanceError when none is left."""
+        left (down_if_none; False: never those). NoInstanceError when none is registered outside skip."""
         found = [i for i in await self.registry.list_instances(tier, self.model_id) if i.instance_id not in skip]
         if not found:
             raise NoInstanceError(f"no live {tier} instance is registered for model {self.model_id}")
         now = time.monotonic()
-        return [i for i in found if self._down.get(i.instance_id, 0) <= now] or found
+        return [i for i in found if self._down.get(i.instance_id, 0) <= now] or (found if down_if_none else [])
 
     async def _prefills(self, skip: set[str], local: bool) -> list[InstanceInfo]:
         """The prefills a request may go to: instances("prefill", skip); where the decode may compute the prompt
-        itself (local), without those marked down, and none left is no error (the decode computes it)."""
+        itself (local), never those marked down, and none left is no error (the decode computes it)."""
         if not local:
             return await self.instances("prefill", skip)
         try:
-            found = await self.instances("prefill", skip)
+            return await self.instances("prefill", skip, down_if_none=False)
         except NoInstanceError:
             return []
-        now = time.monotonic()
-        return [p for p in found if self._down.get(p.instance_id, 0) <= now]
 
     def mark_down(self, instance: InstanceInfo) -> None:
         """A call to instance failed as unreachable or draining: route around it until its registry record has

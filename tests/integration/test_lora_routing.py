@@ -1,5 +1,5 @@
 """Adapter-aware routing (services/gateway/lora_routing.py) on a real redis-server, with registered records as the
-engines write them (tests/integration/test_router.py's World): the instance holding a request's adapter wins; the
+engines write them (tests/integration/routing_world.py's World): the instance holding a request's adapter wins; the
 adapter is loaded elsewhere once the holder's queue costs more than the measured load time (on either side of the
 break-even point), never before a load time is measured; with no holder the queue decides; an adapter's prefix hits
 never serve another adapter or the base model; instances with other files under the adapter's name are never
@@ -12,7 +12,7 @@ from tandem.shared.block_hash import hash_request_blocks
 from tandem.shared.cluster_state.prefix_index import KVEventPublisher
 from tandem.shared.errors import NoInstanceError, UnknownLoRAError
 from tandem.shared.kv_events import BlockStored, KVEventBatch
-from tests.integration.test_router import CONTRACT, PROMPT, _no_snapshot, in_world, instance
+from tests.integration.routing_world import CONTRACT, PROMPT, _no_snapshot, in_world, instance
 
 SQL = {"sql": {"digest": "0123456789abcdef", "path": "/adapters/sql", "resident": True}}
 LOAD_S, RATE = 0.1, 1000.0  # a measured load of 0.1 s at 1000 tokens/s: 100 tokens

@@ -1,77 +1,19 @@
 """The gateway's Router (services/gateway/router.py) on a real redis-server: instance records in the registry and
 block events in the prefix index, as engines write them; exact costs decide the route. Covers a cached prefix
 winning, a deep queue winning over it (on either side of the break-even point), a restarted instance's stale
-entries, a killed instance, a mismatched hash contract, the decode's choice and the local-prefill threshold, and
-session affinity (a session's pair kept within the load bound, left when an instance is gone, restarted, down,
-skipped or full; the session table's LRU bound and TTL).
-
-Over 400 lines on purpose: every routing rule against one real Redis and one set of record factories."""
+entries, a killed instance or one marked down (and none left: the decode computes the prompt), a mismatched hash
+contract, the decode's choice and the local-prefill threshold, the tiers' prices, KV formats. Session affinity:
+test_session_affinity.py; the shared registry and index: routing_world.py."""
 import asyncio
 import dataclasses
 import logging
 
 import pytest
 
-from tandem.services.gateway.router import DECODE_LOAD_TOKENS, Router
-from tandem.shared.block_hash import HashContract, hash_request_blocks
-from tandem.shared.kv_events import BlockStored, KVEventBatch
-from tandem.shared.cluster_state.prefix_index import KVEventPublisher, PrefixIndex
-from tandem.shared.cluster_state.registry import InstanceInfo, Registry
+from tandem.services.gateway.router import DECODE_LOAD_TOKENS
+from tandem.shared.block_hash import HashContract
 from tandem.shared.errors import NoInstanceError
-
-MODEL_ID = "smollm2:abc:fp32"
-CONTRACT = HashContract(block_size=16, model_id=MODEL_ID, kv_dtype="float32")
-PROMPT = list(range(1000, 1200))  # 200 tokens: 12 full blocks can be cached (never the last token's block)
-CACHED = 10 * 16  # the prefix the holder has
-
-
-def instance(iid: str, tier: str, incarnation: str = "inc-1", contract: HashContract = CONTRACT, **load):
-    load = {"num_blocks": 1024, "num_free_blocks": 1024} | load
-    return InstanceInfo(iid, tier, "127.0.0.1:1", MODEL_ID, 16, incarnation=incarnation,
-                        hash_contract=contract.to_dict(), **load)  # fmt: skip
-
-
-class World:
-    """The registry and the index a gateway would see, written through the engines' own classes."""
-
-    def __init__(self, url: str):
-        self.url, self.registry = url, Registry(url)
-        self.publishers: list[KVEventPublisher] = []
-
-    async def register(self, *infos: InstanceInfo) -> None:
-        for info in infos:
-            await self.registry.publish(info)
-
-    async def cache(self, info: InstanceInfo, num_tokens: int, salt: str | None = None, tier: str = "pool") -> None:
-        """info's engine stores PROMPT's first num_tokens (whole blocks) in its prefix cache (in tier)."""
-        contract = HashContract.from_dict(info.hash_contract)
-        hashes = hash_request_blocks(PROMPT[:num_tokens], contract, salt)
-        publisher = KVEventPublisher(self.url, info.instance_id, info.incarnation, contract, _no_snapshot)
-        self.publishers.append(publisher)
-        await publisher.publish(KVEventBatch(1, (BlockStored(tuple(hashes), tier),)))
-
-    def router(self, **kw) -> Router:
-        return Router(self.registry, MODEL_ID, CONTRACT, PrefixIndex(self.url, CONTRACT), **kw)
-
-    async def close(self) -> None:
-        for publisher in self.publishers:
-            await publisher.close()
-        await self.registry.close()
-
-
-async def _no_snapshot():
-    raise AssertionError("no rebuild expected: every batch is in sequence")
-
-
-def in_world(redis_server, body):
-    async def run():
-        world = World(redis_server.url)
-        try:
-            await body(world)
-        finally:
-            await world.close()
-
-    asyncio.run(run())
+from tests.integration.routing_world import CACHED, PROMPT, instance, in_world
 
 
 def test_cached_prefix_wins_until_the_queue_outweighs_it(redis_server):
@@ -379,115 +321,5 @@ def test_only_a_prefill_sharing_the_decodes_kv_format_is_paired_with_it(redis_se
         await world.register(instance("decode-b", "decode", kv_dtype="fp8_e4m3"))  # (now a pair: decode-b's)
         route = await world.router(local_prefill_tokens=0).route(PROMPT, 300)
         assert (route.decode.instance_id, route.prefill.instance_id) == ("decode-b", "prefill-fp8"), route.explain()
-
-    in_world(redis_server, body)
-
-
-async def _pair(router: Router, session: str | None, **kw) -> tuple[str, str, str]:
-    route = await router.route(PROMPT, 300, session_id=session, **kw)
-    return route.prefill.instance_id, route.decode.instance_id, route.reason
-
-
-def test_a_session_stays_on_its_pair_while_its_load_is_within_the_bound(redis_server):
-    """Session affinity: the pair of the session's last request, over the cost model, until an instance of it is
-    more than session_max_load tokens above its tier's least loaded; then the cost model, and the session moves."""
-    async def body(world):
-        await world.register(instance("prefill-a", "prefill"), instance("prefill-b", "prefill"),
-                             instance("decode-a", "decode"), instance("decode-b", "decode"))  # fmt: skip
-        router = world.router(local_prefill_tokens=0, session_max_load=1000)
-        prefill, decode, reason = await _pair(router, "s1")
-        assert reason == "cache_aware"
-        other = {"prefill-a": "prefill-b", "prefill-b": "prefill-a"}[prefill]
-        await world.cache(instance(other, "prefill"), CACHED)  # the cost model would now pick the other prefill
-        await world.register(instance(prefill, "prefill", num_queued_tokens=1000),
-                             instance(decode, "decode", num_running=3))  # 768 tokens: within the bound
-        for _ in range(3):
-            route = await router.route(PROMPT, 300, session_id="s1")
-            assert (route.prefill.instance_id, route.decode.instance_id, route.reason) == (
-                prefill, decode, "session_affinity"), route.explain()
-        assert route.explanation[0] == (f"session s1: stays (decode {decode} +768, prefill {prefill} +1000 tokens "
-                                        "above the least loaded, <= 1000)")
-        other_decode = {"decode-a": "decode-b", "decode-b": "decode-a"}[decode]
-        assert await _pair(router, "s2") == (other, other_decode, "cache_aware")  # (a new session: the cost model)
-        await world.register(instance(prefill, "prefill", num_queued_tokens=1001))  # past the bound: it moves
-        route = await router.route(PROMPT, 300, session_id="s1")
-        assert route.prefill.instance_id == other and route.reason == "cache_aware", route.explain()
-        assert route.explanation[0] == (f"session s1: moves from prefill {prefill}, which is 1001 tokens above the "
-                                        "least loaded prefill (> 1000, --session-affinity-max-load)")
-        decode = route.decode.instance_id  # (the cost model also chose the idle decode)
-        await world.register(instance(prefill, "prefill"), instance("decode-a", "decode"),
-                             instance("decode-b", "decode"))  # (idle again: the session stays where it moved)
-        assert (await _pair(router, "s1"))[:2] == (other, decode)
-        await world.register(instance(decode, "decode", num_running=4))  # 1024 tokens above the other decode
-        route = await router.route(PROMPT, 300, session_id="s1")
-        assert route.decode.instance_id != decode and "moves from decode" in route.explanation[0], route.explain()
-
-    in_world(redis_server, body)
-
-
-def test_a_session_moves_when_its_instance_is_gone_restarted_down_skipped_or_full(redis_server):
-    async def body(world):
-        a, b = instance("prefill-a", "prefill"), instance("prefill-b", "prefill")
-        await world.register(a, b, instance("decode-a", "decode"), instance("decode-b", "decode"))
-        router = world.router(local_prefill_tokens=0)
-        # gone: its registry record expired
-        pinned = (await _pair(router, "s"))[0]
-        gone = instance(pinned, "prefill")
-        await world.registry.remove(gone)
-        route = await router.route(PROMPT, 300, session_id="s")
-        assert route.prefill.instance_id != pinned and f"prefill {pinned}, which is gone or restarted" in \
-            route.explanation[0], route.explain()
-        # restarted: the same id, another incarnation (its cache is gone)
-        pinned = route.prefill.instance_id
-        await world.register(gone, instance(pinned, "prefill", incarnation="inc-2"))
-        route = await router.route(PROMPT, 300, session_id="s")
-        assert f"prefill {pinned}, which is gone or restarted" in route.explanation[0], route.explain()
-        # marked down (a call to it failed as unreachable)
-        pinned = route.prefill
-        router.mark_down(pinned)
-        route = await router.route(PROMPT, 300, session_id="s")
-        assert route.prefill.instance_id != pinned.instance_id, route.explain()
-        assert f"prefill {pinned.instance_id}, which is marked down" in route.explanation[0], route.explain()
-        router._down.clear()
-        # skipped: it failed this request (placement's next attempt)
-        pinned = route.decode.instance_id
-        route = await router.route(PROMPT, 300, session_id="s", skip={pinned})
-        assert f"decode {pinned}, which failed this request" in route.explanation[0], route.explain()
-        # full: no room for the request while the other decode has it
-        pinned = route.decode.instance_id
-        await world.register(instance(pinned, "decode", num_free_blocks=10))
-        route = await router.route(PROMPT, 300, session_id="s")
-        assert route.decode.instance_id != pinned, route.explain()
-        assert f"decode {pinned}, which has no room for the request" in route.explanation[0], route.explain()
-        # a migrated request: the cost model, and the session moves to its pair
-        route = await router.route(PROMPT, 300, session_id="s", keep_session=False)
-        assert route.explanation[0] == "session s: migrated, placed by the cost model", route.explain()
-        assert router.sessions.get("s").decode == (route.decode.instance_id, route.decode.incarnation)
-
-    in_world(redis_server, body)
-
-
-def test_unknown_sessions_use_the_cost_model_and_the_table_is_bounded(redis_server):
-    async def body(world):
-        holder = instance("prefill-a", "prefill")
-        await world.register(holder, instance("prefill-b", "prefill"), instance("decode-a", "decode"))
-        await world.cache(holder, CACHED)
-        router = world.router(local_prefill_tokens=0, max_sessions=2, session_ttl_s=0.2)
-        route = await router.route(PROMPT, 300, session_id="new")
-        assert route.prefill.instance_id == "prefill-a" and route.reason == "cache_aware", route.explain()
-        assert route.explanation[0] == "session new: new here, placed by the cost model"
-        assert "session" not in (await router.route(PROMPT, 300)).explain()
-        for s in ("s1", "s2", "s3"):  # LRU: the least recently used of 3 goes
-            await router.route(PROMPT, 300, session_id=s)
-        assert len(router.sessions) == 2 and router.sessions.get("new") is None and router.sessions.get("s1") is None
-        await router.route(PROMPT, 300, session_id="s2")  # (used again: s3 is now the least recent)
-        await router.route(PROMPT, 300, session_id="s4")
-        assert router.sessions.get("s2") is not None and router.sessions.get("s3") is None
-        await asyncio.sleep(0.3)  # past the TTL: forgotten
-        assert (await router.route(PROMPT, 300, session_id="s2")).explanation[0].endswith("new here, placed by the "
-                                                                                         "cost model")
-        await asyncio.sleep(0.3)
-        await router.cleanup_index()
-        assert len(router.sessions) == 0
 
     in_world(redis_server, body)
