@@ -27,11 +27,13 @@ import time
 import numpy as np
 import torch
 
+from tandem.kernels import cpu_ext
 from tandem.shared.config import SpeculativeConfig
 from tandem.shared.engine_args import EngineArgs
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
 from tandem.shared.spec_decode.suffix_proposer import SuffixProposer
+from tandem.shared.utils import usable_cpus
 
 FUNCTIONS = ["area", "volume", "scale", "clamp", "mean", "norm", "lerp", "count"]
 ARGS = ["width", "height", "depth", "factor", "value", "items", "start", "limit"]
@@ -141,7 +143,9 @@ def main(argv=None) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts per step at most (default: the method's, 4; suffix 15)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch's threads (an engine's: 1)")
+    p.add_argument("--kernel-threads", type=int, default=None,
+                   help="the C++ kernels' threads (default: every CPU this process may use, as a decode engine)")
     p.add_argument("--repeats", type=int, default=1, help="runs per method, alternating; the median is reported")
     p.add_argument("--methods", default="plain,ngram,ngram-k,suffix,draft,early-exit",
                    help="of plain, ngram, ngram-k, suffix, draft, early-exit (plain is always run: the baseline)")
@@ -154,6 +158,7 @@ def main(argv=None) -> None:
     from tandem.tools.prepare_model import prepare_model
 
     torch.set_num_threads(args.threads)
+    cpu_ext.set_num_threads(args.kernel_threads or usable_cpus())
     model_dir = str(prepare_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config, cache_config, scheduler_config = EngineArgs(num_blocks=1536).create_configs("decode", model_dir)

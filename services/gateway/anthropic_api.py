@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
 from tandem.services.gateway.openai_errors import api_error, counted
@@ -46,7 +46,7 @@ class Block(BaseModel):
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
     content: str | list[Block] | None = None
-    is_error: bool | None = None
+    is_error: StrictBool | None = None
 
 
 class Message(BaseModel):
@@ -64,7 +64,7 @@ class Tool(BaseModel):
 class ToolChoice(BaseModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -74,7 +74,7 @@ class MessagesRequest(BaseModel):
     messages: list[Message]
     system: str | list[Block] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

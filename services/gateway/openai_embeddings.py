@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from tandem.services.gateway.embeddings import Embedder
 from tandem.services.gateway.lora_adapters import adapter_named
@@ -48,7 +48,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # only the model's hidden size: no Matryoshka truncation
     user: str | None = None  # ignored
-    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text input
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's special tokens around a text input
     priority: int = 0  # vLLM's: the engines' scheduling priority, lower first
 
 
@@ -59,9 +59,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True  # messages: end with the template's assistant header
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's own)
-    return_token_strs: bool = False  # also each token as the tokenizer's string (convert_ids_to_tokens)
+    add_generation_prompt: StrictBool = True  # messages: end with the template's assistant header
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template's own)
+    return_token_strs: StrictBool = False  # also each token as the tokenizer's string (convert_ids_to_tokens)
 
 
 class DetokenizeRequest(BaseModel):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from tandem.services.gateway.session_affinity import SESSION_HEADER, check_session_id
 from tandem.services.gateway.validation import MAX_ID_CHARS, MAX_N
@@ -47,14 +47,14 @@ def session_id(headers) -> str | None:
 
 # -- request bodies ------------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -69,7 +69,7 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -84,7 +84,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
@@ -96,14 +96,14 @@ class SamplingFields(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: StrictBool = False
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
-    use_beam_search: bool = False  # vLLM's: beam search with n beams, the n best returned
+    use_beam_search: StrictBool = False  # vLLM's: beam search with n beams, the n best returned
     priority: int = 0  # vLLM's: scheduling priority, lower first (GenerateRequest.priority)
     length_penalty: float | None = None
 
@@ -138,7 +138,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # (calls are checked against the schema only under a required or named choice)
+    strict: StrictBool | None = None  # (calls are checked against the schema only under a required or named choice)
 
 
 class ToolDefinition(BaseModel):
@@ -158,11 +158,11 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: only enable_thinking is taken
 
 
@@ -176,7 +176,7 @@ class CompletionRequest(SamplingFields):
     # OpenAI: "echo back the prompt in addition to the completion": each choice's text is the prompt's text (token
     # id prompts decoded) followed by the completion; with logprobs, the logprobs object covers the prompt's
     # tokens first (the first one with null token_logprob and top_logprobs: nothing precedes it), as vLLM's
-    echo: bool = False
+    echo: StrictBool = False
     # OpenAI: text after the insertion point (fill-in-the-middle); refused, as vLLM does: this server only continues
     suffix: str | None = None
     # OpenAI: "generates best_of completions server-side and returns the best (the one with the highest log

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
 from tandem.services.gateway.openai_errors import api_error, counted
@@ -34,7 +34,7 @@ class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextConfig(BaseModel):
@@ -48,13 +48,13 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 

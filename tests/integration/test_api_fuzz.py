@@ -255,6 +255,10 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
     ("completions", '{"prompt": "Hi", "stop": ["\\udc00"]}', None),
     ("chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', None),
     ("completions", '{"prompt": "Hi", "stop_token_ids": [8589934592]}', "stop_token_ids"),
+    # booleans are JSON's true and false only (pydantic's lax mode took "yes", "off", 1 and 0 as booleans)
+    ("completions", '{"prompt": "Hi", "stream": "yes"}', "stream"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "logprobs": 1}', "logprobs"),
+    ("responses", '{"input": "Hi", "stream": "false"}', "stream"),
 ]  # fmt: skip
 
 
