@@ -5,6 +5,7 @@ them; services/gateway/openai_responses.py assembles the answers)."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -15,6 +16,7 @@ from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: SamplingParams' float fields
 MAX_PROMPTS = 64  # prompts in one completions request (a list of strings or of token id lists); README "Limits"
 
 
@@ -185,6 +187,14 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
+def _float32(name: str, value: float) -> float:
+    """value for a float32 field of SamplingParams; APIError 400 naming the field when it is finite but beyond
+    float32's range (it would become inf there, and the refusal would quote inf, not the value sent)."""
+    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        raise APIError(400, f"{name} is out of range: {value} (at most {FLOAT32_MAX:.4g} in magnitude)", name)
+    return value
+
+
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     """The request's fields as the gRPC API's SamplingParams (validated by the pipeline, which raises
     InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
@@ -211,7 +221,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             continue
         if isinstance(value, int) and not -(2**31) <= value < 2**31:
             raise APIError(400, f"{name} is out of range: {value}", name)
-        setattr(p, name, value)
+        setattr(p, name, _float32(name, value) if isinstance(value, float) else value)
     if body.seed is not None:
         p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
     if not 1 <= body.n <= MAX_N:  # (validation.py checks it again, for the gRPC API too)
@@ -229,7 +239,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     if body.length_penalty is not None:
         if not body.use_beam_search:
             raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
-        p.length_penalty = body.length_penalty
+        p.length_penalty = _float32("length_penalty", body.length_penalty)
     constraint = structured_output(body)
     if constraint is not None:
         p.structured_output.CopyFrom(constraint)

@@ -262,6 +262,15 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty"])
+def test_http_floats_beyond_float32_are_refused_quoting_the_value(cluster, field):
+    """1e308 is a finite JSON number that the gRPC API's float32 fields would turn into inf."""
+    r = httpx.post(f"{cluster.openai_base_url}/completions", json={"prompt": "Hi", field: 1e308}, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "out of range: 1e+308" in error["message"], error
+
+
 @pytest.mark.parametrize("endpoint,body,param", HTTP_CASES, ids=[f"{i}" for i in range(len(HTTP_CASES))])
 def test_http_hostile_bodies_are_400_naming_the_field(cluster, endpoint, body, param):
     r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", content=body, timeout=120,
