@@ -11,8 +11,8 @@ For each task and batch size, the same requests run once per method (--methods),
 (the baseline), ngram (the default: each request gets the drafts that pay), ngram-k (always up to
 --num-speculative-tokens drafts), suffix (suffix decoding, adaptive like ngram), draft (a draft model,
 --draft-model: by default an INT8 RTN copy of the model, made once under ~/.cache/tandem/drafts) and early-exit
-(the model's first --draft-num-layers layers). Suffix decoding's cache of outputs starts empty in each run, so a
-run gains only from the repetition inside its own workload. Decode tokens/s counts the tokens after each
+(the model's first --draft-num-layers layers). Suffix decoding's cache of outputs and the speculation gate's
+measurements start empty in each run, so a run gains only from the repetition inside its own workload. Decode tokens/s counts the tokens after each
 request's first, over the time from the step where every request (of a wave) has its first token to the end
 (the median over --repeats alternating runs). Reported per method: that rate and its ratio to plain (and to
 ngram), the acceptance rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per
@@ -32,6 +32,7 @@ from tandem.shared.config import SpeculativeConfig
 from tandem.shared.engine_args import EngineArgs
 from tandem.shared.engine import LLMEngine
 from tandem.shared.request import Request, SamplingParams
+from tandem.shared.spec_decode.drafter import SpeculationGate
 from tandem.shared.spec_decode.suffix_proposer import SuffixProposer
 from tandem.shared.utils import usable_cpus
 
@@ -75,12 +76,17 @@ WAVES = {"agent": 2}  # the batch's requests run this many times, one wave after
 def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, waves: int = 1
               ) -> tuple[list[list[int]], float, dict]:
     """All prompts at once, greedy, to the end, waves times over: (tokens per request and wave, decode seconds,
-    spec stats delta). Suffix decoding's cache of outputs starts empty."""
+    spec stats delta). Suffix decoding's cache of outputs and the speculation gate's measurements start empty, so
+    a run does not inherit what an earlier task taught the engine (measured: chat at batch 8 at 0.91x plain after
+    copy, 0.97x alone; agent at 32 with suffix 0.82x after chat, 1.15x alone)."""
     before = engine.stats()
     drafter = engine.drafter
-    if drafter is not None and isinstance(drafter.proposer, SuffixProposer):
-        c = drafter.config
-        drafter.proposer = SuffixProposer(c.suffix_max_spec_factor, c.suffix_min_token_prob, c.suffix_cache_tokens)
+    if drafter is not None:
+        drafter.gate = SpeculationGate()
+        if isinstance(drafter.proposer, SuffixProposer):
+            c = drafter.config
+            drafter.proposer = SuffixProposer(c.suffix_max_spec_factor, c.suffix_min_token_prob,
+                                              c.suffix_cache_tokens)
     tokens, seconds = [], 0.0
     for wave in range(waves):
         requests = [Request(f"w{wave}-r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
