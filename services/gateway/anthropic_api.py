@@ -20,9 +20,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool
 
-from tandem.services.gateway.chat_endpoint import ChatEndpoint, set_fields
+from tandem.services.gateway.chat_endpoint import ChatEndpoint
 from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import APIError
+from tandem.services.gateway.openai_protocol import APIError, set_fields
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 

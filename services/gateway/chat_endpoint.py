@@ -14,7 +14,7 @@ from tandem.services.gateway.openai_serving import ClientDisconnected, unless_di
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest
 from tandem.shared.errors import InvalidRequestError, UnknownLoRAError
-from tandem.v1 import common_pb2, gateway_pb2
+from tandem.v1 import gateway_pb2
 
 
 class ChatEndpoint:
@@ -72,14 +72,3 @@ class ChatEndpoint:
             raise api_error(e, self.instance_id) from None
         finally:
             await stream.aclose()
-
-
-def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, float | int | None]]) -> None:
-    """Set params' fields from the body's values ({field: (the body's name, value)}, None: unset); APIError 400
-    naming the body's field for an integer outside int32 (what the gRPC field holds)."""
-    for field, (name, value) in values.items():
-        if value is None:
-            continue
-        if isinstance(value, int) and not -(2**31) <= value < 2**31:
-            raise APIError(400, f"{name} is out of range: {value}", name)
-        setattr(params, field, value)

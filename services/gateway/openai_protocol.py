@@ -187,12 +187,18 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-def _float32(name: str, value: float) -> float:
-    """value for a float32 field of SamplingParams; APIError 400 naming the field when it is finite but beyond
-    float32's range (it would become inf there, and the refusal would quote inf, not the value sent)."""
-    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
-        raise APIError(400, f"{name} is out of range: {value} (at most {FLOAT32_MAX:.4g} in magnitude)", name)
-    return value
+def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, float | int | None]]) -> None:
+    """Set params' fields from a body's values ({field: (the body's name, value)}, None: unset); APIError 400
+    naming the body's field for an integer outside int32 or a finite float beyond float32 (what the gRPC fields
+    hold: such a float would become inf there, and the refusal would quote inf, not the value sent)."""
+    for field, (name, value) in values.items():
+        if value is None:
+            continue
+        if isinstance(value, int) and not -(2**31) <= value < 2**31:
+            raise APIError(400, f"{name} is out of range: {value}", name)
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+            raise APIError(400, f"{name} is out of range: {value} (at most {FLOAT32_MAX:.4g} in magnitude)", name)
+        setattr(params, field, value)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
@@ -216,12 +222,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
               "min_p": body.min_p, "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
               "min_tokens": body.min_tokens, "logprobs": logprobs, "prompt_logprobs": body.prompt_logprobs}  # fmt: skip
-    for name, value in fields.items():
-        if value is None:
-            continue
-        if isinstance(value, int) and not -(2**31) <= value < 2**31:
-            raise APIError(400, f"{name} is out of range: {value}", name)
-        setattr(p, name, _float32(name, value) if isinstance(value, float) else value)
+    set_fields(p, {name: (name, value) for name, value in fields.items()})
     if body.seed is not None:
         p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
     if not 1 <= body.n <= MAX_N:  # (validation.py checks it again, for the gRPC API too)
@@ -239,7 +240,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     if body.length_penalty is not None:
         if not body.use_beam_search:
             raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
-        p.length_penalty = _float32("length_penalty", body.length_penalty)
+        set_fields(p, {"length_penalty": ("length_penalty", body.length_penalty)})
     constraint = structured_output(body)
     if constraint is not None:
         p.structured_output.CopyFrom(constraint)

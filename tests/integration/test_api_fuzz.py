@@ -262,13 +262,20 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty"])
-def test_http_floats_beyond_float32_are_refused_quoting_the_value(cluster, field):
+@pytest.mark.parametrize("endpoint,body,field", [
+    ("completions", {"prompt": "Hi"}, "temperature"),
+    ("completions", {"prompt": "Hi"}, "repetition_penalty"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "top_p"),
+    ("responses", {"input": "Hi"}, "temperature"),
+    ("messages", {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+     "top_p"),
+])  # fmt: skip
+def test_http_floats_beyond_float32_are_refused_quoting_the_value(cluster, endpoint, body, field):
     """1e308 is a finite JSON number that the gRPC API's float32 fields would turn into inf."""
-    r = httpx.post(f"{cluster.openai_base_url}/completions", json={"prompt": "Hi", field: 1e308}, timeout=120)
+    r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", json=body | {field: 1e308}, timeout=120)
     assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == field and "out of range: 1e+308" in error["message"], error
+    error = r.json()["error"]  # (Anthropic's error object has no param: the message names the field)
+    assert error.get("param", field) == field and f"{field} is out of range: 1e+308" in error["message"], error
 
 
 @pytest.mark.parametrize("endpoint,body,param", HTTP_CASES, ids=[f"{i}" for i in range(len(HTTP_CASES))])
