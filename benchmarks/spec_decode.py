@@ -12,11 +12,11 @@ For each task and batch size, the same requests run once per method (--methods),
 --num-speculative-tokens drafts), suffix (suffix decoding, adaptive like ngram), draft (a draft model,
 --draft-model: by default an INT8 RTN copy of the model, made once under ~/.cache/tandem/drafts) and early-exit
 (the model's first --draft-num-layers layers). Suffix decoding's cache of outputs and the speculation gate's
-measurements start empty in each run, so a run gains only from the repetition inside its own workload. Decode tokens/s counts the tokens after each
-request's first, over the time from the step where every request (of a wave) has its first token to the end
-(the median over --repeats alternating runs). Reported per method: that rate and its ratio to plain (and to
-ngram), the acceptance rate (accepted / proposed drafts), the mean acceptance length (tokens a request gains per
-verified step), and whether every request's tokens equal plain decoding's.
+measurements start empty in each run, so a run gains only from the repetition inside its own workload. Decode
+tokens/s counts the tokens after each request's first, over the time from the step where every request (of a wave)
+has its first token to the end (the median over --repeats alternating runs). Reported per method: that rate and
+its ratio to plain (and to ngram), the acceptance rate (accepted / proposed drafts), the mean acceptance length
+(tokens a request gains per verified step), and whether every request's tokens equal plain decoding's.
 """
 from __future__ import annotations
 
