@@ -111,6 +111,8 @@ class OpenAIEmbeddings:
         if body.dimensions is not None and body.dimensions != hidden_size:
             raise APIError(400, f"dimensions {body.dimensions}: this model's embeddings have {hidden_size}; "
                                 "truncating them (Matryoshka) is not supported", "dimensions")  # fmt: skip
+        if not -(2**31) <= body.priority < 2**31:
+            raise APIError(400, f"priority is out of range: {body.priority}", "priority")
         inputs = await asyncio.to_thread(self._tokenize_inputs, embedding_inputs(body.input), body.add_special_tokens)
         response_id = "embd-" + uuid.uuid4().hex
 

@@ -80,7 +80,8 @@ def chat_messages(body: ResponsesRequest) -> gateway_pb2.ChatMessages:
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input[{i}]"
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = item.get("role")
+            role = {"developer": "system"}.get(role, role) if isinstance(role, str) else None
             if role not in ("system", "user", "assistant"):
                 raise APIError(400, f"{where}.role must be user, assistant, system or developer", "input")
             chat.messages.add(role=role, content=_content_text(item.get("content", ""), f"{where}.content"))

@@ -262,6 +262,26 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
 ]  # fmt: skip
 
 
+ROOT_CASES = [  # (found by the breaker: 500s) (path from the server's root, raw JSON body, the param the 400 names)
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/embeddings", '{"input": ["a\\ud800b"]}', "input"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "cache_salt": "a\\ud800b"}', "cache_salt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "x\\udc00": 1}', "x\\udc00"),
+    ("/v1/embeddings", '{"input": "Hi", "priority": 2147483648}', "priority"),
+    ("/v1/responses", '{"input": [{"role": ["user"], "content": "x"}], "max_output_tokens": 2}', "input"),
+    ("/v1/responses", '{"input": [{"role": {"a": 1}, "content": "x"}], "stream": true}', "input"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,param", ROOT_CASES, ids=[f"{i}" for i in range(len(ROOT_CASES))])
+def test_http_bodies_once_answered_500_are_400_naming_the_field(cluster, path, body, param):
+    r = httpx.post(cluster.openai_base_url.removesuffix("/v1") + path, content=body, timeout=120,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, (body, r.status_code, r.text[:500])
+    assert r.json()["error"]["param"] == param, r.text
+    _still_serving(cluster)
+
+
 @pytest.mark.parametrize("endpoint,body,field", [
     ("completions", {"prompt": "Hi"}, "temperature"),
     ("completions", {"prompt": "Hi"}, "repetition_penalty"),
