@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import ConfigDict
 
 from tandem.services.gateway.chat_endpoint import ChatEndpoint
 from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import APIError, set_fields
+from tandem.services.gateway.openai_protocol import APIError, Body, set_fields
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 
@@ -37,7 +37,7 @@ def error_body(e: APIError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": message}}
 
 
-class Block(BaseModel):
+class Block(Body):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
@@ -46,35 +46,35 @@ class Block(BaseModel):
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
     content: str | list[Block] | None = None
-    is_error: StrictBool | None = None
+    is_error: bool | None = None
 
 
-class Message(BaseModel):
+class Message(Body):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(BaseModel):
+class Tool(Body):
     model_config = ConfigDict(extra="ignore")
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(BaseModel):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: StrictBool | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(Body):
     model_config = ConfigDict(extra="allow")  # (fields Anthropic defines that we do not serve: refused by name)
     model: str
     max_tokens: int
     messages: list[Message]
     system: str | list[Block] | None = None
     stop_sequences: list[str] | None = None
-    stream: StrictBool = False
+    stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

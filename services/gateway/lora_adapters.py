@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from tandem.services.channels import ChannelPool
 from tandem.services.gateway.lora_routing import ClusterAdapter
 from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import APIError
+from tandem.services.gateway.openai_protocol import APIError, Body
 from tandem.services.gateway.router import Router
 from tandem.services.grpc_errors import upstream_error
 from tandem.shared.cluster_state.registry import InstanceInfo
@@ -52,13 +52,13 @@ async def resolve_model(router: Router, base_name: str, model: str | None) -> st
     return model
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(Body):
     model_config = ConfigDict(extra="allow")  # (fields vLLM takes that we do not: refused by name)
     lora_name: str | None = None
     lora_path: str | None = None
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(Body):
     model_config = ConfigDict(extra="allow")
     lora_name: str | None = None
 

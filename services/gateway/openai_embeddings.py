@@ -20,12 +20,12 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict
 
 from tandem.services.gateway.embeddings import Embedder
 from tandem.services.gateway.lora_adapters import adapter_named
 from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import APIError, ChatCompletionRequest, ChatMessage, chat_messages
+from tandem.services.gateway.openai_protocol import APIError, Body, ChatCompletionRequest, ChatMessage, chat_messages
 from tandem.services.gateway.openai_serving import ROLE_ALIASES, ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.tool_calls import check_tools, render_messages
@@ -38,7 +38,7 @@ MAX_EMBEDDING_INPUTS = 64  # inputs in one /v1/embeddings request (as MAX_PROMPT
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(Body):
     """OpenAI's embeddings body (API reference, "Create embeddings") with vLLM's add_special_tokens and priority.
     Other fields are refused by name."""
 
@@ -48,23 +48,23 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # only the model's hidden size: no Matryoshka truncation
     user: str | None = None  # ignored
-    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's special tokens around a text input
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text input
     priority: int = 0  # vLLM's: the engines' scheduling priority, lower first
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """vLLM's /tokenize body: prompt (TokenizeCompletionRequest) or messages (TokenizeChatRequest)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: StrictBool = True  # messages: end with the template's assistant header
-    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template's own)
-    return_token_strs: StrictBool = False  # also each token as the tokenizer's string (convert_ids_to_tokens)
+    add_generation_prompt: bool = True  # messages: end with the template's assistant header
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's own)
+    return_token_strs: bool = False  # also each token as the tokenizer's string (convert_ids_to_tokens)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     """vLLM's /detokenize body."""
 
     model_config = ConfigDict(extra="allow")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.services.gateway.session_affinity import SESSION_HEADER, check_session_id
 from tandem.services.gateway.validation import MAX_ID_CHARS, MAX_N
@@ -48,36 +49,44 @@ def session_id(headers) -> str | None:
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+class Body(BaseModel):
+    """The request bodies' base: strict types, so a boolean is JSON's true or false and a number a JSON number
+    (pydantic's lax mode read "yes" and 1 as true, "0.5" and true as numbers); an integer field refuses 1.5 and
+    1.0, a float field takes 1. A refusal is a 400 naming the field (openai_api.py)."""
+
+    model_config = ConfigDict(strict=True)
 
 
-class JSONSchemaFormat(BaseModel):
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(Body):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's response_format: text, json_object, or json_schema with its schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Body):
     """vLLM's structured_outputs extension: exactly one of these (common.proto StructuredOutput)."""
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    json_object: StrictBool | None = None
+    json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """The fields both endpoints share (OpenAI's, then vLLM's extensions). Unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
@@ -86,7 +95,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stream: StrictBool = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
@@ -98,29 +107,29 @@ class SamplingFields(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    ignore_eos: StrictBool = False
+    ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: StrictBool = False
+    include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
-    use_beam_search: StrictBool = False  # vLLM's: beam search with n beams, the n best returned
+    use_beam_search: bool = False  # vLLM's: beam search with n beams, the n best returned
     priority: int = 0  # vLLM's: scheduling priority, lower first (GenerateRequest.priority)
     length_penalty: float | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(Body):
     name: str
     arguments: str  # JSON text (OpenAI's)
 
 
-class ToolCallItem(BaseModel):
+class ToolCallItem(Body):
     """An assistant turn's tool call in the history (OpenAI's message.tool_calls[i])."""
 
     id: str = ""
@@ -128,7 +137,7 @@ class ToolCallItem(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
@@ -136,23 +145,23 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a "tool" turn: the call it answers
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None  # (calls are checked against the schema only under a required or named choice)
+    strict: bool | None = None  # (calls are checked against the schema only under a required or named choice)
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
@@ -160,11 +169,11 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: StrictBool = False
+    logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: only enable_thinking is taken
 
 
@@ -178,7 +187,7 @@ class CompletionRequest(SamplingFields):
     # OpenAI: "echo back the prompt in addition to the completion": each choice's text is the prompt's text (token
     # id prompts decoded) followed by the completion; with logprobs, the logprobs object covers the prompt's
     # tokens first (the first one with null token_logprob and top_logprobs: nothing precedes it), as vLLM's
-    echo: StrictBool = False
+    echo: bool = False
     # OpenAI: text after the insertion point (fill-in-the-middle); refused, as vLLM does: this server only continues
     suffix: str | None = None
     # OpenAI: "generates best_of completions server-side and returns the best (the one with the highest log
@@ -196,8 +205,12 @@ def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, f
             continue
         if isinstance(value, int) and not -(2**31) <= value < 2**31:
             raise APIError(400, f"{name} is out of range: {value}", name)
-        if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:
-            raise APIError(400, f"{name} is out of range: {value} (at most {FLOAT32_MAX:.4g} in magnitude)", name)
+        if isinstance(value, float) and math.isfinite(value):
+            try:
+                struct.pack("<f", value)  # (OverflowError where float32 rounds it to inf; FLOAT32_MAX rounds down)
+            except OverflowError:
+                raise APIError(400, f"{name} is out of range: {value} (float32: at most {FLOAT32_MAX:.8g} in "
+                                    "magnitude)", name) from None  # fmt: skip
         setattr(params, field, value)
 
 

@@ -19,42 +19,42 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import ConfigDict, Field
 
 from tandem.services.gateway.chat_endpoint import ChatEndpoint
 from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError, set_fields
+from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError, Body, set_fields
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class TextFormat(BaseModel):
+class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
-class TextConfig(BaseModel):
+class TextConfig(Body):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(Body):
     model_config = ConfigDict(extra="allow")  # (fields OpenAI defines that we do not serve: refused by name)
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: StrictBool = False
-    store: StrictBool | None = None
+    stream: bool = False
+    store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 

@@ -259,6 +259,14 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
     ("completions", '{"prompt": "Hi", "stream": "yes"}', "stream"),
     ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "logprobs": 1}', "logprobs"),
     ("responses", '{"input": "Hi", "stream": "false"}', "stream"),
+    # numbers are JSON numbers (lax mode took true as 1 and "0.5" as 0.5); an integer field refuses 1.5
+    ("completions", '{"prompt": "Hi", "temperature": true}', "temperature"),
+    ("completions", '{"prompt": "Hi", "temperature": "0.5"}', "temperature"),
+    ("completions", '{"prompt": "Hi", "max_tokens": true}', "max_tokens"),
+    ("completions", '{"prompt": "Hi", "logprobs": true}', "logprobs"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "n": 1.5}', "n"),
+    ("messages", '{"model": "SmolLM2-135M-Instruct", "max_tokens": true, '
+                 '"messages": [{"role": "user", "content": "Hi"}]}', None),
 ]  # fmt: skip
 
 
@@ -270,6 +278,7 @@ ROOT_CASES = [  # (found by the breaker: 500s) (path from the server's root, raw
     ("/v1/embeddings", '{"input": "Hi", "priority": 2147483648}', "priority"),
     ("/v1/responses", '{"input": [{"role": ["user"], "content": "x"}], "max_output_tokens": 2}', "input"),
     ("/v1/responses", '{"input": [{"role": {"a": 1}, "content": "x"}], "stream": true}', "input"),
+    ("/detokenize", '{"tokens": [true]}', "tokens"),
 ]  # fmt: skip
 
 
