@@ -159,8 +159,8 @@ class AnthropicMessages(ChatEndpoint):
         grpc_request = gateway_pb2.GenerateRequest(chat=chat_messages(body), sampling_params=params)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         constrained = body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
-        num_prompt, shape, stream = await self.start(grpc_request, message_id, request,
-                                                     {"structured_output": "tools"} if constrained else None, lora_name)
+        named = {"prompt": "messages"} | ({"structured_output": "tools"} if constrained else {})
+        num_prompt, shape, stream = await self.start(grpc_request, message_id, request, named, lora_name)
         base = {"id": message_id, "type": "message", "role": "assistant", "model": lora_name or self.model_name}
         if body.stream:
             return StreamingResponse(self._events(stream, base, shape, num_prompt), media_type="text/event-stream")

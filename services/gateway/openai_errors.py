@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from tandem.services.gateway.metrics import GatewayMetrics
-from tandem.services.gateway.openai_protocol import APIError, SamplingFields, param_named
+from tandem.services.gateway.openai_protocol import APIError, http_param, param_named
 from tandem.services.grpc_errors import status_for
 from tandem.shared.errors import TandemError
 
@@ -37,23 +37,6 @@ def api_error(error: Exception, instance_id: str) -> APIError:
     retry_after_s = getattr(error, "retry_after_s", None)  # (an OverloadedError)
     headers = {"Retry-After": str(int(retry_after_s))} if retry_after_s is not None else None
     return APIError(status, message, http_param(param, None, False), code=code.name.lower(), headers=headers)
-
-
-def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> str | None:
-    """The HTTP API's name of a gRPC field an error names (the request body says which spelling it used)."""
-    if param == "structured_output":
-        if getattr(body, "tool_choice", None) not in (None, "auto", "none"):  # (the constraint is the tools')
-            return "tools"
-        return "structured_outputs" if body is not None and body.structured_outputs else "response_format"
-    if param == "beam_width":  # (use_beam_search's beams are n)
-        return "n"
-    if param == "prompt" and chat:
-        return "messages"
-    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-        return "max_completion_tokens"
-    if param == "logprobs" and chat and getattr(body, "top_logprobs", None) is not None:
-        return "top_logprobs"
-    return param
 
 
 def counted(metrics: GatewayMetrics, e: APIError) -> APIError:

@@ -214,6 +214,23 @@ def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, f
         setattr(params, field, value)
 
 
+def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> str | None:
+    """The HTTP API's name of a gRPC field an error names (the request body says which spelling it used)."""
+    if param == "structured_output":
+        if getattr(body, "tool_choice", None) not in (None, "auto", "none"):  # (the constraint is the tools')
+            return "tools"
+        return "structured_outputs" if body is not None and body.structured_outputs else "response_format"
+    if param == "beam_width":  # (use_beam_search's beams are n)
+        return "n"
+    if param == "prompt" and chat:
+        return "messages"
+    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if param == "logprobs" and chat and getattr(body, "top_logprobs", None) is not None:
+        return "top_logprobs"
+    return param
+
+
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     """The request's fields as the gRPC API's SamplingParams (validated by the pipeline, which raises
     InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
@@ -235,7 +252,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
               "min_p": body.min_p, "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
               "min_tokens": body.min_tokens, "logprobs": logprobs, "prompt_logprobs": body.prompt_logprobs}  # fmt: skip
-    set_fields(p, {name: (name, value) for name, value in fields.items()})
+    chat = isinstance(body, ChatCompletionRequest)
+    set_fields(p, {name: (http_param(name, body, chat), value) for name, value in fields.items()})
     if body.seed is not None:
         p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
     if not 1 <= body.n <= MAX_N:  # (validation.py checks it again, for the gRPC API too)

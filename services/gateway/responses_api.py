@@ -173,7 +173,8 @@ class Responses(ChatEndpoint):
         response_id = _id("resp")
         constrained = body.tool_choice is not None and body.tool_choice not in ("auto", "none")
         _, shape, stream = await self.start(grpc_request, response_id, request,
-                                            {"structured_output": "tools" if constrained else "text"}, lora_name)
+                                            {"structured_output": "tools" if constrained else "text",
+                                             "max_tokens": "max_output_tokens", "prompt": "input"}, lora_name)
         base = {"id": response_id, "object": "response", "created_at": int(time.time()),
                 "model": lora_name or self.model_name,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,

@@ -267,6 +267,13 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
     ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "n": 1.5}', "n"),
     ("messages", '{"model": "SmolLM2-135M-Instruct", "max_tokens": true, '
                  '"messages": [{"role": "user", "content": "Hi"}]}', None),
+    # the field as the request spelled it, not the gRPC API's name (found by the breaker)
+    ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2147483648}',
+     "max_completion_tokens"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "logprobs": true, '
+                         '"top_logprobs": 2147483648}', "top_logprobs"),
+    ("responses", '{"input": "Hi", "max_output_tokens": 0}', "max_output_tokens"),
+    ("responses", '{"input": []}', "input"),
 ]  # fmt: skip
 
 
