@@ -92,7 +92,7 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
     async def _validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0]
         if first.get("type") == "json_invalid":  # (its loc is the character the parse failed at, no field)
-            reason = (first.get("ctx") or {}).get("error", first.get("msg"))
+            reason = (first.get("ctx") or {}).get("error", first.get("msg")).removesuffix(" at")  # (json's own)
             at = [x for x in first.get("loc", ()) if isinstance(x, int)]
             return error_response(APIError(400, f"the body is not valid JSON: {reason}"
                                                 + (f" at character {at[0]}" if at else "")), request)

@@ -41,12 +41,24 @@ class TextConfig(Body):
     format: TextFormat | None = None
 
 
+class ResponsesTool(Body):
+    """A tools[] entry: a function tool's fields typed (strictly, as the rest of the body); other tool types (web
+    search, file search, ...) are refused by chat_messages, naming their type."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class ResponsesRequest(Body):
     model_config = ConfigDict(extra="allow")  # (fields OpenAI defines that we do not serve: refused by name)
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -98,12 +110,12 @@ def chat_messages(body: ResponsesRequest) -> gateway_pb2.ChatMessages:
         elif kind != "reasoning":
             raise APIError(400, f"{where}.type {kind!r} is not supported", "input")
     for i, tool in enumerate(body.tools or ()):
-        if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}].type {tool.get('type')!r} is not supported (function tools only)",
-                           "tools")  # fmt: skip
-        parameters = tool.get("parameters")
-        chat.tools.add(name=str(tool.get("name", "")), description=str(tool.get("description") or ""),
-                       parameters_json=json.dumps(parameters) if parameters is not None else "")  # fmt: skip
+        if tool.type != "function":
+            raise APIError(400, f"tools[{i}].type {tool.type!r} is not supported (function tools only)", "tools")
+        if tool.model_extra:
+            raise APIError(400, f"tools[{i}].{sorted(tool.model_extra)[0]} is not supported by this server", "tools")
+        chat.tools.add(name=tool.name or "", description=tool.description or "",
+                       parameters_json=json.dumps(tool.parameters) if tool.parameters is not None else "")
     choice = body.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
@@ -179,7 +191,8 @@ class Responses(ChatEndpoint):
                 "model": lora_name or self.model_name,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
-                "top_p": body.top_p, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+                "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
+                "tools": [tool.model_dump(exclude_unset=True) for tool in body.tools or ()],
                 "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                     if body.text and body.text.format else {"type": "text"})},
                 "metadata": body.metadata or {}, "store": False, "error": None, "incomplete_details": None,

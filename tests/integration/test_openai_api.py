@@ -189,6 +189,9 @@ def test_malformed_bodies_and_the_official_client_errors(cluster, client):
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] is None, error  # (not the character it failed at)
     assert error["message"].startswith("the body is not valid JSON: ") and "at character 1" in error["message"], error
+    r = httpx.post(cluster.openai_base_url + "/completions", content=b'{"prompt": "Hi', timeout=60,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.json()["error"]["message"] == "the body is not valid JSON: Unterminated string starting at character 11"
     for prompt in ([10**7], [], [STORY, [1, 2]], 5, [[]]):
         r = httpx.post(cluster.openai_base_url + "/completions", json={"prompt": prompt}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", prompt
