@@ -236,6 +236,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
     if body.cache_salt is not None and len(body.cache_salt) > MAX_ID_CHARS:
         raise APIError(400, f"cache_salt has {len(body.cache_salt)} characters; at most {MAX_ID_CHARS}", "cache_salt")
+    if body.stream_options is not None and not body.stream:  # (OpenAI's rule: its options are the stream's)
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
     p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
     for token, bias in (body.logit_bias or {}).items():

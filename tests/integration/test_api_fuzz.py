@@ -274,6 +274,7 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
                          '"top_logprobs": 2147483648}', "top_logprobs"),
     ("responses", '{"input": "Hi", "max_output_tokens": 0}', "max_output_tokens"),
     ("responses", '{"input": []}', "input"),
+    ("completions", '{"prompt": "Hi", "stream_options": {"include_usage": true}}', "stream_options"),
     ("responses", '{"input": "Hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}', "tools"),
     ("responses", '{"input": "Hi", "tools": [{"type": "function", "name": 5}]}', "tools"),
     ("responses", '{"input": "Hi", "tools": [{"type": "function", "name": "f", "cache_control": {}}]}', "tools"),
