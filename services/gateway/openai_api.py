@@ -96,11 +96,24 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
             at = [x for x in first.get("loc", ()) if isinstance(x, int)]
             return error_response(APIError(400, f"the body is not valid JSON: {reason}"
                                                 + (f" at character {at[0]}" if at else "")), request)
-        where = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = where[0] if where else None  # (later items name nested fields and pydantic's union branches)
-        message = (f"{'.'.join(where)}: {first.get('msg')}" if where else
-                   f"the body is not a JSON object: {first.get('msg')}")  # fmt: skip
+        # the error that got furthest into the body (of a union's branches, the one the value was meant for),
+        # named without pydantic's branch tags
+        deepest = max(e.errors(), key=lambda error: len(error.get("loc", ())))
+        where = [str(x) for x in deepest.get("loc", ()) if x != "body" and not _union_branch(x)]
+        param = where[0] if where else None  # (later items name the nested field)
+        message = (f"{'.'.join(where)}: {deepest.get('msg')}" if where else
+                   f"the body is not a JSON object: {deepest.get('msg')}")  # fmt: skip
         return error_response(APIError(400, message, param), request)
+
+
+TYPE_TAGS = ("str", "int", "float", "bool", "dict", "list")
+
+
+def _union_branch(item) -> bool:
+    """Whether an item of a pydantic error's loc is a union branch's tag ("str", "list[TextPart]",
+    "literal['none','auto','required']", "NamedToolChoice"), not a field name: the bodies' field names are
+    lowercase, without brackets."""
+    return isinstance(item, str) and (item in TYPE_TAGS or item[:1].isupper() or "[" in item or "(" in item)
 
 
 async def serve_http(app: FastAPI, host: str, port: int, drain_timeout_s: float, tls: TLSConfig | None = None):

@@ -302,6 +302,23 @@ def test_http_bodies_once_answered_500_are_400_naming_the_field(cluster, path, b
     _still_serving(cluster)
 
 
+UNION_CASES = [  # (endpoint, body, the message's start): the nested field a union's value broke, no branch tags
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text: "),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
+     "tool_choice.function: Field required"),
+    ("messages", {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "a", "content": "x", "is_error": "true"}]}]},
+     "messages.0.content.0.is_error: "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint,body,start", UNION_CASES, ids=[f"{i}" for i in range(len(UNION_CASES))])
+def test_http_refusals_inside_a_union_name_the_nested_field(cluster, endpoint, body, start):
+    r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(start), r.text
+
+
 @pytest.mark.parametrize("endpoint,body,field", [
     ("completions", {"prompt": "Hi"}, "temperature"),
     ("completions", {"prompt": "Hi"}, "repetition_penalty"),
