@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from tandem.services.gateway.embeddings import Embedder
 from tandem.services.gateway.lora_adapters import adapter_named
 from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import APIError, Body, ChatCompletionRequest, ChatMessage, chat_messages
+from tandem.services.gateway.openai_protocol import (APIError, Body, ChatCompletionRequest, ChatMessage, chat_messages,
+                                                     check_int32)
 from tandem.services.gateway.openai_serving import ROLE_ALIASES, ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.tool_calls import check_tools, render_messages
@@ -111,8 +112,7 @@ class OpenAIEmbeddings:
         if body.dimensions is not None and body.dimensions != hidden_size:
             raise APIError(400, f"dimensions {body.dimensions}: this model's embeddings have {hidden_size}; "
                                 "truncating them (Matryoshka) is not supported", "dimensions")  # fmt: skip
-        if not -(2**31) <= body.priority < 2**31:
-            raise APIError(400, f"priority is out of range: {body.priority}", "priority")
+        check_int32("priority", body.priority)
         inputs = await asyncio.to_thread(self._tokenize_inputs, embedding_inputs(body.input), body.add_special_tokens)
         response_id = "embd-" + uuid.uuid4().hex
 

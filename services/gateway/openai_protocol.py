@@ -196,6 +196,13 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
+def check_int32(name: str, value: int) -> int:
+    """value, for an int32 field of the gRPC API; APIError 400 naming the body's field when it is outside."""
+    if not -(2**31) <= value < 2**31:
+        raise APIError(400, f"{name} is out of range: {value}", name)
+    return value
+
+
 def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, float | int | None]]) -> None:
     """Set params' fields from a body's values ({field: (the body's name, value)}, None: unset); APIError 400
     naming the body's field for an integer outside int32 or a finite float beyond float32 (what the gRPC fields
@@ -203,8 +210,8 @@ def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, f
     for field, (name, value) in values.items():
         if value is None:
             continue
-        if isinstance(value, int) and not -(2**31) <= value < 2**31:
-            raise APIError(400, f"{name} is out of range: {value}", name)
+        if isinstance(value, int):
+            check_int32(name, value)
         if isinstance(value, float) and math.isfinite(value):
             try:
                 struct.pack("<f", value)  # (OverflowError where float32 rounds it to inf; FLOAT32_MAX rounds down)
@@ -260,8 +267,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         p.seed = body.seed % 2**64  # (any integer: OpenAI's seed is signed)
     if not 1 <= body.n <= MAX_N:  # (validation.py checks it again, for the gRPC API too)
         raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
-    if not -(2**31) <= body.priority < 2**31:
-        raise APIError(400, f"priority is out of range: {body.priority}", "priority")
+    check_int32("priority", body.priority)
     p.n = body.n
     if body.use_beam_search:  # (one beam is greedy search, as HF's num_beams=1)
         if body.n > 1:
