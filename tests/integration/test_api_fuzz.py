@@ -278,10 +278,7 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
     ("responses", '{"input": "Hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}', "tools"),
     ("responses", '{"input": "Hi", "tools": [{"type": "function", "name": 5}]}', "tools"),
     ("responses", '{"input": "Hi", "tools": [{"type": "function", "name": "f", "cache_control": {}}]}', "tools"),
-]  # fmt: skip
-
-
-ROOT_CASES = [  # (found by the breaker: 500s) (path from the server's root, raw JSON body, the param the 400 names)
+    # (found by the breaker: 500s; a path from the server's root)
     ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
     ("/v1/embeddings", '{"input": ["a\\ud800b"]}', "input"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "cache_salt": "a\\ud800b"}', "cache_salt"),
@@ -293,19 +290,19 @@ ROOT_CASES = [  # (found by the breaker: 500s) (path from the server's root, raw
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("path,body,param", ROOT_CASES, ids=[f"{i}" for i in range(len(ROOT_CASES))])
-def test_http_bodies_once_answered_500_are_400_naming_the_field(cluster, path, body, param):
-    r = httpx.post(cluster.openai_base_url.removesuffix("/v1") + path, content=body, timeout=120,
-                   headers={"content-type": "application/json"})  # fmt: skip
-    assert r.status_code == 400, (body, r.status_code, r.text[:500])
-    assert r.json()["error"]["param"] == param, r.text
-    _still_serving(cluster)
-
-
-UNION_CASES = [  # (endpoint, body, the message's start): the nested field a union's value broke, no branch tags
+ASK = [{"role": "user", "content": "Hi"}]
+MESSAGE_CASES = [  # (endpoint, body, what the 400's message holds)
+    # a finite JSON number that the gRPC API's float32 fields would turn into inf: the value sent is quoted
+    ("completions", {"prompt": "Hi", "temperature": 1e308}, "temperature is out of range: 1e+308"),
+    ("completions", {"prompt": "Hi", "repetition_penalty": 1e308}, "repetition_penalty is out of range: 1e+308"),
+    ("chat/completions", {"messages": ASK, "top_p": 1e308}, "top_p is out of range: 1e+308"),
+    ("responses", {"input": "Hi", "temperature": 1e308}, "temperature is out of range: 1e+308"),
+    ("messages", {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "messages": ASK, "top_p": 1e308},
+     "top_p is out of range: 1e+308"),
+    # inside a union: the nested field the value broke, not pydantic's branch tags (messages.0.content.str)
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      "messages.0.content.0.text: "),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
+    ("chat/completions", {"messages": ASK, "tool_choice": {"type": "function"}},
      "tool_choice.function: Field required"),
     ("messages", {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "a", "content": "x", "is_error": "true"}]}]},
@@ -313,31 +310,17 @@ UNION_CASES = [  # (endpoint, body, the message's start): the nested field a uni
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("endpoint,body,start", UNION_CASES, ids=[f"{i}" for i in range(len(UNION_CASES))])
-def test_http_refusals_inside_a_union_name_the_nested_field(cluster, endpoint, body, start):
+@pytest.mark.parametrize("endpoint,body,words", MESSAGE_CASES, ids=[f"{i}" for i in range(len(MESSAGE_CASES))])
+def test_http_refusals_say_what_was_sent_and_where(cluster, endpoint, body, words):
     r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", json=body, timeout=120)
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith(start), r.text
-
-
-@pytest.mark.parametrize("endpoint,body,field", [
-    ("completions", {"prompt": "Hi"}, "temperature"),
-    ("completions", {"prompt": "Hi"}, "repetition_penalty"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "top_p"),
-    ("responses", {"input": "Hi"}, "temperature"),
-    ("messages", {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
-     "top_p"),
-])  # fmt: skip
-def test_http_floats_beyond_float32_are_refused_quoting_the_value(cluster, endpoint, body, field):
-    """1e308 is a finite JSON number that the gRPC API's float32 fields would turn into inf."""
-    r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", json=body | {field: 1e308}, timeout=120)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]  # (Anthropic's error object has no param: the message names the field)
-    assert error.get("param", field) == field and f"{field} is out of range: 1e+308" in error["message"], error
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("endpoint,body,param", HTTP_CASES, ids=[f"{i}" for i in range(len(HTTP_CASES))])
 def test_http_hostile_bodies_are_400_naming_the_field(cluster, endpoint, body, param):
-    r = httpx.post(f"{cluster.openai_base_url}/{endpoint}", content=body, timeout=120,
+    url = cluster.openai_base_url.removesuffix("/v1") + endpoint if endpoint.startswith("/") else \
+        f"{cluster.openai_base_url}/{endpoint}"
+    r = httpx.post(url, content=body, timeout=120,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400, (body[:200], r.status_code, r.text[:500])
     error = r.json()["error"]
