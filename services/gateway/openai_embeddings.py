@@ -30,7 +30,7 @@ from tandem.services.gateway.openai_protocol import (APIError, Body, ChatComplet
 from tandem.services.gateway.openai_serving import ROLE_ALIASES, ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.tool_calls import check_tools, render_messages
-from tandem.services.gateway.validation import MAX_CHARS_PER_TOKEN
+from tandem.services.gateway.validation import MAX_CHARS_PER_TOKEN, check_roles
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.request import check_token_ids
 
@@ -183,6 +183,7 @@ class OpenAIEmbeddings:
         else:
             try:
                 chat = chat_messages(ChatCompletionRequest(messages=body.messages), ROLE_ALIASES)
+                check_roles(chat)
                 messages, extra = render_messages(chat, check_tools(chat), tokenizer)
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                                      tokenize=False, **extra)  # fmt: skip

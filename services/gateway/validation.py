@@ -57,6 +57,13 @@ def check_structured_output_size(so: common_pb2.StructuredOutput) -> None:
         raise InvalidRequestError(f"structured_output has {size} characters; at most {MAX_STRUCTURED_OUTPUT_CHARS}")
 
 
+def check_roles(chat: gateway_pb2.ChatMessages) -> None:
+    """InvalidRequestError naming a chat turn's role that is not one of ROLES."""
+    for m in chat.messages:
+        if m.role not in ROLES:
+            raise InvalidRequestError(f"unknown chat role {m.role!r}; expected one of {ROLES}")
+
+
 def tokenize_request(tokenizer, request: gateway_pb2.GenerateRequest, max_model_len: int) -> list[int]:
     """Prompt text or chat turns -> token ids. InvalidRequestError on empty or oversized input or an unknown
     role. Chat turns give exactly apply_chat_template(..., add_generation_prompt=True, tokenize=True)'s ids
@@ -72,9 +79,7 @@ def tokenize_request(tokenizer, request: gateway_pb2.GenerateRequest, max_model_
         chat = request.chat
         if not chat.messages or all(not m.content and not m.tool_calls for m in chat.messages):
             raise InvalidRequestError("prompt is empty: chat has no message with content")
-        for m in chat.messages:
-            if m.role not in ROLES:
-                raise InvalidRequestError(f"unknown chat role {m.role!r}; expected one of {ROLES}")
+        check_roles(chat)
         _check_chars(sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages),
                      max_model_len)  # fmt: skip
         messages, extra = render_messages(chat, check_tools(chat), tokenizer)

@@ -287,6 +287,7 @@ HTTP_CASES = [  # (endpoint, raw JSON body, the param the 400 must name or None)
     ("/v1/responses", '{"input": [{"role": ["user"], "content": "x"}], "max_output_tokens": 2}', "input"),
     ("/v1/responses", '{"input": [{"role": {"a": 1}, "content": "x"}], "stream": true}', "input"),
     ("/detokenize", '{"tokens": [true]}', "tokens"),
+    ("/tokenize", '{"messages": [{"role": "wizard", "content": "Hi"}]}', "messages"),
 ]  # fmt: skip
 
 
