@@ -141,7 +141,7 @@ def int8_copy(model_dir: str) -> str:
     return str(out)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tandem.benchmarks.spec_decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--concurrency", default="1,8,32", help="batch sizes, comma-separated (default 1,8,32)")
@@ -158,7 +158,47 @@ def main(argv=None) -> None:
     p.add_argument("--draft-model", default=None, help="draft checkpoint dir (default: an INT8 RTN copy)")
     p.add_argument("--draft-num-layers", type=int, default=None, help="early-exit depth (default: the engine's)")
     p.add_argument("--json", default=None, metavar="FILE")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def speculative_configs(args: argparse.Namespace, model_dir: str) -> dict[str, SpeculativeConfig | None]:
+    """method name -> its SpeculativeConfig (plain: None), plain first."""
+    k = args.num_speculative_tokens
+    names = ["plain"] + [m for m in args.methods.split(",") if m != "plain"]
+    draft_model = args.draft_model or (int8_copy(model_dir) if "draft" in names else None)
+    configs = {"plain": lambda: None, "ngram": lambda: SpeculativeConfig("ngram", k),  # the default: adaptive
+               "ngram-k": lambda: SpeculativeConfig("ngram", k, adaptive=False),  # always up to k drafts
+               "suffix": lambda: SpeculativeConfig("suffix", k),  # adaptive, like ngram
+               "draft": lambda: SpeculativeConfig("draft", k, draft_model=draft_model),
+               "early-exit": lambda: SpeculativeConfig("early-exit", k, draft_num_layers=args.draft_num_layers)}
+    return {name: configs[name]() for name in names}
+
+
+def result_row(task: str, batch: int, name: str, rates: dict[str, list[float]], results: dict) -> dict:
+    """One method's row of a (task, batch) cell: its median rate, the ratios, acceptance, identity to plain."""
+    tokens, s = results[name]
+    rate, plain_rate = float(np.median(rates[name])), float(np.median(rates["plain"]))
+    ngram_rate = float(np.median(rates["ngram"])) if "ngram" in rates else None
+    return {"task": task, "batch": batch, "method": name, "decode_tokens_per_s": rate, "all_rates": rates[name],
+            "vs_plain": rate / plain_rate, "vs_ngram": rate / ngram_rate if ngram_rate else None,
+            "num_output_tokens": sum(map(len, tokens)), "identical_to_plain": tokens == results["plain"][0], **s,
+            "acceptance_rate": s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
+            if s["spec_num_draft_tokens"] else None,
+            "mean_acceptance_length": 1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
+            if s["spec_num_drafts"] else None}  # fmt: skip
+
+
+def print_row(row: dict) -> None:
+    accept = "-" if row["acceptance_rate"] is None else f"{100 * row['acceptance_rate']:.0f}%"
+    length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
+    vs_ngram = "-" if row["vs_ngram"] is None else f"{row['vs_ngram']:.2f}x"
+    print(f"{row['task']:<6}{row['batch']:>6}  {row['method']:<11}{row['decode_tokens_per_s']:>13.1f}"
+          f"{row['vs_plain']:>8.2f}x{vs_ngram:>9}{accept:>8}{length:>9}{row['num_output_tokens']:>8}  "
+          f"{'yes' if row['identical_to_plain'] else 'NO'}", flush=True)  # fmt: skip
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     from transformers import AutoTokenizer
 
     from tandem.tools.prepare_model import prepare_model
@@ -168,15 +208,7 @@ def main(argv=None) -> None:
     model_dir = str(prepare_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config, cache_config, scheduler_config = EngineArgs(num_blocks=1536).create_configs("decode", model_dir)
-    k = args.num_speculative_tokens
-    names = ["plain"] + [m for m in args.methods.split(",") if m != "plain"]
-    draft_model = args.draft_model or (int8_copy(model_dir) if "draft" in names else None)
-    configs = {"plain": lambda: None, "ngram": lambda: SpeculativeConfig("ngram", k),  # the default: adaptive
-               "ngram-k": lambda: SpeculativeConfig("ngram", k, adaptive=False),  # always up to k drafts
-               "suffix": lambda: SpeculativeConfig("suffix", k),  # adaptive, like ngram
-               "draft": lambda: SpeculativeConfig("draft", k, draft_model=draft_model),
-               "early-exit": lambda: SpeculativeConfig("early-exit", k, draft_num_layers=args.draft_num_layers)}
-    methods = {name: configs[name]() for name in names}
+    methods = speculative_configs(args, model_dir)
     engines = {}  # one engine (and one copy of the weights) per method, reused
     rows = []
     print(f"{'task':<6}{'batch':>6}  {'method':<11}{'decode tok/s':>13}{'vs plain':>9}{'vs ngram':>9}{'accept':>8}"
@@ -199,26 +231,9 @@ def main(argv=None) -> None:
                     tokens, seconds, s = run_batch(engines[name], prompts, args.max_tokens, WAVES.get(task, 1))
                     rates[name].append(sum(len(t) - 1 for t in tokens) / seconds)
                     results[name] = tokens, s
-            plain_rate = float(np.median(rates["plain"]))
-            ngram_rate = float(np.median(rates["ngram"])) if "ngram" in rates else None
-            for name, (tokens, s) in results.items():
-                rate = float(np.median(rates[name]))
-                row = {"task": task, "batch": batch, "method": name, "decode_tokens_per_s": rate,
-                       "all_rates": rates[name], "vs_plain": rate / plain_rate,
-                       "vs_ngram": rate / ngram_rate if ngram_rate else None,
-                       "num_output_tokens": sum(map(len, tokens)),
-                       "identical_to_plain": tokens == results["plain"][0], **s,
-                       "acceptance_rate": s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
-                       if s["spec_num_draft_tokens"] else None,
-                       "mean_acceptance_length": 1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
-                       if s["spec_num_drafts"] else None}  # fmt: skip
-                rows.append(row)
-                accept = "-" if row["acceptance_rate"] is None else f"{100 * row['acceptance_rate']:.0f}%"
-                length = "-" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}"
-                vs_ngram = "-" if row["vs_ngram"] is None else f"{row['vs_ngram']:.2f}x"
-                print(f"{task:<6}{batch:>6}  {name:<11}{rate:>13.1f}{row['vs_plain']:>8.2f}x{vs_ngram:>9}{accept:>8}"
-                      f"{length:>9}{row['num_output_tokens']:>8}  {'yes' if row['identical_to_plain'] else 'NO'}",
-                      flush=True)  # fmt: skip
+            for name in results:
+                rows.append(result_row(task, batch, name, rates, results))
+                print_row(rows[-1])
     if "draft" in engines:
         print(draft_prompt_cost(engines["draft"]))
     if args.json:
