@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict
 
 from tandem.services.gateway.chat_endpoint import ChatEndpoint
-from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import APIError, Body, set_fields
+from tandem.services.gateway.openai_errors import APIError, api_error, counted
+from tandem.services.gateway.openai_protocol import Body, set_fields
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 

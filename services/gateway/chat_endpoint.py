@@ -8,7 +8,8 @@ from pydantic import BaseModel
 
 from tandem.services.gateway.lora_adapters import resolve_model
 from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import APIError, param_named, session_id
+from tandem.services.gateway.openai_errors import APIError, param_named
+from tandem.services.gateway.openai_protocol import session_id
 from tandem.services.gateway.openai_responses import ResponseShape
 from tandem.services.gateway.openai_serving import ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline

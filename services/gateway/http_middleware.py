@@ -8,7 +8,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from tandem.services.gateway.openai_protocol import APIError
+from tandem.services.gateway.openai_errors import APIError
 from tandem.services.security import APIKeys
 from tandem.services.server import PUBLIC_MAX_RECEIVE_BYTES
 

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict
 from tandem.services.channels import ChannelPool
 from tandem.services.gateway.lora_routing import ClusterAdapter
 from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import APIError, Body
+from tandem.services.gateway.openai_errors import APIError
+from tandem.services.gateway.openai_protocol import Body
 from tandem.services.gateway.router import Router
 from tandem.services.grpc_errors import upstream_error
 from tandem.shared.cluster_state.registry import InstanceInfo

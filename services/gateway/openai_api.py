@@ -29,7 +29,7 @@ from tandem.services.gateway.http_middleware import APIKeyMiddleware, BodyLimitM
 from tandem.services.gateway.lora_adapters import LoRAAdapters
 from tandem.services.gateway.openai_embeddings import OpenAIEmbeddings
 from tandem.services.gateway.openai_errors import counted
-from tandem.services.gateway.openai_protocol import APIError
+from tandem.services.gateway.openai_errors import APIError
 from tandem.services.gateway.openai_serving import OpenAIServing
 from tandem.services.gateway.pipeline import GatewayPipeline
 from tandem.services.gateway.responses_api import Responses

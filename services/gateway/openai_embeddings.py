@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict
 
 from tandem.services.gateway.embeddings import Embedder
 from tandem.services.gateway.lora_adapters import adapter_named
-from tandem.services.gateway.openai_errors import api_error
-from tandem.services.gateway.openai_protocol import (APIError, Body, ChatCompletionRequest, ChatMessage, chat_messages,
+from tandem.services.gateway.openai_errors import APIError, api_error
+from tandem.services.gateway.openai_protocol import (Body, ChatCompletionRequest, ChatMessage, chat_messages,
                                                      check_int32)
 from tandem.services.gateway.openai_serving import ROLE_ALIASES, ClientDisconnected, unless_disconnected
 from tandem.services.gateway.pipeline import GatewayPipeline

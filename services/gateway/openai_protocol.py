@@ -11,27 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.services.gateway.openai_errors import APIError, http_param
 from tandem.services.gateway.session_affinity import SESSION_HEADER, check_session_id
 from tandem.services.gateway.validation import MAX_ID_CHARS, MAX_N
 from tandem.shared.errors import InvalidRequestError
 from tandem.v1 import common_pb2, gateway_pb2
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: SamplingParams' float fields
 MAX_PROMPTS = 64  # prompts in one completions request (a list of strings or of token id lists); README "Limits"
-
-
-class APIError(Exception):
-    """An HTTP error answer: status, OpenAI's error body, and headers (a 429's Retry-After, in seconds)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 def session_id(headers) -> str | None:
@@ -221,23 +208,6 @@ def set_fields(params: common_pb2.SamplingParams, values: dict[str, tuple[str, f
         setattr(params, field, value)
 
 
-def http_param(param: str | None, body: SamplingFields | None, chat: bool) -> str | None:
-    """The HTTP API's name of a gRPC field an error names (the request body says which spelling it used)."""
-    if param == "structured_output":
-        if getattr(body, "tool_choice", None) not in (None, "auto", "none"):  # (the constraint is the tools')
-            return "tools"
-        return "structured_outputs" if body is not None and body.structured_outputs else "response_format"
-    if param == "beam_width":  # (use_beam_search's beams are n)
-        return "n"
-    if param == "prompt" and chat:
-        return "messages"
-    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-        return "max_completion_tokens"
-    if param == "logprobs" and chat and getattr(body, "top_logprobs", None) is not None:
-        return "top_logprobs"
-    return param
-
-
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     """The request's fields as the gRPC API's SamplingParams (validated by the pipeline, which raises
     InvalidRequestError naming the field; the size limits too: validation.check_sampling_params)."""
@@ -396,10 +366,3 @@ def chat_messages(body: ChatCompletionRequest, role_aliases: dict[str, str]) -> 
                            "chat_template_kwargs")  # fmt: skip
         chat.enable_thinking = value
     return chat
-
-
-def param_named(message: str) -> str | None:
-    """The field an InvalidRequestError's message starts with or names ("min_p must be ...",
-    "structured_output.json is not ...")."""
-    word = message.split(" ", 1)[0].strip("(),:").split(".")[0].split("[")[0]
-    return word if word.replace("_", "").isalpha() and word.islower() else None

@@ -18,10 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.services.gateway.lora_adapters import resolve_model
-from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                                     chat_messages, completion_sampling_params, http_param,
-                                                     param_named, prompts, sampling_params, session_id)
+from tandem.services.gateway.openai_errors import APIError, api_error, counted, http_param, param_named
+from tandem.services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                                     chat_messages, completion_sampling_params, prompts,
+                                                     sampling_params, session_id)
 from tandem.services.gateway.openai_responses import ResponseShape, collect, sse
 from tandem.services.gateway.pipeline import STREAM_BUFFER, GatewayPipeline
 from tandem.services.gateway.request import GatewayRequest

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field
 
 from tandem.services.gateway.chat_endpoint import ChatEndpoint
-from tandem.services.gateway.openai_errors import api_error, counted
-from tandem.services.gateway.openai_protocol import TOOL_CHOICES, APIError, Body, set_fields
+from tandem.services.gateway.openai_errors import APIError, api_error, counted
+from tandem.services.gateway.openai_protocol import TOOL_CHOICES, Body, set_fields
 from tandem.services.gateway.openai_responses import ChatDeltas, ResponseShape, answer_parts
 from tandem.v1 import common_pb2, gateway_pb2
 
