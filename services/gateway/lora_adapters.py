@@ -87,10 +87,6 @@ class LoRAAdapters:
             LoRARequest(body.lora_name, body.lora_path)
         except InvalidRequestError as e:
             raise APIError(400, f"lora_name: {e}", "lora_name") from None
-        try:  # (what protobuf cannot encode, a lone surrogate, is refused here rather than on the way to the engines)
-            body.lora_path.encode()
-        except UnicodeEncodeError:
-            raise APIError(400, "lora_path: not valid UTF-8 text (a lone surrogate)", "lora_path") from None
         if adapter_named(body.lora_name, self.base_name) is None:  # (requests naming it get the base model)
             raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name; an adapter needs another",
                            "lora_name")  # fmt: skip

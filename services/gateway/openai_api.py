@@ -82,12 +82,6 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
     async def _http_error(request: Request, e: StarletteHTTPException):
         return error_response(APIError(e.status_code, str(e.detail)), request)
 
-    @app.exception_handler(UnicodeEncodeError)
-    async def _not_utf8(request: Request, e: UnicodeEncodeError):  # (JSON may escape lone surrogates: "\ud800")
-        bad = e.object[e.start : e.end].encode("unicode_escape").decode()
-        return error_response(APIError(400, f"a string of the request is not valid Unicode: it holds {bad} (a lone "
-                                            "UTF-16 surrogate)"), request)
-
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0]
