@@ -84,7 +84,8 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
+        errors = e.errors()
+        first = errors[0]
         if first.get("type") == "json_invalid":  # (its loc is the character the parse failed at, no field)
             reason = (first.get("ctx") or {}).get("error", first.get("msg")).removesuffix(" at")  # (json's own)
             at = [x for x in first.get("loc", ()) if isinstance(x, int)]
@@ -92,7 +93,7 @@ def add_error_handlers(app: FastAPI, pipeline: GatewayPipeline) -> None:
                                                 + (f" at character {at[0]}" if at else "")), request)
         # the error that got furthest into the body (of a union's branches, the one the value was meant for),
         # named without pydantic's branch tags
-        deepest = max(e.errors(), key=lambda error: len(error.get("loc", ())))
+        deepest = max(errors, key=lambda error: len(error.get("loc", ())))
         where = [str(x) for x in deepest.get("loc", ()) if x != "body" and not _union_branch(x)]
         param = where[0] if where else None  # (later items name the nested field)
         message = (f"{'.'.join(where)}: {deepest.get('msg')}" if where else
